@@ -1,0 +1,29 @@
+SHELL := /bin/bash
+# The two commands of the README: `make run` and `make test`. Both set up what
+# they need (venv, packages, tiny model) and skip whatever is already done.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.forge-installed
+CONFIG ?= configs/grpo_tiny.yaml
+PYTEST_ARGS ?=
+
+.PHONY: install run test bench clean
+
+$(STAMP): pyproject.toml forge/install.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) forge/install.py 2>&1 | grep -v "is ignored: it is neither a file nor a directory" ; test $${PIPESTATUS[0]} -eq 0
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m forge.cli run $(CONFIG)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m forge.cli bench all
+
+clean:
+	rm -rf $(VENV) .cache runs

@@ -1,0 +1,92 @@
+"""`forge` command line: run an app from a config file, build the tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from forge.config import ConfigError, load_config, read_yaml
+
+
+def _fail(msg: str) -> None:
+    print(f"forge: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def run(config: str | None, overrides: list[str], app: str | None = None):
+    """Load `config` (+ overrides) into the app's Config and run the app's main()."""
+    try:
+        if app is None:
+            if config is None:
+                raise ConfigError("no config file given")
+            app = read_yaml(config).get("app")
+            if not app:
+                raise ConfigError(f"{config}: no top-level 'app' key (e.g. app: grpo)")
+        try:
+            module = importlib.import_module(f"apps.{app}")
+        except ModuleNotFoundError as e:
+            if e.name != f"apps.{app}":
+                raise
+            raise ConfigError(f"config key 'app': no app named {app!r} (no module apps/{app}.py)") from None
+        cfg = load_config(config, overrides, module.Config)
+    except ConfigError as e:
+        _fail(str(e))
+    return module.main(cfg)
+
+
+def run_app(app: str, argv: list[str] | None = None) -> None:
+    """Entry point of `python -m apps.NAME --config FILE [key=value ...]`."""
+    p = argparse.ArgumentParser(prog=f"python -m apps.{app}")
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.lr=1e-4")
+    a = p.parse_args(argv)
+    run(a.config, a.overrides, app=app)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="forge", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="run the app named by a config file's `app` key")
+    r.add_argument("config")
+    r.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.lr=1e-4")
+
+    m = sub.add_parser("make-tiny-model", help="build the offline tiny Qwen3 model + tokenizer")
+    m.add_argument("--out", required=True, help="output directory (HF format)")
+    m.add_argument("--task", default="add", help="toy task for the warm start")
+    m.add_argument("--sft-steps", type=int, default=0, help="supervised warm-start steps (0: random init)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--force", action="store_true", help="rebuild even if cached")
+
+    d = sub.add_parser("make-dataset", help="write a toy-task dataset as JSON lines")
+    d.add_argument("--out", required=True)
+    d.add_argument("--task", default="add")
+    d.add_argument("-n", type=int, default=10_000)
+    d.add_argument("--seed", type=int, default=0)
+
+    a = p.parse_args(argv)
+    if a.cmd == "run":
+        run(a.config, a.overrides)
+    elif a.cmd == "make-tiny-model":
+        import json
+
+        from forge import tasks
+        from forge.tiny_model import BUILD_FILE, TinyModelSpec, make_tiny_model
+
+        if a.task not in tasks.TASKS:
+            _fail(f"--task: unknown task {a.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
+        out = make_tiny_model(a.out, TinyModelSpec(task=a.task, sft_steps=a.sft_steps, seed=a.seed), force=a.force)
+        info = json.loads((Path(out) / BUILD_FILE).read_text())
+        print(f"tiny model in {out}: {info['parameters']:,} parameters, built in {info['build_seconds']} s")
+    elif a.cmd == "make-dataset":
+        from forge import tasks
+
+        if a.task not in tasks.TASKS:
+            _fail(f"--task: unknown task {a.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
+        print(tasks.write_dataset(a.out, a.task, a.n, a.seed))
+
+
+if __name__ == "__main__":
+    main()

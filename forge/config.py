@@ -1,0 +1,129 @@
+"""Config files: YAML through OmegaConf, dotted CLI overrides, validation into dataclasses.
+
+Every problem becomes one `ConfigError` whose message names the key or file that is
+wrong and where it came from, so `forge run` can print one line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line naming the key or file."""
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _explain(e: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(e, "full_key", None)
+    what = _first_line(e)
+    kind = type(e).__name__
+    if kind == "ConfigKeyError" and key:
+        return ConfigError(f"unknown config key '{key}' ({source}): {what}")
+    if kind == "MissingMandatoryValue" and key:
+        return ConfigError(f"config key '{key}' has no value ({source}); set it in the file or as {key}=...")
+    if key:
+        return ConfigError(f"config key '{key}' ({source}): {what}")
+    return ConfigError(f"{source}: {what}")
+
+
+def read_yaml(path: str | Path) -> DictConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', None) or e})") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    return cfg
+
+
+def parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    for o in overrides:
+        if "=" not in o or o.startswith("="):
+            raise ConfigError(f"command-line override {o!r} is not of the form key=value (e.g. trainer.lr=1e-4)")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as e:
+        raise _explain(e, "command line") from None
+
+
+def load_config(
+    path: str | Path | None, overrides: Sequence[str] = (), schema: type[T] | None = None
+) -> T | DictConfig:
+    """Load `path`, apply `key=value` overrides, validate against the `schema` dataclass.
+
+    Returns a `schema` instance (interpolations resolved, `validate()` run if the schema
+    has one), or a resolved DictConfig when no schema is given.
+    """
+    layers: list[tuple[str, DictConfig]] = []
+    if path is not None:
+        layers.append((str(path), read_yaml(path)))
+    if overrides:
+        layers.append(("command line", parse_overrides(overrides)))
+    merged = OmegaConf.structured(schema) if schema is not None else OmegaConf.create({})
+    for source, layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            raise _explain(e, source) from None
+    where = " + ".join(s for s, _ in layers) or "defaults"
+    try:
+        if schema is None:
+            OmegaConf.resolve(merged)
+            return merged
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise _explain(e, where) from None
+    except (ValueError, TypeError) as e:  # raised by a dataclass __post_init__
+        raise ConfigError(f"{where}: {_first_line(e)}") from None
+    try:
+        _validate(obj)
+    except ConfigError:
+        raise
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"{where}: {_first_line(e)}") from None
+    return obj
+
+
+def _validate(obj: Any) -> None:
+    """Run `validate()` on the config and every nested dataclass section that has one."""
+    if not dataclasses.is_dataclass(obj):
+        return
+    for f in dataclasses.fields(obj):
+        _validate(getattr(obj, f.name))
+    if callable(getattr(obj, "validate", None)):
+        obj.validate()
+
+
+def to_yaml(cfg: Any) -> str:
+    """The resolved config as YAML (what a run saves next to its outputs)."""
+    if dataclasses.is_dataclass(cfg):
+        cfg = OmegaConf.structured(cfg)
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def require_file(key: str, value: str | Path) -> None:
+    """For `validate()` methods: config key `key` must name an existing file."""
+    if not Path(value).is_file():
+        raise ConfigError(f"config key '{key}': file not found: {value}")
+
+
+def require_dir(key: str, value: str | Path) -> None:
+    if not Path(value).is_dir():
+        raise ConfigError(f"config key '{key}': directory not found: {value}")

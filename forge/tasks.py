@@ -1,0 +1,133 @@
+"""Generated, verifiable toy tasks: what the tiny model learns offline.
+
+A task makes prompts from a seeded RNG and scores a response in [0, 1] with partial
+credit. Prompts are plain text ending in "=", answers are what the model should write
+before its end-of-sequence token, so the same sample serves SFT (prompt + answer) and
+RL (prompt -> score(completion)).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt: str
+    answer: str
+    task: str
+
+
+def char_overlap(response: str, answer: str) -> float:
+    """Fraction of answer positions the response gets right, penalising extra length."""
+    if not answer:
+        return float(response == "")
+    hits = sum(a == b for a, b in zip(response, answer))
+    return hits / max(len(response), len(answer))
+
+
+class Task:
+    """A prompt generator plus a verifier. Subclasses set `name` and `make`."""
+
+    name: str = ""
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def sample(self, rng: random.Random) -> Sample:
+        prompt, answer = self.make(rng)
+        return Sample(prompt=prompt, answer=answer, task=self.name)
+
+    def score(self, response: str, answer: str) -> float:
+        """1.0 for an exact answer; otherwise half the positional overlap (so that a
+        near miss still gives a learning signal but never looks like a solve)."""
+        response = response.strip()
+        if response == answer:
+            return 1.0
+        return 0.5 * char_overlap(response, answer)
+
+
+class Reverse(Task):
+    """`rev abc=` -> `cba`: reverse a short lowercase string."""
+
+    name = "reverse"
+
+    def __init__(self, min_len: int = 3, max_len: int = 5):
+        self.min_len, self.max_len = min_len, max_len
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        n = rng.randint(self.min_len, self.max_len)
+        s = "".join(rng.choice(string.ascii_lowercase[:10]) for _ in range(n))
+        return f"rev {s}=", s[::-1]
+
+
+class Add(Task):
+    """`12+7=` -> `19`: add two small non-negative integers."""
+
+    name = "add"
+
+    def __init__(self, max_value: int = 99):
+        self.max_value = max_value
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randint(0, self.max_value), rng.randint(0, self.max_value)
+        return f"{a}+{b}=", str(a + b)
+
+    def score(self, response: str, answer: str) -> float:
+        # Digits are compared right-aligned: the units digit is the units digit.
+        response = response.strip()
+        if response == answer:
+            return 1.0
+        return 0.5 * char_overlap(response[::-1], answer[::-1])
+
+
+class Sort(Task):
+    """`sort dbca=` -> `abcd`: sort the letters of a short string."""
+
+    name = "sort"
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        s = "".join(rng.choice(string.ascii_lowercase[:10]) for _ in range(rng.randint(3, 5)))
+        return f"sort {s}=", "".join(sorted(s))
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (Reverse(), Add(), Sort())}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+
+
+def generate(task: str, n: int, seed: int = 0) -> list[Sample]:
+    """`n` samples of `task`, the same list for the same seed."""
+    t, rng = get_task(task), random.Random(f"{task}:{seed}")
+    return [t.sample(rng) for _ in range(n)]
+
+
+def write_dataset(path: str | Path, task: str, n: int = 10_000, seed: int = 0) -> Path:
+    """Write `n` samples as JSON lines (prompt, answer, task): loadable with
+    `datasets.load_dataset("json", data_files=path)` and `forge.tasks.load_dataset`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w") as f:
+        for s in generate(task, n, seed):
+            f.write(json.dumps(asdict(s)) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_dataset(path: str | Path):
+    """The dataset file as a HF `datasets.Dataset` (columns prompt, answer, task)."""
+    import datasets
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    return datasets.load_dataset("json", data_files=str(path), split="train")

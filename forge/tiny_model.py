@@ -1,0 +1,210 @@
+"""Build a tiny Qwen3-architecture model and its tokenizer offline, in HF format.
+
+No hub is reachable, so forge makes its own: a character-level tokenizer trained with
+`tokenizers` on the toy tasks' text, and a few-million-parameter Qwen3 causal LM saved
+with `save_pretrained` (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json). Optionally it is warm-started by a short supervised pass on a
+toy task so it is partially competent, which is what RL then improves. The output is
+cached: a directory whose `forge_build.json` matches the request is reused as is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import string
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from forge import tasks
+from forge.config import ConfigError
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>", "<|im_start|>", "<|im_end|>"]
+PAD, BOS, EOS, UNK = SPECIAL_TOKENS[:4]
+BUILD_FILE = "forge_build.json"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class TinyModelSpec:
+    """What to build. Everything that changes the output is here (and in the cache key)."""
+
+    task: str = "add"
+    sft_steps: int = 0
+    seed: int = 0
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64  # vLLM's CPU attention kernels take 32/64/80/96/112/128/...
+    vocab_size: int = 128
+    max_position_embeddings: int = 512
+    sft_batch_size: int = 64
+    sft_lr: float = 3e-3
+
+    def key(self) -> str:
+        src = Path(__file__).read_bytes() + Path(tasks.__file__).read_bytes()
+        blob = json.dumps(asdict(self), sort_keys=True).encode() + src
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def build_tokenizer(seed: int = 0):
+    """Character-level BPE: every printable ASCII character is one token, so digits and
+    letters stay separate (the toy tasks are about single characters)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    # Splitting into single characters first means BPE learns no merges across them.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    corpus = [s.prompt + s.answer for name in sorted(tasks.TASKS) for s in tasks.generate(name, 2000, seed)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(SPECIAL_TOKENS) + len(string.printable),
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=list(string.printable[:95]),  # printable ASCII without \t\n\r...
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=SPECIAL_TOKENS[4:],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=512,
+    )
+
+
+def build_model(spec: TinyModelSpec, tokenizer):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if len(tokenizer) > spec.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab_size {spec.vocab_size}")
+    config = Qwen3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    return Qwen3ForCausalLM(config)
+
+
+def sft(model, tokenizer, task: str, steps: int, batch_size: int, lr: float, seed: int) -> list[float]:
+    """Supervised warm start: next-token loss on the answer (and EOS) of fresh task samples."""
+    rng = random.Random(f"sft:{task}:{seed}")
+    t = tasks.get_task(task)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        samples = [t.sample(rng) for _ in range(batch_size)]
+        prompts = [tokenizer(s.prompt)["input_ids"] for s in samples]
+        answers = [tokenizer(s.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for s in samples]
+        width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        for i, (p, a) in enumerate(zip(prompts, answers)):
+            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+        loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id), labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task: str, n: int = 128, seed: int = 1234, max_new_tokens: int = 8) -> dict[str, float]:
+    """Greedy answers to `n` held-out prompts: mean score and exact-match accuracy."""
+    t = tasks.get_task(task)
+    samples = tasks.generate(task, n, seed)
+    tokenizer.padding_side = "left"
+    enc = tokenizer([s.prompt for s in samples], return_tensors="pt", padding=True)
+    out = model.generate(
+        **enc, max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    responses = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    scores = [t.score(r, s.answer) for r, s in zip(responses, samples)]
+    return {"reward": sum(scores) / n, "accuracy": sum(x == 1.0 for x in scores) / n}
+
+
+def make_tiny_model(out: str | Path, spec: TinyModelSpec | None = None, force: bool = False) -> Path:
+    """Build (or reuse) the tiny model in `out`; returns the directory."""
+    spec = spec or TinyModelSpec()
+    out = Path(out)
+    build_file = out / BUILD_FILE
+    if not force and build_file.is_file() and json.loads(build_file.read_text()).get("key") == spec.key():
+        return out
+    tasks.get_task(spec.task)  # a bad task name fails before any work
+    start = time.perf_counter()
+    torch.manual_seed(spec.seed)
+    tokenizer = build_tokenizer(spec.seed)
+    model = build_model(spec, tokenizer)
+    losses = sft(model, tokenizer, spec.task, spec.sft_steps, spec.sft_batch_size, spec.sft_lr, spec.seed)
+    # Write next to the target and swap in whole, so an interrupted build never looks cached.
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    info = {
+        "key": spec.key(),
+        "spec": asdict(spec),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "sft_final_loss": losses[-1] if losses else None,
+        "build_seconds": round(time.perf_counter() - start, 2),
+    }
+    (tmp / BUILD_FILE).write_text(json.dumps(info, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+@dataclass
+class ModelConfig:
+    """The `model` section of every app config: an HF directory, optionally forge-built."""
+
+    path: str = ".cache/forge/models/tiny"
+    # When set, `path` is (re)built from this spec if missing or stale (cached otherwise).
+    tiny: TinyModelSpec | None = None
+
+    def validate(self) -> None:
+        if self.tiny is None and not (Path(self.path) / "config.json").is_file():
+            raise ConfigError(f"config key 'model.path': no HF model (config.json) in {self.path}")
+
+    def resolve(self) -> Path:
+        if self.tiny is not None:
+            return make_tiny_model(self.path, self.tiny)
+        self.validate()
+        return Path(self.path)

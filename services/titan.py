@@ -1,0 +1,94 @@
+"""torchtitan as a library: build a model sized from an HF config.json and load HF weights.
+
+torchtitan's registry only knows fixed flavors ("0.6B", ...), so the config is built
+from the HF values with torchtitan's own config helpers; weights go through its
+state-dict adapter, the same path a real Qwen3 checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.qwen3 import Qwen3Model, Qwen3TransformerBlock
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+# Init for the projections when a model is trained from scratch; HF weights overwrite it.
+_INIT = {"weight": partial(torch.nn.init.normal_, std=0.02)}
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+    hf = json.loads(path.read_text())
+    if hf.get("model_type") != "qwen3":
+        raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not supported (supported: qwen3)")
+    return hf
+
+
+def qwen3_config(hf: dict) -> Qwen3Model.Config:
+    dim, vocab, eps = hf["hidden_size"], hf["vocab_size"], hf["rms_norm_eps"]
+    head_dim = hf.get("head_dim") or dim // hf["num_attention_heads"]
+    # transformers 5 keeps rope_theta under rope_parameters; older files have it top-level.
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 1e6))
+
+    def norm(n: int) -> RMSNorm.Config:
+        return RMSNorm.Config(normalized_shape=n, eps=eps)
+
+    rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=float(theta))
+    layer = Qwen3TransformerBlock.Config(
+        attention_norm=norm(dim),
+        ffn_norm=norm(dim),
+        attention=make_gqa_config(
+            dim=dim,
+            n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf["num_key_value_heads"],
+            head_dim=head_dim,
+            wqkv_param_init=_INIT,
+            wo_param_init=_INIT,
+            # FlexAttention has no backward on CPU; causal SDPA runs everywhere.
+            inner_attention=ScaledDotProductAttention.Config(),
+            rope=rope,
+            qk_norm=norm(head_dim),
+        ),
+        feed_forward=make_ffn_config(
+            dim=dim, hidden_dim=hf["intermediate_size"], w1_param_init=_INIT, w2w3_param_init=_INIT
+        ),
+    )
+    return Qwen3Model.Config(
+        dim=dim,
+        vocab_size=vocab,
+        norm=norm(dim),
+        layers=[layer] * hf["num_hidden_layers"],
+        enable_weight_tying=hf.get("tie_word_embeddings", False),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab),
+    )
+
+
+def load_hf_model(model_dir: str | Path, device: str | torch.device = "cpu") -> Qwen3Model:
+    """A torchtitan Qwen3 model with the HF safetensors weights of `model_dir`, fp32."""
+    device = torch.device(device)
+    cfg = qwen3_config(read_hf_config(model_dir))
+    with torch.device("meta"):
+        model = cfg.build()
+    model.to_empty(device=device)
+    with torch.no_grad():
+        # init_weights re-ties the embeddings (to_empty unties them) and fills the RoPE cache.
+        model.init_weights(buffer_device=device)
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir}")
+    hf_state = {}
+    for f in files:
+        hf_state.update(load_file(str(f), device=str(device)))
+    model.load_state_dict(Qwen3StateDictAdapter(cfg, hf_assets_path=None).from_hf(hf_state), strict=True)
+    return model.float()

@@ -1,0 +1,14 @@
+"""Actors for test_store.py; a module of its own so Monarch children can import it."""
+
+import os
+
+import forge.store  # noqa: F401  (the child needs the torchstore adapter too)
+import torchstore
+from monarch.actor import Actor, endpoint
+
+
+class Fetcher(Actor):
+    @endpoint
+    async def fetch(self, key: str) -> tuple[int, list[float]]:
+        sd = await torchstore.get_state_dict(key)
+        return os.getpid(), [v.sum().item() for v in sd.values()]

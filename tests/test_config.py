@@ -1,0 +1,95 @@
+from dataclasses import dataclass, field
+
+import pytest
+
+from forge.config import ConfigError, load_config
+
+
+@dataclass
+class Trainer:
+    lr: float = 1e-3
+    steps: int = 10
+
+
+@dataclass
+class Schema:
+    name: str = "run"
+    trainer: Trainer = field(default_factory=Trainer)
+    engine: dict = field(default_factory=dict)  # pass-through section
+
+    def validate(self):
+        if self.trainer.steps < 1:
+            raise ConfigError("config key 'trainer.steps' must be >= 1")
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_yaml_overrides_interpolation(tmp_path):
+    p = write(tmp_path, "name: exp\ntrainer:\n  lr: 0.5\nengine:\n  tag: ${name}-x\n  block_size: 16\n")
+    cfg = load_config(p, ["trainer.steps=3", "engine.enforce_eager=true"], Schema)
+    assert isinstance(cfg, Schema) and isinstance(cfg.trainer, Trainer)
+    assert cfg.trainer.lr == 0.5 and cfg.trainer.steps == 3
+    assert cfg.engine == {"tag": "exp-x", "block_size": 16, "enforce_eager": True}
+
+
+def one_line(e):
+    msg = str(e.value)
+    assert "\n" not in msg and "Traceback" not in msg
+    return msg
+
+
+def test_unknown_key(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "trainer:\n  lrr: 1\n"), schema=Schema)
+    assert "unknown config key 'trainer.lrr'" in one_line(e) and "c.yaml" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "name: a\n"), ["trainer.step=2"], Schema)
+    assert "unknown config key 'trainer.step'" in one_line(e) and "command line" in str(e.value)
+
+
+def test_wrong_type(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "trainer:\n  lr: fast\n"), schema=Schema)
+    assert "config key 'trainer.lr'" in one_line(e) and "fast" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "name: a\n"), ["trainer.steps=1.5"], Schema)
+    assert "config key 'trainer.steps'" in one_line(e)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "nope.yaml", schema=Schema)
+    assert "config file not found" in one_line(e) and "nope.yaml" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "trainer: [1, 2\n"), schema=Schema)
+    assert "invalid YAML" in one_line(e) and "c.yaml" in str(e.value)
+
+
+def test_bad_override_and_validation_and_interpolation(tmp_path):
+    p = write(tmp_path, "name: a\n")
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        load_config(p, ["trainer.steps"], Schema)
+    with pytest.raises(ConfigError, match="'trainer.steps' must be >= 1"):
+        load_config(p, ["trainer.steps=0"], Schema)
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "name: ${nope}\n"), schema=Schema)
+    assert "config key 'name'" in one_line(e)
+
+
+def test_missing_model_dir_is_named(tmp_path):
+    from apps.sft import Config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.tiny=null", f"model.path={tmp_path}/absent"], Config)
+    assert "config key 'model.path'" in one_line(e) and "absent" in str(e.value)
+
+
+def test_shipped_configs_load():
+    from apps.sft import Config
+
+    cfg = load_config("configs/sft_tiny.yaml", ["run_name=x"], Config)
+    assert cfg.model.tiny.task == cfg.task and cfg.model.path.endswith(cfg.task)

@@ -1,0 +1,66 @@
+import random
+
+import pytest
+
+from forge import tasks
+
+
+@pytest.mark.parametrize(
+    "name,prompt,answer",
+    [("add", "12+7=", "19"), ("reverse", "rev abc=", "cba"), ("sort", "sort dbca=", "abcd")],
+)
+def test_known_answers(name, prompt, answer):
+    t = tasks.get_task(name)
+    rng = random.Random(0)
+    # the generator's own answers are right ...
+    for _ in range(50):
+        s = t.sample(rng)
+        assert s.task == name and s.prompt.endswith("=")
+        assert t.score(s.answer, s.answer) == 1.0
+    # ... and a hand-checked one scores 1, with surrounding whitespace tolerated
+    assert t.score(answer, answer) == 1.0
+    assert t.score(f" {answer}\n", answer) == 1.0
+
+
+def test_add_prompt_matches_answer():
+    for s in tasks.generate("add", 200, seed=3):
+        a, b = s.prompt[:-1].split("+")
+        assert int(s.answer) == int(a) + int(b)
+
+
+def test_partial_credit_in_unit_interval():
+    add, rev = tasks.get_task("add"), tasks.get_task("reverse")
+    assert add.score("18", "19") == pytest.approx(0.25)  # tens digit right, half credit
+    assert add.score("9", "19") == pytest.approx(0.25)  # right-aligned units digit
+    assert add.score("", "19") == 0.0
+    assert rev.score("cbx", "cba") == pytest.approx(0.5 * 2 / 3)
+    assert rev.score("cbaaaa", "cba") == pytest.approx(0.5 * 3 / 6)  # extra length costs
+    for s in tasks.generate("reverse", 100, seed=1):
+        assert 0.0 <= rev.score(s.answer[:-1] + "z", s.answer) < 1.0
+
+
+def test_unknown_task_is_named():
+    with pytest.raises(ValueError, match="unknown task 'mul'"):
+        tasks.get_task("mul")
+
+
+def test_dataset_reproducible_and_loadable(tmp_path):
+    a = tasks.write_dataset(tmp_path / "a.jsonl", "add", n=10_000, seed=7)
+    b = tasks.write_dataset(tmp_path / "b.jsonl", "add", n=10_000, seed=7)
+    c = tasks.write_dataset(tmp_path / "c.jsonl", "add", n=10_000, seed=8)
+    assert a.read_bytes() == b.read_bytes() != c.read_bytes()
+
+    ds = tasks.load_dataset(a)  # HF datasets, from the local file
+    assert len(ds) == 10_000 and set(ds.column_names) == {"prompt", "answer", "task"}
+    assert ds[0]["prompt"] == tasks.generate("add", 1, seed=7)[0].prompt
+
+    from torchdata.nodes import Batcher, IterableWrapper, Loader
+
+    loader = Loader(Batcher(IterableWrapper(ds), batch_size=32))
+    first = next(iter(loader))
+    assert len(first) == 32 and first[0]["answer"] == ds[0]["answer"]
+
+
+def test_missing_dataset_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        tasks.load_dataset(tmp_path / "nope.jsonl")

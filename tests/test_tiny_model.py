@@ -1,0 +1,83 @@
+import json
+import subprocess
+import sys
+
+import torch
+
+from forge.tiny_model import BUILD_FILE, TinyModelSpec, make_tiny_model
+
+
+def test_files_and_size(tiny_model_dir):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", BUILD_FILE):
+        assert (tiny_model_dir / name).is_file(), name
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert config["model_type"] == "qwen3"
+    info = json.loads((tiny_model_dir / BUILD_FILE).read_text())
+    assert 1_000_000 < info["parameters"] < 5_000_000
+
+
+def test_tokenizer_round_trip(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for text in ["12+7=19", "rev abcde=edcba", "Hello, world! ~{}[]", "  two  spaces "]:
+        ids = tok(text)["input_ids"]
+        assert ids[0] == tok.bos_token_id
+        assert len(ids) == len(text) + 1  # character level: one token per character
+        assert tok.decode(ids, skip_special_tokens=True) == text
+    assert {tok.bos_token, tok.eos_token, tok.pad_token} == {"<|bos|>", "<|eos|>", "<|pad|>"}
+    assert len({tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}) == 3
+    chat = tok.apply_chat_template([{"role": "user", "content": "1+1="}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_deterministic_and_cached(tmp_path):
+    spec = TinyModelSpec(sft_steps=2, sft_batch_size=4, num_hidden_layers=1, seed=3)
+    a = make_tiny_model(tmp_path / "a", spec)
+    b = make_tiny_model(tmp_path / "b", spec)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    other = make_tiny_model(tmp_path / "c", TinyModelSpec(sft_steps=2, sft_batch_size=4, num_hidden_layers=1, seed=4))
+    assert (a / "model.safetensors").read_bytes() != (other / "model.safetensors").read_bytes()
+
+    stamp = (a / "model.safetensors").stat().st_mtime_ns
+    assert make_tiny_model(tmp_path / "a", spec) == a
+    assert (a / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    make_tiny_model(tmp_path / "a", TinyModelSpec(sft_steps=3, sft_batch_size=4, num_hidden_layers=1, seed=3))
+    assert (a / "model.safetensors").stat().st_mtime_ns != stamp  # another spec rebuilds
+
+
+def test_transformers_and_torchtitan_load_it_alike(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from services.titan import load_hf_model
+
+    # A few SFT steps move every weight (norms included) off its init value.
+    tiny_model_dir = make_tiny_model(tmp_path / "m", TinyModelSpec(sft_steps=3, sft_batch_size=8))
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    titan = load_hf_model(tiny_model_dir).eval()
+    assert titan.tok_embeddings.weight is titan.lm_head.weight  # tied, as in the HF config
+    ids = torch.randint(0, 101, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = titan(ids), hf(ids).logits
+    assert a.shape == b.shape == (2, 24, 128)
+    assert (a - b).abs().max().item() < 1e-4
+
+
+def test_cli_builds_offline(tmp_path):
+    out = tmp_path / "m"
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    r = subprocess.run(
+        [sys.executable, "-m", "forge.cli", "make-tiny-model", "--out", str(out), "--task", "reverse", "--sft-steps", "3"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "parameters" in r.stdout and (out / "model.safetensors").is_file()
+    assert json.loads((out / BUILD_FILE).read_text())["spec"]["task"] == "reverse"
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "forge.cli", "make-tiny-model", "--out", str(out), "--task", "mul"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert bad.returncode == 2 and "unknown task 'mul'" in bad.stderr and "Traceback" not in bad.stderr

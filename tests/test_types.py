@@ -1,0 +1,79 @@
+import pytest
+import torch
+
+from forge.types import Completion, Episode, collate
+
+
+def completion(prompt, tokens, version=0):
+    return Completion(
+        prompt_ids=prompt, token_ids=tokens, logprobs=[-0.5] * len(tokens), text="x", finish_reason="stop",
+        policy_version=version,
+    )
+
+
+def test_completion_checks_and_versions():
+    c = completion([1, 2], [3, 4, 5], version=3)
+    assert c.max_policy_version == 3 and not c.spans_versions
+    c2 = Completion([1], [2], [-1.0], "a", "length", policy_version=2, max_policy_version=3)
+    assert c2.spans_versions
+    with pytest.raises(ValueError, match="2 logprobs for 3 tokens"):
+        Completion([1], [2, 3, 4], [-1.0, -1.0], "a", "stop")
+
+
+def test_episode_from_completion():
+    ep = Episode.from_completion(completion([1, 2], [3, 4, 5], version=4), group_id="g", reward=1.0)
+    assert ep.tokens == [1, 2, 3, 4, 5]
+    assert ep.loss_mask == [0, 0, 1, 1, 1] and ep.num_response_tokens == 3
+    assert ep.gen_logprobs == [0.0, 0.0, -0.5, -0.5, -0.5]
+    assert ep.policy_version == 4 and ep.group_id == "g" and ep.reward == 1.0
+    with pytest.raises(ValueError, match="loss_mask has 1 entries for 2 tokens"):
+        Episode(tokens=[1, 2], loss_mask=[1], gen_logprobs=[0.0, 0.0])
+
+
+def episodes():
+    a = Episode.from_completion(completion([1, 2], [3, 4], version=1), advantage=0.5)
+    b = Episode.from_completion(completion([5], [6, 7, 8], version=2), advantage=-1.0)
+    c = Episode.from_completion(completion([9, 9, 9], [10], version=2), advantage=2.0)
+    return [a, b, c]
+
+
+def test_collate_padding():
+    b = collate(episodes(), pad_id=0)
+    assert b.input_ids.shape == (3, 4) and b.num_episodes == 3
+    assert b.input_ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 10]]
+    assert b.loss_mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1]]
+    assert b.advantages[0].tolist() == [0.5] * 4 and b.advantages[1, 1].item() == -1.0
+    assert b.gen_logprobs[1].tolist() == [0.0, -0.5, -0.5, -0.5]
+    assert b.ref_logprobs is None and b.policy_versions.tolist() == [1, 2, 2]
+    assert b.position_ids[2].tolist() == [0, 1, 2, 3]
+
+    padded = collate(episodes()[:1] + [Episode.from_completion(completion([1], [2]))], pad_id=0)
+    assert padded.input_ids[1].tolist() == [1, 2, 0, 0] and padded.loss_mask[1].tolist() == [0, 1, 0, 0]
+    assert padded.doc_ids[1].tolist() == [1, 1, -1, -1]
+
+
+def test_collate_packing():
+    eps = episodes()
+    b = collate(eps, pad_id=0, pack=True, max_len=8)
+    # first fit: a(4)+b(4) fill row 0; c(4) opens row 1
+    assert b.input_ids.shape == (2, 8)
+    assert b.input_ids[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert b.position_ids[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert b.doc_ids.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1], [2, 2, 2, 2, -1, -1, -1, -1]]
+    assert b.loss_mask.sum().item() == sum(e.num_response_tokens for e in eps)
+    assert b.advantages[0, 4].item() == -1.0 and b.advantages[1, 0].item() == 2.0
+    with pytest.raises(ValueError, match="more than max_len=3"):
+        collate(eps, pad_id=0, pack=True, max_len=3)
+
+
+def test_collate_ref_logprobs_and_device():
+    eps = episodes()
+    for e in eps:
+        e.ref_logprobs = [-1.0] * len(e.tokens)
+    b = collate(eps, pad_id=0).to("cpu")
+    assert b.ref_logprobs is not None and b.ref_logprobs[0].tolist() == [-1.0] * 4
+    eps[0].ref_logprobs = None
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        collate(eps, pad_id=0)
+    with pytest.raises(ValueError, match="no episodes"):
+        collate([], pad_id=0)
