@@ -4,10 +4,10 @@ SHELL := /bin/bash
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.forge-installed
-CONFIG ?= configs/grpo_tiny.yaml
+CONFIG ?= configs/sft_tiny.yaml  # becomes configs/grpo_tiny.yaml when the GRPO app lands
 PYTEST_ARGS ?=
 
-.PHONY: install run test bench clean
+.PHONY: install run test clean
 
 $(STAMP): pyproject.toml forge/install.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,9 +21,6 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
-
-bench: $(STAMP)
-	$(PY) -m forge.cli bench all
 
 clean:
 	rm -rf $(VENV) .cache runs
