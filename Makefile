@@ -4,14 +4,15 @@ SHELL := /bin/bash
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.forge-installed
-CONFIG ?= configs/sft_tiny.yaml  # becomes configs/grpo_tiny.yaml when the GRPO app lands
+# configs/grpo_tiny.yaml once the GRPO app lands
+CONFIG ?= configs/sft_tiny.yaml
 PYTEST_ARGS ?=
 
 .PHONY: install run test clean
 
 $(STAMP): pyproject.toml forge/install.py
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) forge/install.py 2>&1 | grep -v "is ignored: it is neither a file nor a directory" ; test $${PIPESTATUS[0]} -eq 0
+	$(PY) -m forge.install 2>&1 | grep -v "is ignored: it is neither a file nor a directory" ; test $${PIPESTATUS[0]} -eq 0
 	touch $(STAMP)
 
 install: $(STAMP)
