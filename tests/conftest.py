@@ -4,7 +4,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Monarch children import test actors (tests/*_actors.py) by module name.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture(scope="session")

@@ -1,18 +1,12 @@
 import asyncio
 import os
-import sys
-from pathlib import Path
 
 import torch
 
 
-def test_torchstore_works_on_monarch_07(monkeypatch):
+def test_torchstore_works_on_monarch_07():
     """The adapter in forge.store makes torchstore 0.1.2 put/get/state_dict work, also
     from another process (without it Monarch 0.7 refuses the Controller actor)."""
-    here = str(Path(__file__).parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, *sys.path]))
-    monkeypatch.syspath_prepend(here)
-
     import forge.store  # noqa: F401
     import torchstore
     from monarch.actor import this_host

@@ -1,0 +1,111 @@
+"""ForgeActor: a Monarch actor that knows how to spawn itself as an actor mesh or a service.
+
+    trainer = await Trainer.options(procs=2).as_actor(cfg)          # one mesh of 2 procs
+    gen = await Generator.options(replicas=2).as_service(model=p)   # 2 replicas behind a Service
+    ...
+    await trainer.shutdown(); await gen.shutdown()
+
+Both spawn calls return Monarch Futures, so a REPL can write `.get()` instead of `await`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import monarch.actor
+from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, endpoint, returns_future, this_host
+
+log = logging.getLogger("forge")
+
+
+def _on_unhandled_fault(failure: MeshFailure) -> None:
+    # Monarch's default hook exits the controller when any mesh dies. forge's services
+    # detect dead replicas on their own calls and respawn them, so the run goes on.
+    log.warning("forge: a mesh failed: %s", failure.mesh_name)
+
+
+monarch.actor.unhandled_fault_hook = _on_unhandled_fault
+
+
+def _set_env(env: dict[str, str]) -> None:
+    os.environ.update(env)
+
+
+def spawn_procs(procs: int, hosts: HostMesh | None = None, env: dict[str, str] | None = None) -> ProcMesh:
+    """`procs` processes on each host of `hosts` (this host by default), with `env` set in each."""
+    host = hosts if hosts is not None else this_host()
+    bootstrap = functools.partial(_set_env, dict(env)) if env else None
+    return host.spawn_procs(per_host={"procs": procs}, bootstrap=bootstrap)
+
+
+class ForgeActor(Actor):
+    """Base class of every forge role. Endpoints are `async` (Monarch refuses a class that
+    mixes sync and async endpoints)."""
+
+    @classmethod
+    def options(
+        cls,
+        procs: int = 1,
+        replicas: int = 1,
+        hosts: HostMesh | None = None,
+        env: dict[str, str] | None = None,
+        router: str = "least_loaded",
+    ) -> "SpawnOptions":
+        return SpawnOptions(cls, procs=procs, replicas=replicas, hosts=hosts, env=dict(env or {}), router=router)
+
+    @endpoint
+    async def on_respawn(self) -> None:
+        """Called on a replica the service respawned after a crash; restore state here
+        (the generator reloads the latest weights)."""
+
+
+@dataclass
+class SpawnOptions:
+    actor: type[ForgeActor]
+    procs: int = 1
+    replicas: int = 1
+    hosts: HostMesh | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    router: str = "least_loaded"
+
+    def __post_init__(self) -> None:
+        if self.procs < 1 or self.replicas < 1:
+            raise ValueError(f"{self.actor.__name__}.options: procs and replicas must be >= 1")
+
+    def spawn_mesh(self, *args: Any, **kwargs: Any) -> tuple[ProcMesh, Any]:
+        procs = spawn_procs(self.procs, self.hosts, self.env)
+        return procs, procs.spawn(self.actor.__name__.lower(), self.actor, *args, **kwargs)
+
+    @returns_future
+    async def as_actor(self, *args: Any, **kwargs: Any) -> "ActorHandle":
+        if self.replicas != 1:
+            raise ValueError(f"{self.actor.__name__}: as_actor() spawns one mesh; use as_service() for replicas")
+        procs, mesh = self.spawn_mesh(*args, **kwargs)
+        await procs.initialized
+        return ActorHandle(procs, mesh)
+
+    @returns_future
+    async def as_service(self, *args: Any, **kwargs: Any):
+        from forge.service import Service
+
+        service = Service(self, args, kwargs)
+        await service.start()
+        return service
+
+
+class ActorHandle:
+    """The actor mesh (endpoints as attributes: `h.train_step.call(...)`) plus shutdown()."""
+
+    def __init__(self, procs: ProcMesh, mesh: Any):
+        self.procs, self.mesh = procs, mesh
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.mesh, name)
+
+    @returns_future
+    async def shutdown(self) -> None:
+        await self.procs.stop()

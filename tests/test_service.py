@@ -1,0 +1,139 @@
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+
+import psutil
+import pytest
+
+from service_actors import Probe
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_least_loaded_prefers_idle_replica_and_fanout():
+    async def main():
+        svc = await Probe.options(replicas=2).as_service("p")
+        try:
+            pids = set(await svc.pid.fanout())
+            assert len(pids) == 2
+            busy = asyncio.ensure_future(svc.nap.route(1.5))
+            await asyncio.sleep(0.3)  # the nap is in flight on one replica
+            quick = [await svc.pid.route() for _ in range(6)]
+            busy_pid = await busy
+            assert busy_pid not in quick and len(set(quick)) == 1
+        finally:
+            await svc.shutdown()
+
+    run(main())
+
+
+def test_round_robin_is_even_and_sessions_stick():
+    async def main():
+        svc = await Probe.options(replicas=2, router="round_robin").as_service("p")
+        try:
+            counts = Counter([await svc.pid.route() for _ in range(10)])
+            assert sorted(counts.values()) == [5, 5]
+            for _ in range(2):
+                async with svc.session() as s:
+                    assert len({await s.pid.route() for _ in range(8)}) == 1
+        finally:
+            await svc.shutdown()
+
+    run(main())
+
+
+def test_endpoint_exception_is_the_callers_error():
+    async def main():
+        svc = await Probe.options(replicas=1).as_service("p")
+        try:
+            pid = await svc.pid.route()
+            with pytest.raises(ValueError, match="bad input 42"):
+                await svc.boom.route("bad input 42")
+            assert await svc.pid.route() == pid  # same replica, still serving
+            assert len(svc.healthy()) == 1
+            with pytest.raises(AttributeError, match="no endpoint 'nope'"):
+                svc.nope
+        finally:
+            await svc.shutdown()
+
+    run(main())
+
+
+def test_multi_proc_replica_rank0_and_all_ranks():
+    async def main():
+        svc = await Probe.options(procs=2, replicas=1).as_service("p")
+        actor = await Probe.options(procs=2).as_actor("a")
+        try:
+            assert await svc.rank.route() == 0
+            assert await svc.rank.call() == [0, 1]
+            assert sorted(v for _, v in (await actor.rank.call()).items()) == [0, 1]
+        finally:
+            await svc.shutdown()
+            await actor.shutdown()
+
+    run(main())
+
+
+def test_sigkill_one_replica_during_100_calls():
+    async def main():
+        svc = await Probe.options(replicas=2).as_service("p")
+        try:
+            before = set(await svc.pid.fanout())
+            victim = sorted(before)[0]
+            calls = [asyncio.ensure_future(svc.nap.route(0.05)) for _ in range(100)]
+            await asyncio.sleep(0.5)
+            os.kill(victim, signal.SIGKILL)
+            results = await asyncio.gather(*calls)
+            assert len(results) == 100 and all(isinstance(p, int) for p in results)
+            assert await svc.wait_healthy() == 2
+            after = set(await svc.pid.fanout())
+            assert victim not in after and len(after) == 2
+            assert sum(await svc.was_respawned.fanout()) == 1
+            assert sum(r.respawns for r in svc.replicas) == 1
+        finally:
+            await svc.shutdown()
+
+    run(main())
+
+
+def test_shutdown_leaves_no_processes():
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+
+    async def main():
+        svc = await Probe.options(procs=2, replicas=2).as_service("p")
+        pids = await svc.pid.fanout()
+        await svc.shutdown()
+        return pids
+
+    pids = run(main())
+    for _ in range(50):
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            break
+        import time
+
+        time.sleep(0.2)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    new = {p.pid for p in me.children(recursive=True)} - before
+    assert not [p for p in new if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+REPL_SCRIPT = """
+from service_actors import Probe
+svc = Probe.options(replicas=2).as_service("repl").get()
+print("ECHO", svc.echo.route(21).get())
+print("FANOUT", len(svc.pid.fanout().get()))
+svc.shutdown().get()
+print("DONE")
+"""
+
+
+def test_repl_drives_a_service_synchronously():
+    r = subprocess.run([sys.executable, "-i", "-q"], input=REPL_SCRIPT, capture_output=True, text=True, timeout=180)
+    assert "ECHO ('repl', 21)" in r.stdout, r.stderr[-2000:]
+    assert "FANOUT 2" in r.stdout and "DONE" in r.stdout
