@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml forge/install.py
 install: $(STAMP)
 
 run: $(STAMP)
+	@echo "forge: the GRPO app has not landed yet; running the most complete job there is: $(CONFIG)"
 	$(PY) -m forge.cli run $(CONFIG)
 
 test: $(STAMP)
