@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import psutil
@@ -101,6 +102,10 @@ def test_sigkill_one_replica_during_100_calls():
     run(main())
 
 
+def alive(pid: int) -> bool:
+    return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+
+
 def test_shutdown_leaves_no_processes():
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
@@ -112,15 +117,13 @@ def test_shutdown_leaves_no_processes():
         return pids
 
     pids = run(main())
-    for _ in range(50):
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+    for _ in range(50):  # processes may take a moment to exit after stop()
+        if not any(alive(p) for p in pids):
             break
-        import time
-
         time.sleep(0.2)
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert not any(alive(p) for p in pids)
     new = {p.pid for p in me.children(recursive=True)} - before
-    assert not [p for p in new if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in new if alive(p)]
 
 
 REPL_SCRIPT = """
