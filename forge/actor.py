@@ -19,6 +19,8 @@ from typing import Any
 import monarch.actor
 from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, endpoint, returns_future, this_host
 
+from forge import metrics
+
 log = logging.getLogger("forge")
 
 
@@ -39,7 +41,14 @@ def spawn_procs(procs: int, hosts: HostMesh | None = None, env: dict[str, str] |
     """`procs` processes on each host of `hosts` (this host by default), with `env` set in each."""
     host = hosts if hosts is not None else this_host()
     bootstrap = functools.partial(_set_env, dict(env)) if env else None
-    return host.spawn_procs(per_host={"procs": procs}, bootstrap=bootstrap)
+    mesh = host.spawn_procs(per_host={"procs": procs}, bootstrap=bootstrap)
+    metrics.register_procs(mesh)
+    return mesh
+
+
+async def stop_procs(procs: ProcMesh) -> None:
+    metrics.unregister_procs(procs)
+    await procs.stop()
 
 
 class ForgeActor(Actor):
@@ -108,4 +117,4 @@ class ActorHandle:
 
     @returns_future
     async def shutdown(self) -> None:
-        await self.procs.stop()
+        await stop_procs(self.procs)

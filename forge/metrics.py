@@ -1,23 +1,154 @@
-"""The one metrics path: per-step dicts of numbers -> console, JSONL, TensorBoard.
+"""The one metrics path: `record_metric` anywhere -> `MetricWriter.flush(step)` -> backends.
 
-`MetricWriter.write(step, values)` is called once per step by the controller; every
-backend gets the same values. (Recording from actors in other processes and reducing
-across them feeds into this writer; see the Services issue.)
+    record_metric("loss", 0.3)                        # in any actor, or the controller
+    record_metric("tokens", 512, Reduce.SUM)
+    row = await writer.flush(step)                    # controller: reduce across processes, write
+
+Each process keeps running sums per key (cheap, no messages per record). `flush` pulls
+them from every process forge spawned (a `MetricCollector` actor sits in each) and from
+the controller itself, reduces them, and writes one row to console, JSONL, TensorBoard
+and, optionally, W&B (offline). Pulling keeps it causal: a value recorded inside an
+endpoint that has returned is always in the next flush.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 import time
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-BACKENDS = ("console", "jsonl", "tensorboard")
+from monarch.actor import Actor, endpoint, returns_future
+
+log = logging.getLogger("forge")
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+DEFAULT_BACKENDS = ("console", "jsonl", "tensorboard")
+
+
+class Reduce(str, Enum):
+    MEAN = "mean"
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+    STD = "std"
+
+
+@dataclass
+class _Acc:
+    """Running state of one key in one process; merges exactly across processes."""
+
+    reduce: Reduce
+    n: int = 0
+    sum: float = 0.0
+    sumsq: float = 0.0
+    max: float = -math.inf
+    min: float = math.inf
+
+    def add(self, v: float) -> None:
+        self.n += 1
+        self.sum += v
+        self.sumsq += v * v
+        self.max = max(self.max, v)
+        self.min = min(self.min, v)
+
+    def merge(self, key: str, other: "_Acc") -> None:
+        if other.reduce != self.reduce:
+            raise ValueError(f"metric {key!r} recorded with reduce={self.reduce.value} and {other.reduce.value}")
+        self.n += other.n
+        self.sum += other.sum
+        self.sumsq += other.sumsq
+        self.max = max(self.max, other.max)
+        self.min = min(self.min, other.min)
+
+    def value(self) -> float:
+        if self.reduce is Reduce.SUM:
+            return self.sum
+        if self.reduce is Reduce.MAX:
+            return self.max
+        if self.reduce is Reduce.MIN:
+            return self.min
+        mean = self.sum / self.n
+        if self.reduce is Reduce.MEAN:
+            return mean
+        return math.sqrt(max(self.sumsq / self.n - mean * mean, 0.0))  # population std
+
+
+_local: dict[str, _Acc] = {}
+
+
+def record_metric(key: str, value: float, reduce: Reduce = Reduce.MEAN) -> None:
+    """Record one value of `key` in this process; reduced with every process's values at flush."""
+    reduce = Reduce(reduce)
+    acc = _local.setdefault(key, _Acc(reduce))
+    if acc.reduce != reduce:
+        raise ValueError(f"metric {key!r} recorded with reduce={acc.reduce.value} and {reduce.value}")
+    acc.add(float(value))
+
+
+def _drain() -> dict[str, _Acc]:
+    states = dict(_local)
+    _local.clear()
+    return states
+
+
+def reduce_states(states: Sequence[Mapping[str, _Acc]]) -> dict[str, float]:
+    total: dict[str, _Acc] = {}
+    for state in states:
+        for key, acc in state.items():
+            if key in total:
+                total[key].merge(key, acc)
+            else:
+                total[key] = _Acc(acc.reduce)
+                total[key].merge(key, acc)
+    return {k: acc.value() for k, acc in sorted(total.items())}
+
+
+class MetricCollector(Actor):
+    """One per forge-spawned process: hands the process's running sums to the flush."""
+
+    @endpoint
+    async def drain(self) -> dict[str, _Acc]:
+        return _drain()
+
+
+# Collector meshes of the processes spawned from this process, by id of their ProcMesh.
+_collectors: dict[int, Any] = {}
+
+
+def register_procs(procs: Any) -> None:
+    _collectors[id(procs)] = procs.spawn("forge_metrics", MetricCollector)
+
+
+def unregister_procs(procs: Any) -> None:
+    _collectors.pop(id(procs), None)
+
+
+async def _gather(timeout: float) -> list[dict[str, _Acc]]:
+    async def one(key: int, mesh: Any) -> list[dict[str, _Acc]]:
+        try:
+            return [v for _, v in (await asyncio.wait_for(mesh.drain.call(), timeout)).items()]
+        except Exception as e:  # a dead mesh loses its unflushed values, never the run
+            log.warning("forge: metrics from a mesh were lost: %s", e)
+            _collectors.pop(key, None)
+            return []
+
+    parts = await asyncio.gather(*(one(k, m) for k, m in list(_collectors.items())))
+    return [_drain()] + [s for part in parts for s in part]
 
 
 class MetricWriter:
-    def __init__(self, run_dir: str | Path, backends: Sequence[str] = BACKENDS, start_time: float | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        backends: Sequence[str] = DEFAULT_BACKENDS,
+        start_time: float | None = None,
+        config: Mapping[str, Any] | None = None,
+    ):
         unknown = set(backends) - set(BACKENDS)
         if unknown:
             raise ValueError(f"unknown metrics backend(s) {sorted(unknown)}; known: {', '.join(BACKENDS)}")
@@ -26,11 +157,23 @@ class MetricWriter:
         self.start = start_time if start_time is not None else time.time()
         self.backends = tuple(backends)
         self._jsonl = (self.run_dir / "metrics.jsonl").open("a") if "jsonl" in backends else None
-        self._tb = None
+        self._tb = self._wandb = None
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+        if "wandb" in backends:
+            import wandb
+
+            # Offline: no hub is reachable from here; `wandb sync runs/<name>/wandb` uploads later.
+            self._wandb = wandb.init(
+                dir=str(self.run_dir), mode="offline", name=self.run_dir.name, config=dict(config or {})
+            )
+
+    @returns_future
+    async def flush(self, step: int, timeout: float = 30.0) -> dict[str, float]:
+        """Reduce what every process recorded since the last flush; write it as `step`."""
+        return self.write(step, reduce_states(await _gather(timeout)))
 
     def write(self, step: int, values: Mapping[str, float]) -> dict[str, float]:
         row = {"step": step, "wall_s": round(time.time() - self.start, 3), **{k: float(v) for k, v in values.items()}}
@@ -42,6 +185,8 @@ class MetricWriter:
                 if k != "step" and not math.isnan(v):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._wandb:
+            self._wandb.log(row, step=step)
         if "console" in self.backends:
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         return row
@@ -51,3 +196,5 @@ class MetricWriter:
             self._jsonl.close()
         if self._tb:
             self._tb.close()
+        if self._wandb:
+            self._wandb.finish()

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import ActorError, ProcMesh, returns_future
 
-from forge.actor import SpawnOptions
+from forge.actor import SpawnOptions, stop_procs
 
 log = logging.getLogger("forge")
 ROUTERS = ("least_loaded", "round_robin")
@@ -125,7 +125,7 @@ class Service:
 
     async def _respawn(self, r: Replica) -> None:
         with contextlib.suppress(Exception):
-            await r.procs.stop()
+            await stop_procs(r.procs)
         r.procs, r.mesh = self.options.spawn_mesh(*self.args, **self.kwargs)
         await r.procs.initialized
         await r.mesh.on_respawn.call()
@@ -160,7 +160,7 @@ class Service:
                 r.respawned.cancel()
         for r in self.replicas:
             with contextlib.suppress(Exception):
-                await r.procs.stop()
+                await stop_procs(r.procs)
         self.replicas = []
 
 

@@ -41,3 +41,17 @@ class Probe(ForgeActor):
     @endpoint
     async def was_respawned(self) -> bool:
         return self.respawned
+
+
+class Recorder(ForgeActor):
+    @endpoint
+    async def record(self, key: str, values_by_rank: list[list[float]], reduce: str) -> None:
+        from forge.metrics import record_metric
+
+        for v in values_by_rank[current_rank().rank]:
+            record_metric(key, v, reduce)
+
+    @endpoint
+    async def host(self) -> tuple[int, int]:
+        """(pid, parent pid): procs on different Monarch hosts have different parents."""
+        return os.getpid(), os.getppid()

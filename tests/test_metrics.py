@@ -24,3 +24,57 @@ def test_jsonl_tensorboard_console(tmp_path, capsys):
 def test_unknown_backend_is_named(tmp_path):
     with pytest.raises(ValueError, match="unknown metrics backend.*'wandbx'"):
         MetricWriter(tmp_path, ["wandbx"])
+
+
+def test_record_metric_reduces_across_three_processes(tmp_path):
+    import asyncio
+
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from forge.metrics import Reduce, record_metric
+    from service_actors import Recorder
+
+    per_rank = [[1.0, 2.0], [3.0], [10.0, -4.0, 0.5]]
+    every = [v for vs in per_rank for v in vs] + [7.0]  # the controller records 7.0 too
+
+    async def main():
+        writer = MetricWriter(tmp_path, ["jsonl", "tensorboard"])
+        actors = await Recorder.options(procs=3).as_actor()
+        try:
+            for reduce in Reduce:
+                await actors.record.call(f"x_{reduce.value}", per_rank, reduce.value)
+                record_metric(f"x_{reduce.value}", 7.0, reduce)
+            row = await writer.flush(1)
+            assert await writer.flush(2) == {"step": 2, "wall_s": pytest.approx(0, abs=60)}  # drained
+        finally:
+            await actors.shutdown()
+            writer.close()
+        return row
+
+    row = asyncio.run(main())
+    expected = {"mean": np.mean(every), "sum": np.sum(every), "max": 10.0, "min": -4.0, "std": np.std(every)}
+    for name, value in expected.items():
+        assert row[f"x_{name}"] == pytest.approx(value, rel=1e-9)
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["x_std"] == pytest.approx(expected["std"]) and first["step"] == 1
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert acc.Scalars("x_sum")[0].value == pytest.approx(expected["sum"])
+
+
+def test_one_key_one_reduction():
+    from forge.metrics import Reduce, _drain, record_metric
+
+    record_metric("k", 1.0, Reduce.SUM)
+    with pytest.raises(ValueError, match="'k' recorded with reduce=sum and max"):
+        record_metric("k", 1.0, Reduce.MAX)
+    _drain()
+
+
+def test_wandb_backend_offline(tmp_path):
+    w = MetricWriter(tmp_path, ["wandb"], config={"lr": 0.1})
+    w.write(1, {"loss": 0.5})
+    w.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0

@@ -140,3 +140,37 @@ def test_repl_drives_a_service_synchronously():
     r = subprocess.run([sys.executable, "-i", "-q"], input=REPL_SCRIPT, capture_output=True, text=True, timeout=180)
     assert "ECHO ('repl', 21)" in r.stdout, r.stderr[-2000:]
     assert "FANOUT 2" in r.stdout and "DONE" in r.stdout
+
+
+def test_two_host_process_job_placement():
+    """`hosts=` takes a Monarch host mesh; `procs` is per host. ProcessJob runs each "host"
+    as a local worker process, the way a SLURM/Kubernetes job would give real hosts."""
+    from monarch.job import ProcessJob
+
+    job = ProcessJob({"hosts": 2})
+    hosts = job.state(cached_path=None).hosts
+
+    async def main():
+        actor = await Probe.options(procs=2, hosts=hosts).as_actor("a")
+        svc = await Probe.options(replicas=2, hosts=hosts).as_service("s")
+        try:
+            pids = [v for _, v in (await actor.pid.call()).items()]
+            parents = [psutil.Process(p).ppid() for p in pids]
+            assert len(set(pids)) == 4 and len(set(parents)) == 2  # 2 procs on each of 2 hosts
+            assert [p for p in parents].count(parents[0]) == 2
+            assert len(set(await svc.pid.fanout())) == 2
+            assert await svc.echo.route(1) == ("s", 1)
+        finally:
+            await actor.shutdown()
+            await svc.shutdown()
+        return pids + parents
+
+    try:
+        pids = run(main())  # the actors' processes and the 2 host workers
+    finally:
+        job.kill()
+    for _ in range(50):
+        if not any(alive(p) for p in pids):
+            break
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids)
