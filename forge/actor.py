@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import monarch.actor
-from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, endpoint, returns_future, this_host
+from monarch.actor import Actor, ActorError, HostMesh, MeshFailure, ProcMesh, endpoint, returns_future, this_host
 
 from forge import metrics
 
@@ -67,6 +67,10 @@ class ForgeActor(Actor):
         return SpawnOptions(cls, procs=procs, replicas=replicas, hosts=hosts, env=dict(env or {}), router=router)
 
     @endpoint
+    async def setup(self) -> None:
+        """Heavy or async start-up (an engine, a model); runs once after spawn, before any call."""
+
+    @endpoint
     async def on_respawn(self) -> None:
         """Called on a replica the service respawned after a crash; restore state here
         (the generator reloads the latest weights)."""
@@ -85,17 +89,27 @@ class SpawnOptions:
         if self.procs < 1 or self.replicas < 1:
             raise ValueError(f"{self.actor.__name__}.options: procs and replicas must be >= 1")
 
-    def spawn_mesh(self, *args: Any, **kwargs: Any) -> tuple[ProcMesh, Any]:
+    async def spawn_mesh(self, *args: Any, **kwargs: Any) -> tuple[ProcMesh, Any]:
+        """Spawn the procs and the actor on them, then run its `setup()`; an exception raised
+        by the constructor or by setup reaches the caller as itself, and the procs are stopped."""
         procs = spawn_procs(self.procs, self.hosts, self.env)
-        return procs, procs.spawn(self.actor.__name__.lower(), self.actor, *args, **kwargs)
+        mesh = procs.spawn(self.actor.__name__.lower(), self.actor, *args, **kwargs)
+        try:
+            await procs.initialized
+            await mesh.setup.call()
+        except ActorError as e:
+            await stop_procs(procs)
+            raise e.exception from None
+        except BaseException:
+            await stop_procs(procs)
+            raise
+        return procs, mesh
 
     @returns_future
     async def as_actor(self, *args: Any, **kwargs: Any) -> "ActorHandle":
         if self.replicas != 1:
             raise ValueError(f"{self.actor.__name__}: as_actor() spawns one mesh; use as_service() for replicas")
-        procs, mesh = self.spawn_mesh(*args, **kwargs)
-        await procs.initialized
-        return ActorHandle(procs, mesh)
+        return ActorHandle(*await self.spawn_mesh(*args, **kwargs))
 
     @returns_future
     async def as_service(self, *args: Any, **kwargs: Any):

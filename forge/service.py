@@ -54,10 +54,15 @@ class Service:
         self._closed = False
 
     async def start(self) -> None:
-        for i in range(self.options.replicas):
-            procs, mesh = self.options.spawn_mesh(*self.args, **self.kwargs)
-            self.replicas.append(Replica(i, procs, mesh))
-        await asyncio.gather(*(r.procs.initialized for r in self.replicas))
+        spawned = await asyncio.gather(
+            *(self.options.spawn_mesh(*self.args, **self.kwargs) for _ in range(self.options.replicas)),
+            return_exceptions=True,
+        )
+        self.replicas = [Replica(i, *s) for i, s in enumerate(spawned) if not isinstance(s, BaseException)]
+        errors = [s for s in spawned if isinstance(s, BaseException)]
+        if errors:
+            await self.shutdown()
+            raise errors[0]
 
     # ---- routing -------------------------------------------------------------------
 
@@ -94,6 +99,8 @@ class Service:
             return await self._invoke(r, name, args, kwargs, all_ranks)
         except SupervisionError as first:
             respawn = self._replica_died(r)
+            if not self.healthy() and respawn is not None:
+                await asyncio.shield(respawn)  # the only replica: retry on its replacement
             retry = self._pick(exclude=r)
             try:
                 return await self._invoke(retry, name, args, kwargs, all_ranks)
@@ -126,8 +133,7 @@ class Service:
     async def _respawn(self, r: Replica) -> None:
         with contextlib.suppress(Exception):
             await stop_procs(r.procs)
-        r.procs, r.mesh = self.options.spawn_mesh(*self.args, **self.kwargs)
-        await r.procs.initialized
+        r.procs, r.mesh = await self.options.spawn_mesh(*self.args, **self.kwargs)
         await r.mesh.on_respawn.call()
         r.respawns += 1
         r.healthy, r.respawned = True, None

@@ -6,6 +6,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # Monarch children import test actors (tests/*_actors.py) by module name.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), str(ROOT), os.environ.get("PYTHONPATH")) if p)
 

@@ -1,0 +1,262 @@
+"""Generator service: stock vLLM (`AsyncLLM`) behind a forge service.
+
+    gen = await Generator.options(replicas=2).as_service(model=path, sampling={"temperature": 0.8})
+    completions = await gen.generate.route("rev abc=", n=8)      # one GRPO group
+    await gen.load_weights.fanout(state_dict, version=3)         # in place, no restart
+
+Each replica runs one AsyncLLM (continuous batching): concurrent `generate` calls are
+batched by vLLM. Every Completion carries its token ids, the logprob of each sampled token
+under the sampling distribution (`processed_logprobs`: after temperature/top-p/top-k, the
+distribution the trainer's importance ratio needs), and the policy versions it was
+generated under.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import logging
+import os
+import signal
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from monarch.actor import concurrent_endpoint, endpoint
+
+from forge.actor import ForgeActor
+from forge.types import Completion
+
+log = logging.getLogger("forge")
+
+
+@dataclass
+class SamplingConfig:
+    """Defaults for every request; a call's `sampling=` dict overrides any vLLM SamplingParams field."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    max_tokens: int = 32
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class GeneratorConfig:
+    model: str = ""  # HF model directory
+    dtype: str = "float32"
+    max_model_len: int = 512
+    # CPU: vLLM cannot size the KV cache from free memory there, so it is given explicitly.
+    kv_cache_memory_bytes: int = 64 * 2**20
+    max_num_seqs: int = 256
+    enforce_eager: bool = True
+    request_timeout_s: float = 300.0
+    cache_dir: str = ".cache/forge/vllm"  # vLLM's compile cache survives between runs here
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engine: dict[str, Any] = field(default_factory=dict)  # any other vllm AsyncEngineArgs field
+
+    def engine_args(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        unknown = sorted(set(self.engine) - known)
+        if unknown:
+            raise ValueError(f"unknown vLLM engine option(s) {unknown} (generator config key 'engine')")
+        return AsyncEngineArgs(
+            model=self.model,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            max_num_seqs=self.max_num_seqs,
+            enforce_eager=self.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="services.vllm_worker.WeightReloader",
+            **self.engine,
+        )
+
+
+def make_config(model: str, options: dict[str, Any]) -> GeneratorConfig:
+    names = {f.name for f in dataclasses.fields(GeneratorConfig)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise TypeError(f"Generator: unknown option(s) {unknown}; known: {', '.join(sorted(names - {'model'}))}")
+    sampling = options.pop("sampling", None) or {}
+    if not isinstance(sampling, SamplingConfig):
+        sampling = SamplingConfig(**sampling)
+    return GeneratorConfig(model=str(model), sampling=sampling, **options)
+
+
+def _preview(prompt: Any) -> str:
+    text = repr(prompt)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class Generator(ForgeActor):
+    """vLLM generation service. Endpoints: generate, load_weights, version."""
+
+    def __init__(self, model: str | Path, **options: Any):
+        self.cfg = make_config(model, dict(options))
+        self.version = 0
+        self.engine = None
+        self._swap = asyncio.Lock()
+
+    @endpoint
+    async def setup(self) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(self.cfg.cache_dir).absolute()))
+        self.engine = AsyncLLM.from_engine_args(self.cfg.engine_args())
+        self.tokenizer = self.engine.tokenizer
+        self.vocab_size = self.engine.model_config.get_vocab_size()
+
+    # ---- generation ----------------------------------------------------------------
+
+    def _sampling_params(self, n: int, sampling: dict[str, Any] | None) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        merged = {**dataclasses.asdict(self.cfg.sampling), **(sampling or {})}
+        try:
+            return SamplingParams(
+                n=n,
+                logprobs=0,  # the sampled token's own logprob
+                include_stop_str_in_output=True,  # text == decode(token_ids), stop string included
+                output_kind=RequestOutputKind.FINAL_ONLY,
+                **merged,
+            )
+        except TypeError as e:
+            raise ValueError(f"generate: bad sampling option in {sampling}: {e}") from None
+
+    def _engine_prompt(self, prompt: Any) -> Any:
+        from vllm.inputs import TokensPrompt
+
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("generate: prompt is empty")
+            return prompt
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            if not prompt:
+                raise ValueError("generate: prompt is empty (no token ids)")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"generate: prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+            return TokensPrompt(prompt_token_ids=list(prompt))
+        raise TypeError(f"generate: prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+
+    @concurrent_endpoint
+    async def generate(
+        self,
+        prompt: str | list[int],
+        n: int = 1,
+        sampling: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Completion]:
+        """`n` samples for one prompt. Raises ValueError/TypeError for a bad prompt (this request
+        only), TimeoutError after `timeout_s` (default: config `request_timeout_s`)."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        params = self._sampling_params(n, sampling)
+        engine_prompt = self._engine_prompt(prompt)
+        request_id = uuid.uuid4().hex
+        admitted = self.version
+        final = None
+        try:
+            async with asyncio.timeout(timeout_s or self.cfg.request_timeout_s):
+                async for out in self.engine.generate(engine_prompt, params, request_id):
+                    final = out
+        except TimeoutError:
+            await self.engine.abort(request_id)
+            raise TimeoutError(
+                f"generate: no answer within {timeout_s or self.cfg.request_timeout_s}s (generator config key "
+                f"'request_timeout_s') for prompt {_preview(prompt)}"
+            ) from None
+        except EngineDeadError:
+            # A dead engine never recovers in place: end this process, so the service sees the
+            # replica die, retries this call elsewhere and respawns the replica.
+            log.error("forge: the vLLM engine died; exiting so the service respawns this replica")
+            os.kill(os.getpid(), signal.SIGKILL)
+            raise
+        except (ValueError, VLLMClientError) as e:  # vLLM's input checks, e.g. longer than max_model_len
+            raise ValueError(f"generate: prompt {_preview(prompt)}: {e}") from None
+        finished = self.version
+        sp = {k: v for k, v in dataclasses.asdict(self.cfg.sampling).items()}
+        sp.update(sampling or {}, n=n)
+        return [
+            Completion(
+                prompt_ids=list(final.prompt_token_ids),
+                token_ids=list(c.token_ids),
+                logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                text=c.text,
+                finish_reason=c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop",
+                sampling=sp,
+                policy_version=admitted,
+                max_policy_version=finished,
+                prompt=prompt if isinstance(prompt, str) else None,
+            )
+            for c in final.outputs
+        ]
+
+    # ---- weights -------------------------------------------------------------------
+
+    @concurrent_endpoint
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+        """Swap in `state_dict` (HF names) as policy `version`, without restarting the engine.
+        Requests in flight are paused and kept, not dropped. Returns the seconds generation
+        was paused."""
+        fd, path = tempfile.mkstemp(suffix=".safetensors", dir=_shm_dir())
+        os.close(fd)
+        try:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in state_dict.items()}, path)
+            return await self.swap_from_file(path, version)
+        finally:
+            os.unlink(path)
+
+    async def swap_from_file(self, path: str, version: int) -> float:
+        loop = asyncio.get_running_loop()
+        async with self._swap:
+            start = loop.time()
+            await self.engine.pause_generation(mode="keep", clear_cache=True)
+            try:
+                await self.engine.collective_rpc("forge_reload", args=(path,))
+                # Prefix-cache entries hold KV computed with the old weights.
+                await self.engine.reset_prefix_cache()
+                self.version = version
+            finally:
+                await self.engine.resume_generation()
+            return loop.time() - start
+
+    @endpoint
+    async def policy_version(self) -> int:
+        return self.version
+
+    @endpoint
+    async def weights_checksum(self) -> float:
+        """Sum of the engine's parameters: which weights are live (for tests and debugging)."""
+        return (await self.engine.collective_rpc("forge_checksum"))[0]
+
+    @endpoint
+    async def engine_pids(self) -> list[int]:
+        """vLLM's processes under this replica: EngineCore first, then its workers."""
+        import psutil
+
+        return [c.pid for c in psutil.Process().children(recursive=True) if c.name().startswith("VLLM::")]
+
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.shutdown()
+            del engine
+            gc.collect()  # AsyncLLM.__del__ now, not at interpreter exit when its imports are gone
+
+
+def _shm_dir() -> str | None:
+    # /dev/shm keeps the handover in memory; fall back to the default temp dir elsewhere.
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None

@@ -1,0 +1,32 @@
+"""Runs inside vLLM's worker process (vLLM's `worker_extension_cls`): in-place weight reload.
+
+Kept free of forge/monarch imports: vLLM imports it in its EngineCore process.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+
+class WeightReloader:
+    """Mixed into vLLM's worker; called through `AsyncLLM.collective_rpc`."""
+
+    def forge_reload(self, path: str) -> int:
+        # Tensors cannot pass through collective_rpc in multiprocess mode ("cannot pickle
+        # memoryview"), so the actor writes a safetensors file (in /dev/shm) and passes its path.
+        weights = load_file(path)
+        # `reload_weights`, not `model.load_weights`: it re-runs vLLM's post-load processing.
+        self.reload_weights(weights_iterator=iter(weights.items()))
+        model = self.model_runner.get_model()
+        head = getattr(model, "lm_head", None)
+        if getattr(model.config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+            # A tied lm_head keeps a processed copy of the embedding; refresh it from the new one.
+            head.quant_method.process_weights_after_loading(head)
+        return len(weights)
+
+    def forge_checksum(self) -> float:
+        """Sum of all parameters (tests use it to see which weights are live)."""
+        model = self.model_runner.get_model()
+        with torch.no_grad():
+            return float(sum(p.double().sum() for p in model.parameters()))

@@ -1,0 +1,190 @@
+"""Generator service on vLLM: one engine shared by the module (engine start is the slow part)."""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.generator import Generator
+
+PROMPTS = ["rev abc=", "12+7=", "sort dbca=", "rev jihgf=", "3+45=", "sort gfe="]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def gen(loop, tiny_model_dir):
+    svc = loop.run_until_complete(Generator.options().as_service(model=str(tiny_model_dir), max_model_len=256))
+    yield svc
+    loop.run_until_complete(svc.shutdown())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def perturbed_model(src: Path, dst: Path, seed: int) -> dict[str, torch.Tensor]:
+    """A copy of the model at `src` with sharper, different weights (HF names)."""
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    sd = load_file(src / "model.safetensors")
+    sd = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v for k, v in sd.items()}
+    save_file(sd, dst / "model.safetensors")
+    return sd
+
+
+def test_completion_fields_seed_and_stop(loop, gen, tokenizer):
+    async def main():
+        group = await gen.generate.route("rev abc=", n=4, sampling={"max_tokens": 12, "seed": 7})
+        again = await gen.generate.route("rev abc=", n=4, sampling={"max_tokens": 12, "seed": 7})
+        ref = (await gen.generate.route("12+7=", sampling={"seed": 3, "max_tokens": 16, "ignore_eos": True}))[0]
+        return group, again, ref
+
+    group, again, ref = loop.run_until_complete(main())
+    assert len(group) == 4 and [c.token_ids for c in group] == [c.token_ids for c in again]
+    for c in group:
+        assert c.prompt_ids == tokenizer("rev abc=")["input_ids"] and c.prompt == "rev abc="
+        assert 0 < len(c.token_ids) <= 12 and len(c.logprobs) == len(c.token_ids)
+        assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        assert all(lp <= 0 for lp in c.logprobs) and c.finish_reason in ("stop", "length")
+        assert c.policy_version == c.max_policy_version == 0
+        assert c.sampling["n"] == 4 and c.sampling["seed"] == 7 and c.sampling["max_tokens"] == 12
+
+    # A stop string ends the text at its first occurrence, and the tokens still decode to the text.
+    # (Same seed, so the same sample up to the stop.)
+    stop = ref.text[3]
+    cut = loop.run_until_complete(
+        gen.generate.route("12+7=", sampling={"seed": 3, "max_tokens": 16, "ignore_eos": True, "stop": [stop]})
+    )[0]
+    assert cut.text == ref.text[: ref.text.index(stop) + 1] and cut.finish_reason == "stop"
+    assert cut.text == tokenizer.decode(cut.token_ids, skip_special_tokens=True)
+
+
+def test_logprobs_match_transformers_fp32(loop, gen, tiny_model_dir):
+    """processed_logprobs = log_softmax(logits / T): what the trainer computes."""
+    from transformers import AutoModelForCausalLM
+
+    temperature = 0.7
+    async def main():
+        sampling = {"temperature": temperature, "max_tokens": 24}
+        return await asyncio.gather(*(gen.generate.route(p, n=2, sampling=sampling) for p in PROMPTS))
+
+    groups = loop.run_until_complete(main())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    for c in (c for g in groups for c in g):
+        ids = torch.tensor([c.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(c.prompt_ids) - 1 : -1] / temperature
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
+    assert worst <= 1e-4, worst
+
+
+def test_reload_equals_fresh_engine(loop, gen, tmp_path, tiny_model_dir):
+    new_dir = tmp_path / "v1"
+    sd = perturbed_model(tiny_model_dir, new_dir, seed=1)
+    greedy = {"temperature": 0, "max_tokens": 24}
+
+    async def main():
+        before = await gen.generate.route(PROMPTS[0], sampling=greedy)
+        await gen.generate.route(PROMPTS[0], sampling=greedy)  # now in the prefix cache
+        paused_s = await gen.load_weights.route(sd, version=1)
+        reloaded = [(await gen.generate.route(p, sampling=greedy))[0] for p in PROMPTS]
+        fresh_svc = await Generator.options().as_service(model=str(new_dir), max_model_len=256)
+        try:
+            fresh = [(await fresh_svc.generate.route(p, sampling=greedy))[0] for p in PROMPTS]
+            sums = (await gen.weights_checksum.route(), await fresh_svc.weights_checksum.route())
+        finally:
+            await fresh_svc.shutdown()
+        return before[0], paused_s, reloaded, fresh, sums
+
+    before, paused_s, reloaded, fresh, sums = loop.run_until_complete(main())
+    assert paused_s < 30 and sums[0] == pytest.approx(sums[1], rel=1e-9)
+    assert reloaded[0].token_ids != before.token_ids  # the new weights are live
+    for r, f in zip(reloaded, fresh):
+        assert r.policy_version == r.max_policy_version == 1
+        assert r.token_ids == f.token_ids
+        assert max(abs(a - b) for a, b in zip(r.logprobs, f.logprobs)) <= 1e-5
+
+
+def test_reload_while_64_streams_in_flight(loop, gen, tmp_path, tiny_model_dir):
+    sd = perturbed_model(tiny_model_dir, tmp_path / "v2", seed=2)
+    version = loop.run_until_complete(gen.policy_version.route())
+
+    async def main():
+        long = {"max_tokens": 96, "ignore_eos": True, "temperature": 1.0}
+        streams = [asyncio.ensure_future(gen.generate.route(PROMPTS[i % 6], sampling=long)) for i in range(64)]
+        await asyncio.sleep(0.5)
+        await gen.load_weights.route(sd, version=version + 1)
+        late = await gen.generate.route(PROMPTS[0], sampling={"max_tokens": 4})
+        return [c for s in await asyncio.gather(*streams) for c in s], late[0]
+
+    done, late = loop.run_until_complete(main())
+    assert len(done) == 64 and all(len(c.token_ids) == 96 for c in done)
+    assert all(c.policy_version == version and c.max_policy_version == version + 1 for c in done)
+    assert late.policy_version == version + 1
+
+
+def test_bad_requests_fail_alone(loop, gen):
+    async def main():
+        errors = {}
+        for name, prompt, sampling in [
+            ("empty", "", None),
+            ("no ids", [], None),
+            ("type", {"text": "x"}, None),
+            ("too long", "1+2=" * 100, None),
+            ("vocab", [1, 5, 10**6], None),
+            ("sampling", "1+2=", {"temprature": 1.0}),
+        ]:
+            try:
+                await gen.generate.route(prompt, sampling=sampling)
+            except Exception as e:
+                errors[name] = e
+        try:
+            await gen.generate.route("1+2=", sampling={"max_tokens": 200, "ignore_eos": True}, timeout_s=0.01)
+        except Exception as e:
+            errors["timeout"] = e
+        ok = await gen.generate.route("1+2=", sampling={"max_tokens": 4})
+        return errors, ok
+
+    errors, ok = loop.run_until_complete(main())
+    assert isinstance(errors["empty"], ValueError) and "prompt is empty" in str(errors["empty"])
+    assert isinstance(errors["no ids"], ValueError)
+    assert isinstance(errors["type"], TypeError) and "got dict" in str(errors["type"])
+    assert isinstance(errors["too long"], ValueError) and "maximum context length" in str(errors["too long"])
+    assert "'1+2=1+2=" in str(errors["too long"])  # names the prompt
+    assert isinstance(errors["vocab"], ValueError) and "1000000" in str(errors["vocab"])
+    assert isinstance(errors["sampling"], ValueError) and "temprature" in str(errors["sampling"])
+    assert isinstance(errors["timeout"], TimeoutError) and "request_timeout_s" in str(errors["timeout"])
+    assert len(ok[0].token_ids) > 0 and len(gen.healthy()) == 1
+
+
+def test_dead_engine_respawns_replica(loop, gen):
+    """Killing vLLM's EngineCore makes the replica unhealthy; the call is retried on the
+    respawned replica, which loads the policy it had (`on_respawn`)."""
+
+    async def main():
+        engine = (await gen.engine_pids.route())[0]
+        os.kill(engine, signal.SIGKILL)
+        out = await gen.generate.route("1+2=", sampling={"max_tokens": 4})
+        await gen.wait_healthy()
+        return engine, out, await gen.engine_pids.route()
+
+    engine, out, pids_after = loop.run_until_complete(main())
+    assert len(out[0].token_ids) > 0 and engine not in pids_after
+    assert sum(r.respawns for r in gen.replicas) == 1
