@@ -27,7 +27,7 @@ log = logging.getLogger("forge")
 def _on_unhandled_fault(failure: MeshFailure) -> None:
     # Monarch's default hook exits the controller when any mesh dies. forge's services
     # detect dead replicas on their own calls and respawn them, so the run goes on.
-    log.warning("forge: a mesh failed: %s", failure.mesh_name)
+    log.warning("forge: a mesh failed: %s", failure)
 
 
 monarch.actor.unhandled_fault_hook = _on_unhandled_fault

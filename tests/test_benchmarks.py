@@ -13,3 +13,14 @@ def test_service_overhead_quick_writes_json(tmp_path):
     for key in ("bare_call_one", "service_route"):
         assert data[key]["latency_us_median"] > 0 and data[key]["calls_per_s_median"] > 0
     assert data["route_latency_ratio"] > 0
+
+
+def test_generation_quick_writes_json(tmp_path):
+    out = tmp_path / "generation.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.generation", "--quick", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(out.read_text())
+    for row in ("hf_generate", "bare_vllm", "service_1_replica"):
+        assert data["rows"][row]["tokens_per_s"] > 0
+    assert data["service_vs_bare_vllm"] > 0 and data["vllm_vs_hf_generate"] > 0 and data["reload_paused_s_median"] > 0
