@@ -61,6 +61,9 @@ class GeneratorConfig:
     request_timeout_s: float = 300.0
     cache_dir: str = ".cache/forge/vllm"  # vLLM's compile cache survives between runs here
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # Follow this WeightStore (forge.store): load every new `latest` version in the background.
+    weights_from: str | None = None
+    poll_s: float = 0.1
     engine: dict[str, Any] = field(default_factory=dict)  # any other vllm AsyncEngineArgs field
 
     def engine_args(self) -> Any:
@@ -116,6 +119,36 @@ class Generator(ForgeActor):
         self.engine = AsyncLLM.from_engine_args(self.cfg.engine_args())
         self.tokenizer = self.engine.tokenizer
         self.vocab_size = self.engine.model_config.get_vocab_size()
+        if self.cfg.weights_from is not None:
+            from forge.store import WeightStore
+
+            self.store = WeightStore(self.cfg.weights_from)
+            await self._pull_latest()  # a respawned replica starts on the latest policy
+            self._follower = asyncio.create_task(self._follow())
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                await self._pull_latest()
+            except Exception as e:  # e.g. a version dropped while we fetched it: the next poll takes a newer one
+                log.warning("forge: generator could not load new weights: %s", e)
+            await asyncio.sleep(self.cfg.poll_s)
+
+    async def _pull_latest(self) -> None:
+        """Fetch the store's latest version (generation goes on meanwhile), then swap it in."""
+        from forge.metrics import Reduce, record_metric
+
+        version = await self.store.latest()
+        if version is None or version <= self.version:
+            return
+        start = asyncio.get_running_loop().time()
+        path = await self.store.local_path(version)
+        if path is not None:  # same-host shm: vLLM's worker reads the published file itself
+            paused = await self.swap_from_file(path, version)
+        else:
+            paused = await self.load_weights_local(await self.store.fetch(version), version)
+        record_metric("generator/weight_sync_s", asyncio.get_running_loop().time() - start)
+        record_metric("generator/weight_swap_paused_s", paused, Reduce.MAX)
 
     # ---- generation ----------------------------------------------------------------
 
@@ -212,12 +245,15 @@ class Generator(ForgeActor):
         """Swap in `state_dict` (HF names) as policy `version`, without restarting the engine.
         Requests in flight are paused and kept, not dropped. Returns the seconds generation
         was paused."""
+        return await self.load_weights_local(state_dict, version)
+
+    async def load_weights_local(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         fd, path = tempfile.mkstemp(suffix=".safetensors", dir=_shm_dir())
         os.close(fd)
         try:
             from safetensors.torch import save_file
 
-            save_file({k: v.contiguous() for k, v in state_dict.items()}, path)
+            await asyncio.to_thread(save_file, {k: v.contiguous() for k, v in state_dict.items()}, path)
             return await self.swap_from_file(path, version)
         finally:
             os.unlink(path)
@@ -241,11 +277,6 @@ class Generator(ForgeActor):
         return self.version
 
     @endpoint
-    async def weights_checksum(self) -> float:
-        """Sum of the engine's parameters: which weights are live (for tests and debugging)."""
-        return (await self.engine.collective_rpc("forge_checksum"))[0]
-
-    @endpoint
     async def engine_pids(self) -> list[int]:
         """vLLM's processes under this replica: EngineCore first, then its workers."""
         import psutil
@@ -253,6 +284,8 @@ class Generator(ForgeActor):
         return [c.pid for c in psutil.Process().children(recursive=True) if c.name().startswith("VLLM::")]
 
     async def __cleanup__(self, exc: Exception | None) -> None:
+        if getattr(self, "_follower", None) is not None:
+            self._follower.cancel()
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.shutdown(timeout=1.0)  # within Monarch's cleanup deadline

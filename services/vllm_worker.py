@@ -5,7 +5,6 @@ Kept free of forge/monarch imports: vLLM imports it in its EngineCore process.
 
 from __future__ import annotations
 
-import torch
 from safetensors.torch import load_file
 
 
@@ -24,9 +23,3 @@ class WeightReloader:
             # A tied lm_head keeps a processed copy of the embedding; refresh it from the new one.
             head.quant_method.process_weights_after_loading(head)
         return len(weights)
-
-    def forge_checksum(self) -> float:
-        """Sum of all parameters (tests use it to see which weights are live)."""
-        model = self.model_runner.get_model()
-        with torch.no_grad():
-            return float(sum(p.double().sum() for p in model.parameters()))

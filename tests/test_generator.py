@@ -108,13 +108,12 @@ def test_reload_equals_fresh_engine(loop, gen, tmp_path, tiny_model_dir):
         fresh_svc = await Generator.options().as_service(model=str(new_dir), max_model_len=256)
         try:
             fresh = [(await fresh_svc.generate.route(p, sampling=greedy))[0] for p in PROMPTS]
-            sums = (await gen.weights_checksum.route(), await fresh_svc.weights_checksum.route())
         finally:
             await fresh_svc.shutdown()
-        return before[0], paused_s, reloaded, fresh, sums
+        return before[0], paused_s, reloaded, fresh
 
-    before, paused_s, reloaded, fresh, sums = loop.run_until_complete(main())
-    assert paused_s < 30 and sums[0] == pytest.approx(sums[1], rel=1e-9)
+    before, paused_s, reloaded, fresh = loop.run_until_complete(main())
+    assert paused_s < 30
     assert reloaded[0].token_ids != before.token_ids  # the new weights are live
     for r, f in zip(reloaded, fresh):
         assert r.policy_version == r.max_policy_version == 1

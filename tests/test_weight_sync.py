@@ -1,0 +1,114 @@
+"""Versioned weights on TorchStore, followed by a generator replica in the background."""
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from forge.store import WeightStore, start_store, stop_store
+from services.generator import Generator
+
+
+def perturbed(sd: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v.clone() for k, v in sd.items()}
+
+
+async def wait_version(gen, version: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while await gen.policy_version.route() < version:
+        assert time.monotonic() < deadline, f"generator never reached version {version}"
+        await asyncio.sleep(0.05)
+
+
+def max_logprob_error(model_dir: Path, sd: dict, completions: list) -> float:
+    """How far the completions' logprobs are from an fp32 transformers forward with weights `sd`
+    (temperature 1): tells which weights the generator ran."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(sd, strict=False)  # tied lm_head follows the embedding
+    worst = 0.0
+    for c in completions:
+        with torch.no_grad():
+            logits = model(torch.tensor([c.prompt_ids + c.token_ids])).logits[0, len(c.prompt_ids) - 1 : -1]
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
+    return worst
+
+
+def test_store_roundtrip_both_transports():
+    async def main():
+        procs = await start_store()
+        try:
+            for transport in ("torchstore", "shm"):
+                ws = WeightStore(name=f"rt-{transport}", transport=transport)
+                assert await ws.latest() is None
+                sd = {"a.weight": torch.randn(3, 4), "b.bias": torch.randn(5)}
+                for v in (1, 2, 3):
+                    await ws.publish(v, {k: t + v for k, t in sd.items()})
+                assert await ws.latest() == 3 and await ws.versions() == [1, 2, 3]
+                got = await ws.fetch(2)
+                assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k] + 2) for k in sd)
+                path = await ws.local_path(1)
+                assert await ws.drop_older_than(3) == [1, 2] and await ws.versions() == [3]
+                assert path is None or not Path(path).exists()
+                with pytest.raises(KeyError, match="version 1 of 'rt-"):
+                    await ws.fetch(1)
+        finally:
+            await stop_store(procs)
+
+    asyncio.run(main())
+
+
+def test_generator_follows_latest_while_generating(tiny_model_dir):
+    base = load_file(tiny_model_dir / "model.safetensors")
+
+    async def main():
+        procs = await start_store()
+        gen = await Generator.options().as_service(model=str(tiny_model_dir), max_model_len=256, weights_from="policy")
+        try:
+            assert await gen.policy_version.route() == 0
+            v1 = perturbed(base, 1)
+            shm = WeightStore("policy", transport="shm")
+            tstore = WeightStore("policy", transport="torchstore")
+
+            # Publish while 32 long requests run: none waits for the fetch, all finish.
+            long = {"max_tokens": 96, "ignore_eos": True}
+            streams = [asyncio.ensure_future(gen.generate.route("rev abc=", sampling=long)) for _ in range(32)]
+            await asyncio.sleep(0.3)
+            await shm.publish(1, v1)
+            await wait_version(gen, 1)
+            done = [c for s in await asyncio.gather(*streams) for c in s]
+            assert len(done) == 32 and all(len(c.token_ids) == 96 for c in done)
+            assert any(c.spans_versions for c in done)
+            after = await gen.generate.route("1+2=", n=4, sampling={"max_tokens": 16})
+            assert all(c.policy_version == 1 for c in after)
+            assert max_logprob_error(tiny_model_dir, v1, after) <= 1e-4
+
+            # The TorchStore transport (what another host would use) reaches the generator too.
+            v2 = perturbed(base, 2)
+            await tstore.publish(2, v2)
+            await wait_version(gen, 2)
+            after = await gen.generate.route("rev ab=", n=4, sampling={"max_tokens": 16})
+            assert max_logprob_error(tiny_model_dir, v2, after) <= 1e-4
+
+            # A respawned replica comes back on the latest version.
+            await shm.publish(3, perturbed(base, 3))
+            await shm.drop_older_than(3)
+            await wait_version(gen, 3)
+            actor_pid = psutil.Process((await gen.engine_pids.route())[0]).ppid()
+            os.kill(actor_pid, signal.SIGKILL)
+            out = await gen.generate.route("1+2=", sampling={"max_tokens": 4})
+            assert out[0].policy_version == 3 and sum(r.respawns for r in gen.replicas) == 1
+        finally:
+            await gen.shutdown()
+            await stop_store(procs)
+
+    asyncio.run(main())
