@@ -55,6 +55,9 @@ class ForgeActor(Actor):
     """Base class of every forge role. Endpoints are `async` (Monarch refuses a class that
     mixes sync and async endpoints)."""
 
+    # True: each proc gets torch.distributed's env (RANK, WORLD_SIZE, MASTER_ADDR, ...) first.
+    distributed: bool = False
+
     @classmethod
     def options(
         cls,
@@ -65,6 +68,10 @@ class ForgeActor(Actor):
         router: str = "least_loaded",
     ) -> "SpawnOptions":
         return SpawnOptions(cls, procs=procs, replicas=replicas, hosts=hosts, env=dict(env or {}), router=router)
+
+    @classmethod
+    def check_args(cls, *args: Any, **kwargs: Any) -> None:
+        """Raise on bad constructor arguments; runs in the caller before anything is spawned."""
 
     @endpoint
     async def setup(self) -> None:
@@ -92,7 +99,12 @@ class SpawnOptions:
     async def spawn_mesh(self, *args: Any, **kwargs: Any) -> tuple[ProcMesh, Any]:
         """Spawn the procs and the actor on them, then run its `setup()`; an exception raised
         by the constructor or by setup reaches the caller as itself, and the procs are stopped."""
+        self.actor.check_args(*args, **kwargs)
         procs = spawn_procs(self.procs, self.hosts, self.env)
+        if self.actor.distributed:
+            from monarch.spmd import setup_torch_elastic_env_async
+
+            await setup_torch_elastic_env_async(procs)
         mesh = procs.spawn(self.actor.__name__.lower(), self.actor, *args, **kwargs)
         try:
             await procs.initialized

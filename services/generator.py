@@ -29,6 +29,7 @@ import torch
 from monarch.actor import concurrent_endpoint, endpoint
 
 from forge.actor import ForgeActor
+from forge.config import require_file
 from forge.types import Completion
 
 log = logging.getLogger("forge")
@@ -94,7 +95,9 @@ def make_config(model: str, options: dict[str, Any]) -> GeneratorConfig:
     sampling = options.pop("sampling", None) or {}
     if not isinstance(sampling, SamplingConfig):
         sampling = SamplingConfig(**sampling)
-    return GeneratorConfig(model=str(model), sampling=sampling, **options)
+    cfg = GeneratorConfig(model=str(model), sampling=sampling, **options)
+    require_file("generator.model", Path(cfg.model) / "config.json")
+    return cfg
 
 
 def _preview(prompt: Any) -> str:
@@ -104,6 +107,10 @@ def _preview(prompt: Any) -> str:
 
 class Generator(ForgeActor):
     """vLLM generation service. Endpoints: generate, load_weights, version."""
+
+    @classmethod
+    def check_args(cls, model: str | Path, **options: Any) -> None:
+        make_config(model, dict(options))
 
     def __init__(self, model: str | Path, **options: Any):
         self.cfg = make_config(model, dict(options))

@@ -92,3 +92,39 @@ def load_hf_model(model_dir: str | Path, device: str | torch.device = "cpu") -> 
         hf_state.update(load_file(str(f), device=str(device)))
     model.load_state_dict(Qwen3StateDictAdapter(cfg, hf_assets_path=None).from_hf(hf_state), strict=True)
     return model.float()
+
+
+def use_device_type(device_type: str) -> None:
+    # torchtitan picks its device type at import ("cuda" when no accelerator is found), and
+    # fully_shard then fails on a CPU machine; point it at the real one.
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.tools.utils as tools_utils
+
+    for module in (tools_utils, parallel_dims, dist_utils):
+        module.device_type = device_type
+
+
+def token_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, chunk_rows: int = 0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(token t | tokens < t) for every t, token-aligned ([rows, seq], 0 at t=0), and
+    optionally the entropy of each of those next-token distributions (no grad).
+
+    cross_entropy on the logits avoids a second [rows, seq, vocab] log-softmax tensor;
+    `chunk_rows` bounds the logits alive at once (the reference model, under no_grad)."""
+    rows = input_ids.shape[0]
+    step = chunk_rows or rows
+    lps, ents = [], []
+    for start in range(0, rows, step):
+        ids = input_ids[start : start + step]
+        logits = model(ids)[:, :-1].float()
+        flat = logits.reshape(-1, logits.shape[-1])
+        lp = -torch.nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
+        lps.append(torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1))
+        if with_entropy:
+            with torch.no_grad():
+                logp = torch.log_softmax(logits, -1)
+                ent = -(logp.exp() * logp).sum(-1)
+            ents.append(torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1))
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)

@@ -112,3 +112,45 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
             await stop_store(procs)
 
     asyncio.run(main())
+
+
+def test_trainer_to_generator_parity_and_reference(tiny_model_dir):
+    """The trainer pushes a trained policy; the generator serves it; on the generator's own
+    tokens, trainer logprobs match the generator's (k3 KL <= 1e-4, IS ratio 1 within 1e-5).
+    The reference keeps the initial policy, chunked or not."""
+    from forge.types import Episode, collate
+    from services.reference import Reference
+    from services.trainer import Trainer
+    from test_trainer import fixed_batch, on_policy
+
+    async def main():
+        store = await start_store()
+        trainer = await Trainer.options(procs=1).as_service(model=str(tiny_model_dir), lr=1e-3,
+                                                            loss={"name": "reinforce"}, weights="parity")
+        gen = await Generator.options().as_service(model=str(tiny_model_dir), max_model_len=256, weights_from="parity")
+        ref = await Reference.options().as_service(model=str(tiny_model_dir), chunk_rows=3)
+        try:
+            initial = await trainer.logprobs.route(fixed_batch())
+            for _ in range(3):
+                b = fixed_batch()
+                await trainer.train_step.route(on_policy(b, await trainer.logprobs.route(b)))
+            await trainer.push_weights.route(1)
+            await wait_version(gen, 1)
+            groups = await asyncio.gather(*(gen.generate.route(p, n=4, sampling={"max_tokens": 24})
+                                            for p in ("rev abc=", "12+7=", "sort cba=")))
+            episodes = [Episode.from_completion(c) for g in groups for c in g]
+            batch = collate(episodes, pad_id=0)
+            trainer_lp = await trainer.logprobs.route(batch)
+            ref_fixed = await ref.logprobs.route(fixed_batch())
+        finally:
+            await asyncio.gather(gen.shutdown(), trainer.shutdown(), ref.shutdown())
+            await stop_store(store)
+        return groups, batch, trainer_lp, initial, ref_fixed
+
+    groups, batch, trainer_lp, initial, ref_fixed = asyncio.run(main())
+    assert all(c.policy_version == 1 for g in groups for c in g)
+    m = batch.loss_mask.bool()
+    d = (trainer_lp - batch.gen_logprobs)[m]  # log(pi_trainer / pi_generator) per token
+    k3 = (torch.exp(-d) + d - 1).mean().item()
+    assert k3 <= 1e-4 and (torch.exp(d) - 1).abs().max().item() <= 1e-5, (k3, d.abs().max())
+    assert (ref_fixed - initial).abs().max().item() <= 1e-5  # reference = initial policy

@@ -1,0 +1,144 @@
+"""Policy-gradient losses. Each is one small function of token-aligned [rows, seq] tensors:
+
+    loss, metrics = LOSSES[cfg.name](logprobs, batch, is_weight, cfg)
+
+`logprobs` are the trainer's (with grad), index t = log p(token t); `is_weight` is the
+truncated importance weight min(pi_trainer / pi_generator, cap), detached, that corrects
+samples a stale generator produced (1 on-policy). Each batch gets one optimizer step, so
+the "old" policy of the PPO ratio is the trainer's own logprobs before the step
+(`logprobs.detach()`); the ratio is 1 in value and carries the gradient.
+To add a loss: write a function with this signature and register it in LOSSES.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from forge.types import Batch
+
+
+@dataclass
+class LossConfig:
+    name: str = "grpo"  # grpo | dr_grpo | dapo | gspo | cispo | reinforce
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # DAPO's clip-higher uses 0.28
+    kl_coef: float = 0.0  # k3 KL to the reference model (needs ref_logprobs)
+    is_cap: float = 2.0  # truncated importance sampling cap
+    norm_tokens: int = 0  # Dr.GRPO's constant normalizer (0: the batch's row length)
+
+    def validate(self) -> None:
+        if self.name not in LOSSES:
+            raise ValueError(f"unknown loss {self.name!r} (config key 'loss.name'); known: {', '.join(LOSSES)}")
+        if self.is_cap < 1:
+            raise ValueError(f"config key 'loss.is_cap' must be >= 1, got {self.is_cap}")
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || ref): exp(r - l) - (r - l) - 1 >= 0."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1
+
+
+def _ratio(logprobs: torch.Tensor) -> torch.Tensor:
+    return torch.exp(logprobs - logprobs.detach())
+
+
+def _clipped_pg(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    return -torch.minimum(ratio * adv, ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
+
+
+def _doc_mean(x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Mean over each episode's loss tokens, then over episodes (packing-aware via doc_ids)."""
+    n = batch.num_episodes
+    docs = batch.doc_ids.clamp(min=0).flatten()
+    m = batch.loss_mask.flatten()
+    sums = torch.zeros(n, dtype=x.dtype).index_add(0, docs, (x * batch.loss_mask).flatten())
+    counts = torch.zeros(n, dtype=x.dtype).index_add(0, docs, m)
+    return (sums / counts.clamp(min=1))[counts > 0].mean()
+
+
+def _token_mean(x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    return (x * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
+
+
+def _with_kl(pg: torch.Tensor, logprobs: torch.Tensor, batch: Batch, cfg: LossConfig) -> torch.Tensor:
+    if cfg.kl_coef == 0:
+        return pg
+    if batch.ref_logprobs is None:
+        raise ValueError("loss.kl_coef > 0 needs reference logprobs in the batch")
+    return pg + cfg.kl_coef * k3_kl(logprobs, batch.ref_logprobs)
+
+
+def grpo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """GRPO: clipped ratio x advantage (+ k3 KL), mean per sequence, then over sequences."""
+    pg = is_weight * _clipped_pg(_ratio(logprobs), batch.advantages, cfg)
+    return _doc_mean(_with_kl(pg, logprobs, batch, cfg), batch)
+
+
+def dr_grpo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """Dr.GRPO: like GRPO but summed over tokens and divided by a constant (no length bias)."""
+    pg = _with_kl(is_weight * _clipped_pg(_ratio(logprobs), batch.advantages, cfg), logprobs, batch, cfg)
+    norm = cfg.norm_tokens or batch.loss_mask.shape[1]
+    return (pg * batch.loss_mask).sum() / (batch.num_episodes * norm)
+
+
+def dapo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """DAPO: token-level mean over the whole batch (clip-higher via clip_high; dynamic
+    sampling drops zero-variance groups before the batch is built)."""
+    pg = is_weight * _clipped_pg(_ratio(logprobs), batch.advantages, cfg)
+    return _token_mean(_with_kl(pg, logprobs, batch, cfg), batch)
+
+
+def gspo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """GSPO: one length-normalized sequence ratio per episode, clipped at sequence level."""
+    n = batch.num_episodes
+    docs = batch.doc_ids.clamp(min=0).flatten()
+    m = batch.loss_mask.flatten()
+    counts = torch.zeros(n).index_add(0, docs, m).clamp(min=1)
+    # log of the sequence IS weight joins the ratio: s = (pi/pi_old)^(1/|y|) * w_seq
+    log_w = torch.log(is_weight.clamp(min=1e-8)).detach()
+    log_s = torch.zeros(n).index_add(0, docs, ((logprobs - logprobs.detach() + log_w) * batch.loss_mask).flatten()) / counts
+    adv = torch.zeros(n).index_add(0, docs, (batch.advantages * batch.loss_mask).flatten()) / counts
+    present = torch.zeros(n).index_add(0, docs, m) > 0
+    seq = _clipped_pg(torch.exp(log_s), adv, cfg)[present].mean()
+    if cfg.kl_coef:
+        seq = seq + cfg.kl_coef * _doc_mean(k3_kl(logprobs, batch.ref_logprobs), batch)
+    return seq
+
+
+def cispo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """CISPO: REINFORCE weighted by the clipped, detached IS ratio; every token keeps a gradient."""
+    weight = is_weight.clamp(max=1 + cfg.clip_high).detach()
+    pg = -weight * batch.advantages * logprobs
+    return _token_mean(_with_kl(pg, logprobs, batch, cfg), batch)
+
+
+def reinforce(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """Plain REINFORCE with the IS correction: -w * A * log pi, token mean."""
+    return _token_mean(_with_kl(-is_weight * batch.advantages * logprobs, logprobs, batch, cfg), batch)
+
+
+LossFn = Callable[[torch.Tensor, Batch, torch.Tensor, LossConfig], torch.Tensor]
+LOSSES: dict[str, LossFn] = {
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "dapo": dapo,
+    "gspo": gspo,
+    "cispo": cispo,
+    "reinforce": reinforce,
+}
+
+
+def importance_weight(logprobs: torch.Tensor, gen_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated IS weight min(pi_trainer / pi_generator, cap), detached."""
+    return torch.exp(logprobs.detach() - gen_logprobs).clamp(max=cap)
+
+
+def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages for one group: reward minus the group mean (divided by the group std
+    unless Dr.GRPO's std_normalize=False)."""
+    adv = rewards - rewards.mean()
+    return adv / (rewards.std(unbiased=False) + eps) if std_normalize else adv

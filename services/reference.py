@@ -1,0 +1,50 @@
+"""Reference model service: the frozen initial policy, for the KL term.
+
+    ref = await Reference.options().as_service(model=path)
+    ref_logprobs = await ref.logprobs.route(batch)   # [rows, seq], token-aligned
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from monarch.actor import endpoint
+
+from forge.actor import ForgeActor
+from forge.config import require_file
+from forge.types import Batch
+
+
+class Reference(ForgeActor):
+    """Frozen torchtitan model; `logprobs` runs `chunk_rows` rows at a time so the full-vocab
+    logits of a whole batch never exist at once."""
+
+    @classmethod
+    def check_args(cls, model: str | Path, chunk_rows: int = 8) -> None:
+        require_file("reference.model", Path(model) / "config.json")
+        if chunk_rows < 1:
+            raise ValueError(f"Reference: chunk_rows must be >= 1, got {chunk_rows}")
+
+    def __init__(self, model: str | Path, chunk_rows: int = 8):
+        self.path, self.chunk_rows = str(model), chunk_rows
+
+    @endpoint
+    async def setup(self) -> None:
+        from services.titan import load_hf_model
+
+        accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        self.device = torch.device(accel.type if accel else "cpu")
+        self.model = load_hf_model(self.path, self.device).eval().requires_grad_(False)
+
+    @endpoint
+    async def logprobs(self, batch: Batch) -> torch.Tensor:
+        from services.titan import token_logprobs
+
+        with torch.no_grad():
+            return token_logprobs(self.model, batch.input_ids.to(self.device), chunk_rows=self.chunk_rows)[0].cpu()
+
+    @endpoint
+    async def info(self) -> dict[str, Any]:
+        return {"model": self.path, "chunk_rows": self.chunk_rows}

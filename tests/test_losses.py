@@ -1,0 +1,81 @@
+"""Each loss against a value computed by hand on a two-episode batch."""
+
+import math
+
+import pytest
+import torch
+
+from forge.losses import LOSSES, LossConfig, group_advantages, importance_weight, k3_kl
+from forge.types import Episode, collate
+
+# Episode 1: prompt 1 token, 3 response tokens, advantage +1. Episode 2: 2 response tokens, -0.5.
+EPS = [
+    Episode(tokens=[1, 5, 6, 7], loss_mask=[0, 1, 1, 1], gen_logprobs=[0, -0.5, -1.0, -2.0], advantage=1.0),
+    Episode(tokens=[1, 8, 9], loss_mask=[0, 1, 1], gen_logprobs=[0, -1.0, -0.2], advantage=-0.5),
+]
+LP = [[0.0, -0.5, -1.0, -2.0], [0.0, -1.0, -0.2, 0.0]]  # the trainer's logprobs (= generator's: on-policy)
+
+
+def run(name, is_weight=None, ref=None, **cfg):
+    episodes = [Episode(**{**e.__dict__, "ref_logprobs": r}) for e, r in zip(EPS, ref)] if ref else EPS
+    batch = collate(episodes, pad_id=0)
+    lp = torch.tensor(LP, requires_grad=True)
+    w = torch.ones(2, 4) if is_weight is None else torch.tensor(is_weight)
+    loss = LOSSES[name](lp, batch, w, LossConfig(name=name, **cfg))
+    loss.backward()
+    return loss.item(), lp.grad
+
+
+def test_grpo_sequence_mean():
+    loss, grad = run("grpo")
+    assert loss == pytest.approx((-1.0 + 0.5) / 2)  # per-token -A, mean per episode, then over episodes
+    assert grad[0, 1:].tolist() == pytest.approx([-1 / 6] * 3) and grad[1, 1:3].tolist() == pytest.approx([0.125] * 2)
+    assert grad[0, 0] == 0 and grad[1, 3] == 0  # prompt and padding get no gradient
+
+
+def test_grpo_k3_kl():
+    ref = [[0, -0.5 + 0.0, -1.0 + 0.1, -2.0 - 0.2], [0, -1.0, -0.2]]
+    loss, _ = run("grpo", ref=ref, kl_coef=0.1)
+    kl1 = (0 + (math.exp(0.1) - 0.1 - 1) + (math.exp(-0.2) + 0.2 - 1)) / 3
+    assert loss == pytest.approx(((-1 + 0.1 * kl1) + 0.5) / 2)
+    assert k3_kl(torch.tensor([-1.0]), torch.tensor([-1.0])).item() == 0
+
+
+def test_dr_grpo_constant_normalizer():
+    loss, _ = run("dr_grpo", norm_tokens=10)
+    assert loss == pytest.approx((-3 * 1.0 + 2 * 0.5) / (2 * 10))
+
+
+def test_dapo_token_mean():
+    loss, grad = run("dapo")
+    assert loss == pytest.approx((-3 * 1.0 + 2 * 0.5) / 5)
+    assert grad[0, 1].item() == pytest.approx(-1 / 5)
+
+
+def test_reinforce_and_cispo():
+    loss, _ = run("reinforce")
+    assert loss == pytest.approx((3.5 - 0.6) / 5)  # -A*lp: 1*(0.5+1+2), -0.5*(1+0.2)
+    w = [[1, 1.5, 1, 1], [1, 1, 1, 1]]
+    loss, _ = run("cispo", is_weight=w, clip_high=0.2)  # weight 1.5 clipped to 1.2
+    assert loss == pytest.approx((1.2 * 0.5 + 1 + 2 - 0.6) / 5)
+
+
+def test_gspo_sequence_ratio_clipped():
+    loss, _ = run("gspo")
+    assert loss == pytest.approx((-1.0 + 0.5) / 2)
+    w = [[2, 2, 2, 2], [1, 1, 1, 1]]  # episode 1's sequence ratio is 2 -> clipped to 1.2
+    loss, _ = run("gspo", is_weight=w)
+    assert loss == pytest.approx((-1.2 + 0.5) / 2)
+
+
+def test_importance_weight_and_advantages():
+    w = importance_weight(torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0]), cap=2.0)
+    assert w.tolist() == pytest.approx([2.0, math.exp(-1)])
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    assert group_advantages(r).tolist() == pytest.approx([1, -1, -1, 1], abs=1e-5)
+    assert group_advantages(r, std_normalize=False).tolist() == [0.5, -0.5, -0.5, 0.5]
+
+
+def test_unknown_loss_is_named():
+    with pytest.raises(ValueError, match="unknown loss 'ppo2'.*'loss.name'"):
+        LossConfig(name="ppo2").validate()
