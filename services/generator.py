@@ -14,6 +14,7 @@ generated under.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import gc
 import logging
@@ -117,6 +118,7 @@ class Generator(ForgeActor):
         self.version = 0
         self.engine = None
         self._swap = asyncio.Lock()
+        self._pauses: collections.deque[float] = collections.deque(maxlen=32)
 
     @endpoint
     async def setup(self) -> None:
@@ -277,11 +279,17 @@ class Generator(ForgeActor):
                 self.version = version
             finally:
                 await self.engine.resume_generation()
-            return loop.time() - start
+            self._pauses.append(loop.time() - start)
+            return self._pauses[-1]
 
     @endpoint
     async def policy_version(self) -> int:
         return self.version
+
+    @endpoint
+    async def last_swaps(self) -> list[float]:
+        """Seconds generation was paused by each recent weight swap (newest last)."""
+        return list(self._pauses)
 
     @endpoint
     async def engine_pids(self) -> list[int]:
