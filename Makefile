@@ -4,8 +4,7 @@ SHELL := /bin/bash
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.forge-installed
-# configs/grpo_tiny.yaml once the GRPO app lands
-CONFIG ?= configs/sft_tiny.yaml
+CONFIG ?= configs/grpo_tiny.yaml
 PYTEST_ARGS ?=
 
 .PHONY: install run test clean
@@ -18,8 +17,7 @@ $(STAMP): pyproject.toml forge/install.py
 install: $(STAMP)
 
 run: $(STAMP)
-	@echo "forge: the GRPO app has not landed yet; running the most complete job there is: $(CONFIG)"
-	$(PY) -m forge.cli run $(CONFIG)
+	VLLM_LOGGING_LEVEL=$${VLLM_LOGGING_LEVEL:-WARNING} $(PY) -m forge.cli run $(CONFIG) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

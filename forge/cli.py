@@ -7,7 +7,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from forge.config import ConfigError, load_config, read_yaml
+from forge.config import ConfigError, load_config, read_yaml, require_file
 
 
 def _fail(msg: str) -> None:
@@ -15,9 +15,14 @@ def _fail(msg: str) -> None:
     raise SystemExit(2)
 
 
-def run(config: str | None, overrides: list[str], app: str | None = None):
-    """Load `config` (+ overrides) into the app's Config and run the app's main()."""
+def run(config: str | None, overrides: list[str], app: str | None = None, resume: str | None = None):
+    """Load `config` (+ overrides) into the app's Config and run the app's main().
+    `resume`: a run directory; its saved config.yaml is the default config."""
     try:
+        if resume is not None:
+            require_file("resume", Path(resume) / "config.yaml")
+            config = config or str(Path(resume) / "config.yaml")
+            overrides = [*overrides, f"resume={resume}"]
         if app is None:
             if config is None:
                 raise ConfigError("no config file given")
@@ -41,8 +46,9 @@ def run_app(app: str, argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=f"python -m apps.{app}")
     p.add_argument("--config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.lr=1e-4")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR")
     a = p.parse_args(argv)
-    run(a.config, a.overrides, app=app)
+    run(a.config, a.overrides, app=app, resume=a.resume)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,8 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     r = sub.add_parser("run", help="run the app named by a config file's `app` key")
-    r.add_argument("config")
+    r.add_argument("config", nargs="?", help="YAML config (default with --resume: the run's saved config)")
     r.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.lr=1e-4")
+    r.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR (e.g. runs/grpo_tiny)")
 
     m = sub.add_parser("make-tiny-model", help="build the offline tiny Qwen3 model + tokenizer")
     m.add_argument("--out", required=True, help="output directory (HF format)")
@@ -68,7 +75,9 @@ def main(argv: list[str] | None = None) -> None:
 
     a = p.parse_args(argv)
     if a.cmd == "run":
-        run(a.config, a.overrides)
+        if a.config and "=" in a.config:  # `forge run --resume DIR key=value`: no config file given
+            a.overrides, a.config = [a.config, *a.overrides], None
+        run(a.config, a.overrides, resume=a.resume)
     elif a.cmd == "make-tiny-model":
         import json
 

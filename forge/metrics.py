@@ -198,3 +198,29 @@ class MetricWriter:
             self._tb.close()
         if self._wandb:
             self._wandb.finish()
+
+
+def plot_rewards(run_dir: str | Path, keys: Sequence[str] = ("reward_mean", "accuracy")) -> Path:
+    """runs/<name>/reward.png: `keys` vs step and vs wall time, from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, x in zip(axes, ("step", "wall_s")):
+        for key in keys:
+            pts = [(r[x], r[key]) for r in rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts), label=key)
+        ax.set_xlabel("step" if x == "step" else "wall time (s)")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    fig.suptitle(Path(run_dir).name)
+    fig.tight_layout()
+    out = Path(run_dir) / "reward.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -125,6 +125,7 @@ class Generator(ForgeActor):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(self.cfg.cache_dir).absolute()))
+        os.environ["FORGE_GENERATOR_PID"] = str(os.getpid())  # vLLM's processes exit with this one
         self.engine = AsyncLLM.from_engine_args(self.cfg.engine_args())
         self.tokenizer = self.engine.tokenizer
         self.vocab_size = self.engine.model_config.get_vocab_size()

@@ -35,7 +35,7 @@ HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenize
 class TrainerConfig:
     model: str = ""  # HF model directory
     lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     warmup_steps: int = 0
     lr_decay: str = "none"  # torchtitan decay_type: none | linear | cosine | sqrt

@@ -5,7 +5,34 @@ Kept free of forge/monarch imports: vLLM imports it in its EngineCore process.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 from safetensors.torch import load_file
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _exit_with(pid: int) -> None:
+    # vLLM's EngineCore outlives a SIGKILLed frontend (the generator actor) and keeps a core
+    # busy; its worker (this process, a child of EngineCore) ends both when the actor is gone.
+    while _alive(pid):
+        time.sleep(1.0)
+    os.kill(os.getppid(), signal.SIGKILL)
+    os._exit(1)
+
+
+_owner = int(os.environ.get("FORGE_GENERATOR_PID", "0"))
+if _owner and _owner != os.getpid() and os.path.isdir("/proc"):
+    threading.Thread(target=_exit_with, args=(_owner,), daemon=True, name="forge-exit-with-generator").start()
 
 
 class WeightReloader:

@@ -103,10 +103,17 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
             await shm.publish(3, perturbed(base, 3))
             await shm.drop_older_than(3)
             await wait_version(gen, 3)
-            actor_pid = psutil.Process((await gen.engine_pids.route())[0]).ppid()
+            engine_pids = await gen.engine_pids.route()
+            actor_pid = psutil.Process(engine_pids[0]).ppid()
             os.kill(actor_pid, signal.SIGKILL)
             out = await gen.generate.route("1+2=", sampling={"max_tokens": 4})
             assert out[0].policy_version == 3 and sum(r.respawns for r in gen.replicas) == 1
+            # The dead replica's vLLM processes went with it (they are not left orphaned).
+            for _ in range(50):
+                if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engine_pids):
+                    break
+                await asyncio.sleep(0.2)
+            assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engine_pids)
         finally:
             await gen.shutdown()
             await stop_store(procs)

@@ -1,0 +1,83 @@
+"""Reward service: rule/verifier rewards over the toy tasks, plus a format reward.
+
+    rewards = await Rewards.options().as_service(task="reverse", rewards={"task": 1.0, "format": 0.1})
+    scores = await rewards.score.route([(answer, completion_text, finish_reason), ...])
+
+Each reward is a function (answer, text, finish_reason) -> float in REWARDS. One that
+raises scores 0 for that sample and is counted as a failure: it never ends the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import string
+from typing import Callable
+
+from monarch.actor import endpoint
+
+from forge.actor import ForgeActor
+from forge.tasks import get_task
+
+log = logging.getLogger("forge")
+RewardFn = Callable[[str, str, str], float]
+
+
+def format_reward(answer: str, text: str, finish_reason: str) -> float:
+    """1 when the model stopped by itself and wrote only the answer's kind of characters."""
+    allowed = set(string.ascii_lowercase + string.digits)
+    return float(finish_reason == "stop" and bool(text) and set(text) <= allowed)
+
+
+def exact_reward(answer: str, text: str, finish_reason: str) -> float:
+    """1 for exactly the answer, else 0: the verifiable reward of RLVR."""
+    return float(text.strip() == answer)
+
+
+def _task_reward(task: str) -> RewardFn:
+    t = get_task(task)
+    return lambda answer, text, finish_reason: t.score(text, answer)
+
+
+def make_rewards(task: str) -> dict[str, RewardFn]:
+    """`task`: the task's own score (partial credit); `exact`: 0/1; `format`: stopped cleanly."""
+    return {"task": _task_reward(task), "exact": exact_reward, "format": format_reward}
+
+
+def check_rewards(task: str, weights: dict[str, float]) -> None:
+    known = make_rewards(task)
+    unknown = sorted(set(weights) - set(known))
+    if unknown:
+        raise ValueError(f"unknown reward(s) {unknown} (config key 'rewards'); known: {', '.join(known)}")
+    if not weights:
+        raise ValueError("config key 'rewards' is empty: name at least one reward")
+
+
+class Rewards(ForgeActor):
+    """Scores completions: the weighted sum of the configured rewards, and each component."""
+
+    @classmethod
+    def check_args(cls, task: str, rewards: dict[str, float]) -> None:
+        check_rewards(task, rewards)
+
+    def __init__(self, task: str, rewards: dict[str, float]):
+        self.task, self.weights = task, dict(rewards)
+        self.fns = {name: fn for name, fn in make_rewards(task).items() if name in rewards}
+
+    @endpoint
+    async def score(self, samples: list[tuple[str, str, str]]) -> list[dict[str, float]]:
+        """For each (answer, text, finish_reason): {"reward": total, <name>: value, "reward_failed": 0/1,
+        "correct": 0/1}."""
+        out = []
+        for answer, text, finish in samples:
+            row, failed = {}, 0.0
+            for name, fn in self.fns.items():
+                try:
+                    row[name] = float(fn(answer, text, finish))
+                except Exception as e:  # a broken reward scores 0 and is counted, the run goes on
+                    log.warning("forge: reward %r failed on %r: %s", name, text[:40], e)
+                    row[name], failed = 0.0, 1.0
+            row["reward"] = sum(self.weights[n] * row[n] for n in self.fns)
+            row["reward_failed"] = failed
+            row["correct"] = exact_reward(answer, text, finish)  # accuracy, whatever the rewards are
+            out.append(row)
+        return out

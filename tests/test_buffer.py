@@ -1,0 +1,58 @@
+import asyncio
+
+import pytest
+
+from forge.buffer import ReplayBuffer
+from forge.types import Episode
+
+
+def group(version: int, rewards=(0.0, 1.0), tokens: int = 4) -> list[Episode]:
+    return [Episode(tokens=[1] * tokens, loss_mask=[0] + [1] * (tokens - 1), gen_logprobs=[0.0] * tokens,
+                    reward=r, policy_version=version) for r in rewards]
+
+
+def test_staleness_capacity_and_state():
+    async def main():
+        buf = await ReplayBuffer.options().as_actor(capacity=4, max_staleness=1)
+        try:
+            for v in (0, 1):
+                assert await buf.add.call_one(group(v)) == 2
+            # Full: the next add waits until a sample makes room.
+            blocked = asyncio.ensure_future(buf.add.call_one(group(2)))
+            await asyncio.sleep(0.3)
+            assert not blocked.done()
+            # Policy version 2: the version-0 episodes are too old and are dropped, not trained on.
+            batch = await buf.sample.call_one(2, 2, timeout_s=5)
+            assert [e.policy_version for e in batch] == [1, 1]
+            assert await blocked == 2
+            state = await buf.state_dict.call_one()
+            stats = await buf.get_stats.call_one()
+            assert stats["dropped_stale"] == 2 and stats["size"] == 2
+            other = await ReplayBuffer.options().as_actor(capacity=4, max_staleness=1)
+            await other.load_state_dict.call_one(state)
+            assert [e.policy_version for e in await other.sample.call_one(2, 2, timeout_s=5)] == [2, 2]
+            await other.shutdown()
+            with pytest.raises(Exception, match="fewer than 1 episodes usable by policy version 5"):
+                await buf.sample.call_one(1, 5, timeout_s=0.5)  # nothing fresh enough for version 5
+        finally:
+            await buf.shutdown()
+
+    asyncio.run(main())
+
+
+def test_filtered_group_releases_its_place():
+    """A group whose samples are all dropped (zero variance, too long) takes no place: the
+    buffer keeps accepting and sampling instead of waiting for it (a known deadlock elsewhere)."""
+
+    async def main():
+        buf = await ReplayBuffer.options().as_actor(capacity=2, max_staleness=0, max_tokens=6, dynamic_sampling=True)
+        try:
+            assert await buf.add.call_one(group(0, rewards=(1.0, 1.0))) == 0  # zero variance
+            assert await buf.add.call_one(group(0, tokens=9)) == 0  # too long
+            assert await asyncio.wait_for(buf.add.call_one(group(0)), 5) == 2
+            assert len(await buf.sample.call_one(2, 0, timeout_s=5)) == 2
+            assert (await buf.get_stats.call_one())["dropped_filtered"] == 4
+        finally:
+            await buf.shutdown()
+
+    asyncio.run(main())
