@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_service_overhead_quick_writes_json(tmp_path):
     out = tmp_path / "service_overhead.json"
@@ -24,3 +26,16 @@ def test_generation_quick_writes_json(tmp_path):
     for row in ("hf_generate", "bare_vllm", "service_1_replica"):
         assert data["rows"][row]["tokens_per_s"] > 0
     assert data["service_vs_bare_vllm"] > 0 and data["vllm_vs_hf_generate"] > 0 and data["reload_paused_s_median"] > 0
+
+
+@pytest.mark.parametrize("name, keys", [
+    ("weight_sync", ("fraction_of_memcpy", "torchstore_fraction_of_memcpy", "generator_sync")),
+    ("trainer", ("bare_torchtitan_step_s", "forge_train_step_s", "overhead")),
+])
+def test_quick_benchmark_writes_json(tmp_path, name, keys):
+    out = tmp_path / f"{name}.json"
+    r = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert all(k in data for k in keys)

@@ -1,0 +1,123 @@
+"""forge Trainer.train_step (a service call) vs a bare torchtitan step, same model and batch.
+
+    python -m benchmarks.trainer [--quick]
+
+The bare step is written with torchtitan directly in this process (FSDP2 on 1 rank, the
+same AdamW, clipping and GRPO loss); the forge step is `await trainer.train_step.route(batch)`,
+which adds the Monarch message, the batch's pickling and the metrics. Writes
+benchmarks/results/trainer.json with `overhead` = forge / bare - 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def batch(rows: int, seq: int):
+    from forge.types import Episode, collate
+
+    g = torch.Generator().manual_seed(0)
+    eps = [Episode(tokens=torch.randint(6, 100, (seq,), generator=g).tolist(), loss_mask=[0] * 8 + [1] * (seq - 8),
+                   gen_logprobs=[-4.6] * seq, advantage=float(i % 2) - 0.5) for i in range(rows)]
+    return collate(eps, pad_id=0)
+
+
+def bare_step_s(model_dir: str, b, steps: int, threads: int) -> float:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+    from forge.losses import LossConfig, grpo, importance_weight
+    from services.titan import load_hf_model, token_logprobs, use_device_type
+
+    torch.set_num_threads(threads)
+    use_device_type("cpu")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    dist_utils.set_spmd_backend("partial_dtensor")
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    model = parallelize_qwen3(load_hf_model(model_dir), parallel_dims=dims,
+                              training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+                              parallelism=ParallelismConfig(data_parallel_shard_degree=1, spmd_backend="partial_dtensor"),
+                              compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp")
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    opt = OptimizersContainer.Config(implementation="for-loop", param_groups=[ParamGroupConfig(
+        pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8,
+                                                                 "weight_decay": 0.0})]).build(model_parts=[model])
+    sched = LRSchedulersContainer.Config(warmup_steps=0, decay_type="linear", min_lr_factor=1.0).build(
+        optimizers=opt, training_steps=1000)
+    cfg = LossConfig()
+    times = []
+    for _ in range(steps + 2):
+        t = time.perf_counter()
+        opt.zero_grad()
+        lp, _ = token_logprobs(model, b.input_ids, with_entropy=True)
+        grpo(lp, b, importance_weight(lp, b.gen_logprobs, cfg.is_cap), cfg).backward()
+        dist_utils.clip_grad_norm_(list(model.parameters()), max_norm=1.0, foreach=True)
+        opt.step()
+        sched.step()
+        times.append(time.perf_counter() - t)
+    dist.destroy_process_group()
+    return statistics.median(times[2:])
+
+
+async def forge_step_s(model_dir: str, b, steps: int, threads: int) -> float:
+    from services.trainer import Trainer
+
+    trainer = await Trainer.options().as_service(model_dir, lr=1e-5, threads=threads)
+    try:
+        times = []
+        for _ in range(steps + 2):
+            t = time.perf_counter()
+            await trainer.train_step.route(b)
+            times.append(time.perf_counter() - t)
+    finally:
+        await trainer.shutdown()
+    return statistics.median(times[2:])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/trainer.json"))
+    a = p.parse_args(argv)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    from forge.tiny_model import TinyModelSpec, make_tiny_model
+
+    model = str(make_tiny_model(ROOT / ".cache/forge/models/bench-tiny", TinyModelSpec(sft_steps=0)))
+    steps, threads = (3, 2) if a.quick else (15, 2)
+    b = batch(64, 32)
+    forge_s = asyncio.run(forge_step_s(model, b, steps, threads))  # its own process: runs first
+    bare_s = bare_step_s(model, b, steps, threads)
+    result = {"bare_torchtitan_step_s": bare_s, "forge_train_step_s": forge_s, "overhead": forge_s / bare_s - 1,
+              "batch": {"rows": 64, "seq": 32}, "steps": steps, "threads": threads}
+    print(f"{'step':<24}{'seconds (median)':>18}")
+    print(f"{'bare torchtitan':<24}{bare_s:>18.4f}")
+    print(f"{'forge train_step':<24}{forge_s:>18.4f}")
+    print(f"overhead {result['overhead'] * 100:+.1f}%")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
