@@ -9,10 +9,8 @@ state dict). Prints a table and writes benchmarks/results/generation.json.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
-import json
 import os
 import statistics
 import sys
@@ -20,7 +18,8 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.common import ROOT, parse_args, tiny_model, write_result
+
 SAMPLING = {"temperature": 1.0, "ignore_eos": True}
 
 
@@ -112,15 +111,8 @@ async def hf_rate(model: str, ps: list[str], n: int, max_tokens: int, repeats: i
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="fewer prompts, one repeat, no 2-replica row (smoke run)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/generation.json"))
-    a = p.parse_args(argv)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from forge.tiny_model import TinyModelSpec, make_tiny_model
-
-    model = str(make_tiny_model(ROOT / ".cache/forge/models/bench-tiny", TinyModelSpec(sft_steps=0)))
+    a = parse_args("generation", __doc__, "fewer prompts, one repeat, no 2-replica row (smoke run)", argv)
+    model = tiny_model()
     n_prompts, n, max_tokens, repeats = (16, 4, 32, 1) if a.quick else (64, 4, 64, 3)
     ps = prompts(n_prompts)
     args = (ps, n, max_tokens, repeats)
@@ -142,10 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<20}{r['tokens_per_s']:>20.0f}")
     print(f"service/bare vLLM x{result['service_vs_bare_vllm']:.2f}; bare vLLM/HF generate x{result['vllm_vs_hf_generate']:.2f}")
     print(f"reload: call {result['reload_call_s_median'] * 1e3:.0f} ms, generation paused {result['reload_paused_s_median'] * 1e3:.0f} ms")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return write_result(a.out, result)
 
 
 if __name__ == "__main__":

@@ -7,20 +7,15 @@ Prints a table and writes benchmarks/results/service_overhead.json.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from monarch.actor import endpoint
 
+from benchmarks.common import parse_args, write_result
 from forge.actor import ForgeActor
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class Noop(ForgeActor):
@@ -73,22 +68,14 @@ async def measure(n: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="fewer calls (smoke run)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/service_overhead.json"))
-    a = p.parse_args(argv)
-    # Monarch children import this module by name.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    a = parse_args("service_overhead", __doc__, "fewer calls (smoke run)", argv)
     result = asyncio.run(measure(n=50 if a.quick else 500, repeats=2 if a.quick else 5))
     print(f"{'path':<16}{'latency (us, median)':>22}{'calls/s (median)':>18}")
     for name in ("bare_call_one", "service_route"):
         r = result[name]
         print(f"{name:<16}{r['latency_us_median']:>22.0f}{r['calls_per_s_median']:>18.0f}")
     print(f"route/bare: latency x{result['route_latency_ratio']:.2f}, throughput x{result['route_throughput_ratio']:.2f}")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return write_result(a.out, result)
 
 
 if __name__ == "__main__":

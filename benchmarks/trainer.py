@@ -10,18 +10,15 @@ benchmarks/results/trainer.json with `overhead` = forge / bare - 1.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.common import parse_args, tiny_model, write_result
 
 
 def batch(rows: int, seq: int):
@@ -95,14 +92,8 @@ async def forge_step_s(model_dir: str, b, steps: int, threads: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/trainer.json"))
-    a = p.parse_args(argv)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    from forge.tiny_model import TinyModelSpec, make_tiny_model
-
-    model = str(make_tiny_model(ROOT / ".cache/forge/models/bench-tiny", TinyModelSpec(sft_steps=0)))
+    a = parse_args("trainer", __doc__, "fewer steps (smoke run)", argv)
+    model = tiny_model()
     steps, threads = (3, 2) if a.quick else (15, 2)
     b = batch(64, 32)
     forge_s = asyncio.run(forge_step_s(model, b, steps, threads))  # its own process: runs first
@@ -113,10 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'bare torchtitan':<24}{bare_s:>18.4f}")
     print(f"{'forge train_step':<24}{forge_s:>18.4f}")
     print(f"overhead {result['overhead'] * 100:+.1f}%")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return write_result(a.out, result)
 
 
 if __name__ == "__main__":

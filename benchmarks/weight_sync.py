@@ -11,10 +11,7 @@ version being live, and how long generation was paused. Writes benchmarks/result
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import os
 import statistics
 import sys
 import time
@@ -22,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.common import parse_args, tiny_model, write_result
+
 TENSOR_MB = 4  # the state dict is made of 4 MB fp32 tensors, like a model's weight matrices
 
 
@@ -114,15 +112,8 @@ async def measure(sizes: list[int], repeats: int, model: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="sizes up to 64 MB, one repeat (smoke run)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/weight_sync.json"))
-    a = p.parse_args(argv)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from forge.tiny_model import TinyModelSpec, make_tiny_model
-
-    model = str(make_tiny_model(ROOT / ".cache/forge/models/bench-tiny", TinyModelSpec(sft_steps=0)))
+    a = parse_args("weight_sync", __doc__, "sizes up to 64 MB, one repeat (smoke run)", argv)
+    model = tiny_model()
     sizes = [1, 16, 64] if a.quick else [1, 16, 64, 256, 500]
     result = asyncio.run(measure(sizes, 1 if a.quick else 3, model))
     print(f"{'MB':>6}{'memcpy GB/s':>13}{'(fresh)':>9}{'shm GB/s':>10}{'shm/memcpy':>12}{'torchstore GB/s':>17}{'ts/memcpy':>11}")
@@ -132,10 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     g = result["generator_sync"]
     print(f"generator ({g['model_mb']:.1f} MB model): publish -> live {g['publish_to_live_s_median'] * 1e3:.0f} ms, "
           f"generation paused {g['paused_s_median'] * 1e3:.0f} ms")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return write_result(a.out, result)
 
 
 if __name__ == "__main__":

@@ -213,7 +213,11 @@ def plot_rewards(run_dir: str | Path, keys: Sequence[str] = ("reward_mean", "acc
         for key in keys:
             pts = [(r[x], r[key]) for r in rows if key in r]
             if pts:
-                ax.plot(*zip(*pts), label=key)
+                xs, ys = zip(*pts)
+                line, = ax.plot(xs, ys, alpha=0.3, linewidth=0.8)
+                w = max(1, len(ys) // 15)  # a moving average shows the trend through per-batch noise
+                avg = [sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1]) for i in range(len(ys))]
+                ax.plot(xs, avg, color=line.get_color(), label=f"{key} (mean of {w})")
         ax.set_xlabel("step" if x == "step" else "wall time (s)")
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)

@@ -30,7 +30,7 @@ import torch
 from monarch.actor import concurrent_endpoint, endpoint
 
 from forge.actor import ForgeActor
-from forge.config import require_file
+from forge.config import from_options
 from forge.types import Completion
 
 log = logging.getLogger("forge")
@@ -89,16 +89,7 @@ class GeneratorConfig:
 
 
 def make_config(model: str, options: dict[str, Any]) -> GeneratorConfig:
-    names = {f.name for f in dataclasses.fields(GeneratorConfig)}
-    unknown = sorted(set(options) - names)
-    if unknown:
-        raise TypeError(f"Generator: unknown option(s) {unknown}; known: {', '.join(sorted(names - {'model'}))}")
-    sampling = options.pop("sampling", None) or {}
-    if not isinstance(sampling, SamplingConfig):
-        sampling = SamplingConfig(**sampling)
-    cfg = GeneratorConfig(model=str(model), sampling=sampling, **options)
-    require_file("generator.model", Path(cfg.model) / "config.json")
-    return cfg
+    return from_options(GeneratorConfig, "Generator", model, options)
 
 
 def _preview(prompt: Any) -> str:
@@ -155,6 +146,11 @@ class Generator(ForgeActor):
         path = await self.store.local_path(version)
         if path is not None:  # same-host shm: vLLM's worker reads the published file itself
             paused = await self.swap_from_file(path, version)
+            try:
+                await self.store.check_intact(version)
+            except KeyError:  # dropped (and its file reused) while we read it: take the newer one
+                log.warning("forge: weights version %d was replaced while loading; loading the latest", version)
+                return await self._pull_latest()
         else:
             paused = await self.load_weights_local(await self.store.fetch(version), version)
         record_metric("generator/weight_sync_s", asyncio.get_running_loop().time() - start)

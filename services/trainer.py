@@ -24,7 +24,7 @@ import torch.distributed as dist
 from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
-from forge.config import require_file
+from forge.config import from_options
 from forge.losses import LOSSES, LossConfig, importance_weight
 from forge.types import Batch
 
@@ -48,17 +48,12 @@ class TrainerConfig:
     keep_versions: int = 2  # versions kept in the store (>= the staleness window + 1)
     threads: int = 0  # torch threads per rank (0: the cores divided by the ranks)
 
+    def validate(self) -> None:
+        self.loss.validate()
+
 
 def make_config(model: str, options: dict[str, Any]) -> TrainerConfig:
-    names = {f.name for f in dataclasses.fields(TrainerConfig)}
-    unknown = sorted(set(options) - names)
-    if unknown:
-        raise TypeError(f"Trainer: unknown option(s) {unknown}; known: {', '.join(sorted(names - {'model'}))}")
-    loss = options.pop("loss", None) or {}
-    cfg = TrainerConfig(model=str(model), loss=loss if isinstance(loss, LossConfig) else LossConfig(**loss), **options)
-    cfg.loss.validate()
-    require_file("trainer.model", Path(cfg.model) / "config.json")
-    return cfg
+    return from_options(TrainerConfig, "Trainer", model, options)
 
 
 class Trainer(ForgeActor):

@@ -1,7 +1,6 @@
 """Generator service on vLLM: one engine shared by the module (engine start is the slow part)."""
 
 import asyncio
-import json
 import os
 import shutil
 import signal

@@ -7,11 +7,11 @@ import torch
 from safetensors.torch import load_file
 
 from forge.store import WeightStore, start_store, stop_store
-from forge.types import Episode, collate
+from forge.types import Batch, Episode, collate
 from services.trainer import Trainer
 
 
-def fixed_batch(rows: int = 4) -> "Batch":  # noqa: F821
+def fixed_batch(rows: int = 4) -> Batch:
     g = torch.Generator().manual_seed(0)
     eps = [
         Episode(tokens=torch.randint(6, 100, (12,), generator=g).tolist(), loss_mask=[0] * 4 + [1] * 8,

@@ -161,3 +161,16 @@ def test_trainer_to_generator_parity_and_reference(tiny_model_dir):
     k3 = (torch.exp(-d) + d - 1).mean().item()
     assert k3 <= 1e-4 and (torch.exp(d) - 1).abs().max().item() <= 1e-5, (k3, d.abs().max())
     assert (ref_fixed - initial).abs().max().item() <= 1e-5  # reference = initial policy
+
+
+def test_shm_file_format_mixed_dtypes(tmp_path):
+    """The one-copy writer makes files safetensors reads, also for odd sizes and non-contiguous tensors."""
+    from safetensors.torch import load_file as st_load
+
+    from forge.store import read_safetensors, write_safetensors
+
+    sd = {"a": torch.randn(3, 4), "b": torch.arange(10), "c": torch.randn(5).to(torch.bfloat16), "d": torch.randn(2, 3).t()}
+    for _ in range(2):  # the second write reuses the file in place
+        write_safetensors(sd, tmp_path / "w.safetensors")
+        for got in (st_load(tmp_path / "w.safetensors"), read_safetensors(tmp_path / "w.safetensors")):
+            assert all(torch.equal(got[k], sd[k]) for k in sd)

@@ -1,0 +1,33 @@
+"""What every benchmark shares: its command line, the tiny model, writing the JSON result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(name: str, doc: str, quick_help: str, argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--out", default=str(ROOT / f"benchmarks/results/{name}.json"))
+    # Monarch children import forge and the benchmark module by name.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return p.parse_args(argv)
+
+
+def tiny_model() -> str:
+    from forge.tiny_model import TinyModelSpec, make_tiny_model
+
+    return str(make_tiny_model(ROOT / ".cache/forge/models/bench-tiny", TinyModelSpec(sft_steps=0)))
+
+
+def write_result(out: str | Path, result: dict) -> dict:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
