@@ -124,19 +124,18 @@ async def run(cfg: Config) -> dict[str, float]:
                 tqdm.write(f"grpo: rollout failed: {type(e).__name__}: {e}")
 
     async def rollout_once() -> None:
-        if True:
-            if cfg.max_staleness == 0:  # on-policy: only generate with the newest weights
-                while await gen.policy_version.route() < state["version"]:
-                    await asyncio.sleep(0.02)
-            sample = next(prompts)
-            group = await gen.generate.route(sample.prompt, n=cfg.group_size)
-            scores = await rewards.score.route([(sample.answer, c.text, c.finish_reason) for c in group])
-            episodes = make_group(group, scores, std_normalize=cfg.trainer.loss.name != "dr_grpo")
-            record_metric("generated_tokens", sum(len(c.token_ids) for c in group), Reduce.SUM)
-            for s in scores:
-                record_metric("rollout_reward", s["reward"])
-                record_metric("reward_failures", s["reward_failed"], Reduce.SUM)
-            await buffer.add.call_one(episodes)
+        if cfg.max_staleness == 0:  # on-policy: only generate with the newest weights
+            while await gen.policy_version.route() < state["version"]:
+                await asyncio.sleep(0.02)
+        sample = next(prompts)
+        group = await gen.generate.route(sample.prompt, n=cfg.group_size)
+        scores = await rewards.score.route([(sample.answer, c.text, c.finish_reason) for c in group])
+        episodes = make_group(group, scores, std_normalize=cfg.trainer.loss.name != "dr_grpo")
+        record_metric("generated_tokens", sum(len(c.token_ids) for c in group), Reduce.SUM)
+        for s in scores:
+            record_metric("rollout_reward", s["reward"])
+            record_metric("reward_failures", s["reward_failed"], Reduce.SUM)
+        await buffer.add.call_one(episodes)
 
     async def save() -> None:
         path = checkpoint.step_dir(run_dir, state["step"])

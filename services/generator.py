@@ -88,10 +88,6 @@ class GeneratorConfig:
         )
 
 
-def make_config(model: str, options: dict[str, Any]) -> GeneratorConfig:
-    return from_options(GeneratorConfig, "Generator", model, options)
-
-
 def _preview(prompt: Any) -> str:
     text = repr(prompt)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -102,10 +98,10 @@ class Generator(ForgeActor):
 
     @classmethod
     def check_args(cls, model: str | Path, **options: Any) -> None:
-        make_config(model, dict(options))
+        from_options(GeneratorConfig, "Generator", model, options)
 
     def __init__(self, model: str | Path, **options: Any):
-        self.cfg = make_config(model, dict(options))
+        self.cfg = from_options(GeneratorConfig, "Generator", model, options)
         self.version = 0
         self.engine = None
         self._swap = asyncio.Lock()
@@ -158,11 +154,10 @@ class Generator(ForgeActor):
 
     # ---- generation ----------------------------------------------------------------
 
-    def _sampling_params(self, n: int, sampling: dict[str, Any] | None) -> Any:
+    def _sampling_params(self, n: int, merged: dict[str, Any]) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        merged = {**dataclasses.asdict(self.cfg.sampling), **(sampling or {})}
         try:
             return SamplingParams(
                 n=n,
@@ -172,7 +167,7 @@ class Generator(ForgeActor):
                 **merged,
             )
         except TypeError as e:
-            raise ValueError(f"generate: bad sampling option in {sampling}: {e}") from None
+            raise ValueError(f"generate: bad sampling option in {merged}: {e}") from None
 
     def _engine_prompt(self, prompt: Any) -> Any:
         from vllm.inputs import TokensPrompt
@@ -203,7 +198,8 @@ class Generator(ForgeActor):
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        params = self._sampling_params(n, sampling)
+        sp = {**dataclasses.asdict(self.cfg.sampling), **(sampling or {})}
+        params = self._sampling_params(n, sp)
         engine_prompt = self._engine_prompt(prompt)
         request_id = uuid.uuid4().hex
         admitted = self.version
@@ -227,8 +223,6 @@ class Generator(ForgeActor):
         except (ValueError, VLLMClientError) as e:  # vLLM's input checks, e.g. longer than max_model_len
             raise ValueError(f"generate: prompt {_preview(prompt)}: {e}") from None
         finished = self.version
-        sp = {k: v for k, v in dataclasses.asdict(self.cfg.sampling).items()}
-        sp.update(sampling or {}, n=n)
         return [
             Completion(
                 prompt_ids=list(final.prompt_token_ids),
@@ -236,7 +230,7 @@ class Generator(ForgeActor):
                 logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
                 text=c.text,
                 finish_reason=c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop",
-                sampling=sp,
+                sampling={**sp, "n": n},
                 policy_version=admitted,
                 max_policy_version=finished,
                 prompt=prompt if isinstance(prompt, str) else None,

@@ -25,7 +25,7 @@ from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
 from forge.config import from_options
-from forge.losses import LOSSES, LossConfig, importance_weight
+from forge.losses import LOSSES, LossConfig, importance_weight, k3_kl
 from forge.types import Batch
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -52,10 +52,6 @@ class TrainerConfig:
         self.loss.validate()
 
 
-def make_config(model: str, options: dict[str, Any]) -> TrainerConfig:
-    return from_options(TrainerConfig, "Trainer", model, options)
-
-
 class Trainer(ForgeActor):
     """Policy trainer. Endpoints (call them on every rank with `.call`): train_step,
     logprobs, push_weights, save, load, export_hf."""
@@ -64,10 +60,10 @@ class Trainer(ForgeActor):
 
     @classmethod
     def check_args(cls, model: str | Path, **options: Any) -> None:
-        make_config(model, dict(options))
+        from_options(TrainerConfig, "Trainer", model, options)
 
     def __init__(self, model: str | Path, **options: Any):
-        self.cfg = make_config(model, dict(options))
+        self.cfg = from_options(TrainerConfig, "Trainer", model, options)
         self.step = 0
         self.version = 0
 
@@ -152,7 +148,7 @@ class Trainer(ForgeActor):
             m = mb.loss_mask
             with torch.no_grad():
                 raw = torch.exp(lp - mb.gen_logprobs)
-                kl = ((torch.exp(mb.ref_logprobs - lp) - (mb.ref_logprobs - lp) - 1) * m).sum() if mb.ref_logprobs is not None else 0.0
+                kl = (k3_kl(lp, mb.ref_logprobs) * m).sum() if mb.ref_logprobs is not None else 0.0
                 sums += torch.tensor([loss.item() * m.sum().item(), float(kl), (ent * m).sum().item(),
                                       (raw * m).sum().item(), ((raw > self.cfg.loss.is_cap).float() * m).sum().item(),
                                       m.sum().item()], dtype=torch.float64)

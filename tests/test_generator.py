@@ -36,14 +36,35 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def perturbed_model(src: Path, dst: Path, seed: int) -> dict[str, torch.Tensor]:
-    """A copy of the model at `src` with sharper, different weights (HF names)."""
-    shutil.copytree(src, dst)
+def perturbed(sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Sharper, different weights: noise on every matrix."""
     g = torch.Generator().manual_seed(seed)
-    sd = load_file(src / "model.safetensors")
-    sd = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v for k, v in sd.items()}
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v.clone() for k, v in sd.items()}
+
+
+def perturbed_model(src: Path, dst: Path, seed: int) -> dict[str, torch.Tensor]:
+    """A copy of the model at `src` with perturbed weights (HF names)."""
+    shutil.copytree(src, dst)
+    sd = perturbed(load_file(src / "model.safetensors"), seed)
     save_file(sd, dst / "model.safetensors")
     return sd
+
+
+def max_logprob_error(model_dir: Path, completions: list, sd: dict | None = None, temperature: float = 1.0) -> float:
+    """How far the completions' logprobs are from an fp32 transformers forward (with weights
+    `sd` if given) at `temperature`: log_softmax(logits / T), what the trainer computes."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if sd is not None:
+        model.load_state_dict(sd, strict=False)  # tied lm_head follows the embedding
+    worst = 0.0
+    for c in completions:
+        with torch.no_grad():
+            logits = model(torch.tensor([c.prompt_ids + c.token_ids])).logits[0, len(c.prompt_ids) - 1 : -1] / temperature
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
+    return worst
 
 
 def test_completion_fields_seed_and_stop(loop, gen, tokenizer):
@@ -75,22 +96,14 @@ def test_completion_fields_seed_and_stop(loop, gen, tokenizer):
 
 def test_logprobs_match_transformers_fp32(loop, gen, tiny_model_dir):
     """processed_logprobs = log_softmax(logits / T): what the trainer computes."""
-    from transformers import AutoModelForCausalLM
-
     temperature = 0.7
+
     async def main():
         sampling = {"temperature": temperature, "max_tokens": 24}
         return await asyncio.gather(*(gen.generate.route(p, n=2, sampling=sampling) for p in PROMPTS))
 
     groups = loop.run_until_complete(main())
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    worst = 0.0
-    for c in (c for g in groups for c in g):
-        ids = torch.tensor([c.prompt_ids + c.token_ids])
-        with torch.no_grad():
-            logits = model(ids).logits[0, len(c.prompt_ids) - 1 : -1] / temperature
-        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
-        worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
+    worst = max_logprob_error(tiny_model_dir, [c for g in groups for c in g], temperature=temperature)
     assert worst <= 1e-4, worst
 
 

@@ -13,11 +13,7 @@ from safetensors.torch import load_file
 
 from forge.store import WeightStore, start_store, stop_store
 from services.generator import Generator
-
-
-def perturbed(sd: dict, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v.clone() for k, v in sd.items()}
+from test_generator import max_logprob_error, perturbed
 
 
 async def wait_version(gen, version: int, timeout: float = 60.0) -> None:
@@ -25,22 +21,6 @@ async def wait_version(gen, version: int, timeout: float = 60.0) -> None:
     while await gen.policy_version.route() < version:
         assert time.monotonic() < deadline, f"generator never reached version {version}"
         await asyncio.sleep(0.05)
-
-
-def max_logprob_error(model_dir: Path, sd: dict, completions: list) -> float:
-    """How far the completions' logprobs are from an fp32 transformers forward with weights `sd`
-    (temperature 1): tells which weights the generator ran."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.load_state_dict(sd, strict=False)  # tied lm_head follows the embedding
-    worst = 0.0
-    for c in completions:
-        with torch.no_grad():
-            logits = model(torch.tensor([c.prompt_ids + c.token_ids])).logits[0, len(c.prompt_ids) - 1 : -1]
-        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
-        worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
-    return worst
 
 
 def test_store_roundtrip_both_transports():
@@ -90,14 +70,14 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
             assert any(c.spans_versions for c in done)
             after = await gen.generate.route("1+2=", n=4, sampling={"max_tokens": 16})
             assert all(c.policy_version == 1 for c in after)
-            assert max_logprob_error(tiny_model_dir, v1, after) <= 1e-4
+            assert max_logprob_error(tiny_model_dir, after, v1) <= 1e-4
 
             # The TorchStore transport (what another host would use) reaches the generator too.
             v2 = perturbed(base, 2)
             await tstore.publish(2, v2)
             await wait_version(gen, 2)
             after = await gen.generate.route("rev ab=", n=4, sampling={"max_tokens": 16})
-            assert max_logprob_error(tiny_model_dir, v2, after) <= 1e-4
+            assert max_logprob_error(tiny_model_dir, after, v2) <= 1e-4
 
             # A respawned replica comes back on the latest version.
             await shm.publish(3, perturbed(base, 3))
