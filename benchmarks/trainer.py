@@ -2,16 +2,17 @@
 
     python -m benchmarks.trainer [--quick]
 
-The bare step is written with torchtitan directly in this process (FSDP2 on 1 rank, the
-same AdamW, clipping and GRPO loss); the forge step is `await trainer.train_step.route(batch)`,
-which adds the Monarch message, the batch's pickling and the metrics. Writes
+The bare step is torchtitan used directly (FSDP2 on 1 rank, the same AdamW, clipping and
+GRPO loss), timed inside its own Monarch process so both sides run in the same kind of
+process; the forge step is `await trainer.train_step.route(batch)` timed from the caller,
+so it adds the Monarch message, the batch's pickling and forge's metrics. Rounds of each
+alternate (2 cores: load drifts) and medians are compared. Writes
 benchmarks/results/trainer.json with `overhead` = forge / bare - 1.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -19,6 +20,8 @@ import time
 import torch
 
 from benchmarks.common import parse_args, tiny_model, write_result
+from forge.actor import ForgeActor
+from monarch.actor import endpoint
 
 
 def batch(rows: int, seq: int):
@@ -30,76 +33,95 @@ def batch(rows: int, seq: int):
     return collate(eps, pad_id=0)
 
 
-def bare_step_s(model_dir: str, b, steps: int, threads: int) -> float:
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+class BareTitan(ForgeActor):
+    """The same model, optimizer and loss as the Trainer, stepped with no forge code around it."""
 
-    from forge.losses import LossConfig, grpo, importance_weight
-    from services.titan import load_hf_model, token_logprobs, use_device_type
+    distributed = True
 
-    torch.set_num_threads(threads)
-    use_device_type("cpu")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
-    dist_utils.set_spmd_backend("partial_dtensor")
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1, spmd_backend="partial_dtensor")
-    dims.build_mesh()
-    model = parallelize_qwen3(load_hf_model(model_dir), parallel_dims=dims,
-                              training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
-                              parallelism=ParallelismConfig(data_parallel_shard_degree=1, spmd_backend="partial_dtensor"),
-                              compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp")
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)
-    opt = OptimizersContainer.Config(implementation="for-loop", param_groups=[ParamGroupConfig(
-        pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8,
-                                                                 "weight_decay": 0.0})]).build(model_parts=[model])
-    sched = LRSchedulersContainer.Config(warmup_steps=0, decay_type="linear", min_lr_factor=1.0).build(
-        optimizers=opt, training_steps=1000)
-    cfg = LossConfig()
-    times = []
-    for _ in range(steps + 2):
-        t = time.perf_counter()
-        opt.zero_grad()
-        lp, _ = token_logprobs(model, b.input_ids, with_entropy=True)
-        grpo(lp, b, importance_weight(lp, b.gen_logprobs, cfg.is_cap), cfg).backward()
-        dist_utils.clip_grad_norm_(list(model.parameters()), max_norm=1.0, foreach=True)
-        opt.step()
-        sched.step()
-        times.append(time.perf_counter() - t)
-    dist.destroy_process_group()
-    return statistics.median(times[2:])
+    def __init__(self, model_dir: str, threads: int):
+        self.model_dir, self.threads = model_dir, threads
+
+    @endpoint
+    async def setup(self) -> None:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import FSDPModule
+        from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
+        from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed import utils as dist_utils
+        from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+        from services.titan import load_hf_model, use_device_type
+
+        torch.set_num_threads(self.threads)
+        use_device_type("cpu")
+        dist.init_process_group("gloo")
+        dist_utils.set_spmd_backend("partial_dtensor")
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1, spmd_backend="partial_dtensor")
+        dims.build_mesh()
+        self.model = parallelize_qwen3(
+            load_hf_model(self.model_dir), parallel_dims=dims,
+            training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+            parallelism=ParallelismConfig(data_parallel_shard_degree=1, spmd_backend="partial_dtensor"),
+            compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp")
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+        self.opt = OptimizersContainer.Config(implementation="for-loop", param_groups=[ParamGroupConfig(
+            pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8,
+                                                                     "weight_decay": 0.0})]).build(model_parts=[self.model])
+        self.sched = LRSchedulersContainer.Config(warmup_steps=0, decay_type="linear", min_lr_factor=1.0).build(
+            optimizers=self.opt, training_steps=1000)
+
+    @endpoint
+    async def steps(self, b, n: int) -> list[float]:
+        from torchtitan.distributed import utils as dist_utils
+
+        from forge.losses import LossConfig, grpo, importance_weight
+        from services.titan import token_logprobs
+
+        cfg, times = LossConfig(), []
+        for _ in range(n):
+            t = time.perf_counter()
+            self.opt.zero_grad()
+            lp, _ = token_logprobs(self.model, b.input_ids, with_entropy=True)
+            grpo(lp, b, importance_weight(lp, b.gen_logprobs, cfg.is_cap), cfg).backward()
+            dist_utils.clip_grad_norm_(list(self.model.parameters()), max_norm=1.0, foreach=True)
+            self.opt.step()
+            self.sched.step()
+            times.append(time.perf_counter() - t)
+        return times
 
 
-async def forge_step_s(model_dir: str, b, steps: int, threads: int) -> float:
+async def measure(model_dir: str, b, rounds: int, steps: int, threads: int) -> tuple[list[float], list[float]]:
     from services.trainer import Trainer
 
     trainer = await Trainer.options().as_service(model_dir, lr=1e-5, threads=threads)
+    bare = await BareTitan.options().as_actor(model_dir, threads)
+    forge_times, bare_times = [], []
     try:
-        times = []
-        for _ in range(steps + 2):
-            t = time.perf_counter()
-            await trainer.train_step.route(b)
-            times.append(time.perf_counter() - t)
+        await trainer.train_step.route(b)  # warm-up, not timed
+        await bare.steps.call_one(b, 1)
+        for _ in range(rounds):
+            for _ in range(steps):
+                t = time.perf_counter()
+                await trainer.train_step.route(b)
+                forge_times.append(time.perf_counter() - t)
+            bare_times += await bare.steps.call_one(b, steps)
     finally:
-        await trainer.shutdown()
-    return statistics.median(times[2:])
+        await asyncio.gather(trainer.shutdown(), bare.shutdown())
+    return forge_times, bare_times
 
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args("trainer", __doc__, "fewer steps (smoke run)", argv)
     model = tiny_model()
-    steps, threads = (3, 2) if a.quick else (15, 2)
+    rounds, steps, threads = (2, 2, 2) if a.quick else (6, 5, 2)
     b = batch(64, 32)
-    forge_s = asyncio.run(forge_step_s(model, b, steps, threads))  # its own process: runs first
-    bare_s = bare_step_s(model, b, steps, threads)
+    forge_times, bare_times = asyncio.run(measure(model, b, rounds, steps, threads))
+    forge_s, bare_s = statistics.median(forge_times), statistics.median(bare_times)
     result = {"bare_torchtitan_step_s": bare_s, "forge_train_step_s": forge_s, "overhead": forge_s / bare_s - 1,
-              "batch": {"rows": 64, "seq": 32}, "steps": steps, "threads": threads}
+              "batch": {"rows": 64, "seq": 32}, "rounds": rounds, "steps_per_round": steps, "threads": threads}
     print(f"{'step':<24}{'seconds (median)':>18}")
     print(f"{'bare torchtitan':<24}{bare_s:>18.4f}")
     print(f"{'forge train_step':<24}{forge_s:>18.4f}")

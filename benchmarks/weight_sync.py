@@ -1,4 +1,5 @@
-"""Weight sync: WeightStore publish + fetch vs state-dict size, next to memcpy of the same bytes.
+"""Weight sync: WeightStore publish + fetch (+ the swap into a consumer's parameters) vs
+state-dict size, next to memcpy of the same bytes.
 
     python -m benchmarks.weight_sync [--quick]
 
@@ -43,17 +44,22 @@ def memcpy_s(sd: dict[str, torch.Tensor], repeats: int, fresh: bool = False) -> 
     return statistics.median(times[1:])
 
 
-async def sync_s(store, sd: dict[str, torch.Tensor], repeats: int, first_version: int) -> float:
+async def sync_s(store, sd: dict[str, torch.Tensor], repeats: int, into: bool) -> float:
+    """publish + fetch of one version; `into`: fetched into a consumer's existing tensors (a
+    model's parameters: the swap), else into new ones. Four rounds warm up: from then on the
+    writer cycles through files it has mapped before, as it does in a run."""
+    params = {k: torch.empty_like(v) for k, v in sd.items()} if into else None
     times = []
-    for i in range(repeats + 1):
-        v = first_version + i
+    for v in range(1, repeats + 5):
         t = time.perf_counter()
         await store.publish(v, sd)
-        got = await store.fetch(v)
+        got = await store.fetch(v, into=params)
         times.append(time.perf_counter() - t)
         assert got.keys() == sd.keys()
-        await store.drop(v)
-    return statistics.median(times[1:])
+        await store.drop_older_than(v)
+    assert all(torch.equal(got[k], sd[k]) for k in sd)
+    await store.clear()
+    return statistics.median(times[4:])
 
 
 async def generator_stall(model: str) -> dict:
@@ -94,12 +100,15 @@ async def measure(sizes: list[int], repeats: int, model: str) -> dict:
             sd = state_dict(mb)
             row = {"mb": mb, "memcpy_s": memcpy_s(sd, repeats), "memcpy_fresh_s": memcpy_s(sd, repeats, fresh=True)}
             for transport in ("shm", "torchstore"):
-                row[f"{transport}_s"] = await sync_s(WeightStore(f"bench-{transport}", transport=transport), sd, repeats, 1)
+                store = WeightStore(f"bench-{transport}", transport=transport)
+                row[f"{transport}_s"] = await sync_s(store, sd, repeats, into=True)
+                row[f"{transport}_new_tensors_s"] = await sync_s(store, sd, repeats, into=False)
             row["memcpy_gb_s"] = mb / 1024 / row["memcpy_s"]
             row["memcpy_fresh_gb_s"] = mb / 1024 / row["memcpy_fresh_s"]
             for transport in ("shm", "torchstore"):
                 row[f"{transport}_gb_s"] = mb / 1024 / row[f"{transport}_s"]
                 row[f"{transport}_fraction_of_memcpy"] = row["memcpy_s"] / row[f"{transport}_s"]
+                row[f"{transport}_new_tensors_fraction_of_memcpy"] = row["memcpy_s"] / row[f"{transport}_new_tensors_s"]
             rows.append(row)
             del sd
         stall = await generator_stall(model)
@@ -116,10 +125,12 @@ def main(argv: list[str] | None = None) -> dict:
     model = tiny_model()
     sizes = [1, 16, 64] if a.quick else [1, 16, 64, 256, 500]
     result = asyncio.run(measure(sizes, 1 if a.quick else 3, model))
-    print(f"{'MB':>6}{'memcpy GB/s':>13}{'(fresh)':>9}{'shm GB/s':>10}{'shm/memcpy':>12}{'torchstore GB/s':>17}{'ts/memcpy':>11}")
+    print("publish + fetch into the consumer's tensors, as a fraction of one memcpy of the same bytes "
+          "(2 copies at memcpy speed = 0.5); '(new)': fetched into newly allocated tensors")
+    print(f"{'MB':>6}{'memcpy GB/s':>13}{'shm GB/s':>10}{'shm/memcpy':>12}{'(new)':>7}{'torchstore GB/s':>17}{'ts/memcpy':>11}")
     for r in result["rows"]:
-        print(f"{r['mb']:>6}{r['memcpy_gb_s']:>13.2f}{r['memcpy_fresh_gb_s']:>9.2f}{r['shm_gb_s']:>10.2f}{r['shm_fraction_of_memcpy']:>12.2f}"
-              f"{r['torchstore_gb_s']:>17.2f}{r['torchstore_fraction_of_memcpy']:>11.2f}")
+        print(f"{r['mb']:>6}{r['memcpy_gb_s']:>13.2f}{r['shm_gb_s']:>10.2f}{r['shm_fraction_of_memcpy']:>12.2f}"
+              f"{r['shm_new_tensors_fraction_of_memcpy']:>7.2f}{r['torchstore_gb_s']:>17.2f}{r['torchstore_fraction_of_memcpy']:>11.2f}")
     g = result["generator_sync"]
     print(f"generator ({g['model_mb']:.1f} MB model): publish -> live {g['publish_to_live_s_median'] * 1e3:.0f} ms, "
           f"generation paused {g['paused_s_median'] * 1e3:.0f} ms")

@@ -61,9 +61,14 @@ class ReplayBuffer(ForgeActor):
         return len(kept)
 
     def _drop_stale(self, version: int) -> None:
+        """Call with `changed` held. Wakes the adds waiting for the room this frees: without
+        that, a `sample` that drops a full buffer of stale episodes and then waits deadlocks
+        with them."""
         fresh = [e for e in self.episodes if version - e.policy_version <= self.max_staleness]
-        self.stats["dropped_stale"] += len(self.episodes) - len(fresh)
-        self.episodes = deque(fresh)
+        if len(fresh) < len(self.episodes):
+            self.stats["dropped_stale"] += len(self.episodes) - len(fresh)
+            self.episodes = deque(fresh)
+            self.changed.notify_all()
 
     @concurrent_endpoint
     async def sample(self, batch_size: int, version: int, timeout_s: float | None = None) -> list[Episode]:
@@ -93,7 +98,6 @@ class ReplayBuffer(ForgeActor):
         """The trainer moved to `version`: drop what it can no longer use (frees room for adds)."""
         async with self.changed:
             self._drop_stale(version)
-            self.changed.notify_all()
         return len(self.episodes)
 
     @endpoint

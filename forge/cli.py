@@ -51,6 +51,14 @@ def run_app(app: str, argv: list[str] | None = None) -> None:
     run(a.config, a.overrides, app=app, resume=a.resume)
 
 
+def _benchmarks() -> list[str]:
+    import pkgutil
+
+    import benchmarks
+
+    return sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name != "common")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="forge", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -64,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--out", required=True, help="output directory (HF format)")
     m.add_argument("--task", default="add", help="toy task for the warm start")
     m.add_argument("--sft-steps", type=int, default=0, help="supervised warm-start steps (0: random init)")
+    m.add_argument("--sft-noise", type=float, default=0.0, help="fraction of warm-start answer characters made random")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--force", action="store_true", help="rebuild even if cached")
 
@@ -73,8 +82,14 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("-n", type=int, default=10_000)
     d.add_argument("--seed", type=int, default=0)
 
+    b = sub.add_parser("bench", help="run a benchmark: prints a table, writes benchmarks/results/NAME.json")
+    b.add_argument("name", choices=_benchmarks())
+    b.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options, e.g. --quick")
+
     a = p.parse_args(argv)
-    if a.cmd == "run":
+    if a.cmd == "bench":
+        importlib.import_module(f"benchmarks.{a.name}").main(a.args)
+    elif a.cmd == "run":
         if a.config and "=" in a.config:  # `forge run --resume DIR key=value`: no config file given
             a.overrides, a.config = [a.config, *a.overrides], None
         run(a.config, a.overrides, resume=a.resume)
@@ -86,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
 
         if a.task not in tasks.TASKS:
             _fail(f"--task: unknown task {a.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
-        out = make_tiny_model(a.out, TinyModelSpec(task=a.task, sft_steps=a.sft_steps, seed=a.seed), force=a.force)
+        out = make_tiny_model(a.out, TinyModelSpec(task=a.task, sft_steps=a.sft_steps, sft_noise=a.sft_noise, seed=a.seed), force=a.force)
         info = json.loads((Path(out) / BUILD_FILE).read_text())
         print(f"tiny model in {out}: {info['parameters']:,} parameters, built in {info['build_seconds']} s")
     elif a.cmd == "make-dataset":

@@ -124,6 +124,19 @@ def require_file(key: str, value: str | Path) -> None:
         raise ConfigError(f"config key '{key}': file not found: {value}")
 
 
+def import_object(key: str, path: str) -> Any:
+    """The object a "package.module:name" config value names (a custom reward, rollout, ...)."""
+    import importlib
+
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ConfigError(f"config key {key!r}: expected 'package.module:name', got {path!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"config key {key!r}: cannot import {path!r}: {_first_line(e)}") from None
+
+
 def require_dir(key: str, value: str | Path) -> None:
     if not Path(value).is_dir():
         raise ConfigError(f"config key '{key}': directory not found: {value}")

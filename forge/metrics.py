@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -148,20 +149,34 @@ class MetricWriter:
         backends: Sequence[str] = DEFAULT_BACKENDS,
         start_time: float | None = None,
         config: Mapping[str, Any] | None = None,
+        resume_step: int | None = None,
     ):
+        """A new run's writer starts empty files; with `resume_step` (a run resumed from that
+        step's checkpoint) rows after it are dropped and wall time continues from its row."""
         unknown = set(backends) - set(BACKENDS)
         if unknown:
             raise ValueError(f"unknown metrics backend(s) {sorted(unknown)}; known: {', '.join(BACKENDS)}")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.start = start_time if start_time is not None else time.time()
+        jsonl = self.run_dir / "metrics.jsonl"
+        kept = []
+        if resume_step is not None and jsonl.exists():
+            kept = [line for line in jsonl.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resume_step]
+        elif resume_step is None:
+            shutil.rmtree(self.run_dir / "tb", ignore_errors=True)
+        done_s = json.loads(kept[-1])["wall_s"] if kept else 0.0
+        self.start = start_time if start_time is not None else time.time() - done_s
         self.backends = tuple(backends)
-        self._jsonl = (self.run_dir / "metrics.jsonl").open("a") if "jsonl" in backends else None
+        self._jsonl = None
+        if "jsonl" in backends:
+            self._jsonl = jsonl.open("w")
+            self._jsonl.writelines(line + "\n" for line in kept)
         self._tb = self._wandb = None
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+            purge = None if resume_step is None else resume_step + 1  # TensorBoard hides later events
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=purge)
         if "wandb" in backends:
             import wandb
 
@@ -210,14 +225,14 @@ def plot_rewards(run_dir: str | Path, keys: Sequence[str] = ("reward_mean", "acc
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, x in zip(axes, ("step", "wall_s")):
-        for key in keys:
+        for style, key in zip(("-", "--", ":"), keys):
             pts = [(r[x], r[key]) for r in rows if key in r]
             if pts:
                 xs, ys = zip(*pts)
                 line, = ax.plot(xs, ys, alpha=0.3, linewidth=0.8)
                 w = max(1, len(ys) // 15)  # a moving average shows the trend through per-batch noise
                 avg = [sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1]) for i in range(len(ys))]
-                ax.plot(xs, avg, color=line.get_color(), label=f"{key} (mean of {w})")
+                ax.plot(xs, avg, style, color=line.get_color(), label=f"{key} (mean of {w})")
         ax.set_xlabel("step" if x == "step" else "wall time (s)")
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)

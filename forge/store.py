@@ -78,6 +78,8 @@ class WeightStore:
         the version record. Same host only, and much faster with torchstore 0.1.2, whose RPC
         transport moves 0.2-0.3 GB/s here; a generator's vLLM worker reads the file directly.
         Dropped versions' files are reused, so a reader checks `check_intact` after reading.
+        File names carry a token of this writer, so runs sharing a host never share files;
+        keep one WeightStore per writer and `clear()` it at the end.
     """
 
     name: str = "policy"
@@ -87,12 +89,16 @@ class WeightStore:
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown weights transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
+        self._token = uuid.uuid4().hex[:8]
 
     def _key(self, version: int) -> str:
         return f"{self.name}/v{version}"
 
     def _path(self, version: int) -> Path:
-        return Path(self.shm_dir) / f"{self.name}-v{version}.safetensors"
+        return Path(self.shm_dir) / f"{self.name}-{self._token}-v{version}.safetensors"
+
+    def _spares(self) -> list[Path]:
+        return list(Path(self.shm_dir).glob(f"{self.name}-{self._token}-spare-*.safetensors"))
 
     async def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
         """Store `state_dict` as `version` and make it the latest. Returns the bytes written."""
@@ -133,26 +139,30 @@ class WeightStore:
         return None
 
     def _spare(self, size: int) -> Path | None:
-        for f in Path(self.shm_dir).glob(f"{self.name}-spare-*.safetensors"):
-            if f.stat().st_size == size:
-                return f
-        return None
+        return next((f for f in self._spares() if f.stat().st_size == size), None)
 
     async def check_intact(self, version: int) -> None:
         """Call after reading a shm version: its record is deleted before its file is reused,
         so a record that still exists means nothing overwrote what was read."""
         await self.record(version)
 
-    async def fetch(self, version: int) -> dict[str, torch.Tensor]:
+    async def fetch(self, version: int, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The state dict of `version`: new tensors, or copied into `into`'s tensors (a model's
+        own parameters: one copy, no allocation) and returned as `into`."""
         path = await self.local_path(version)
         if path is not None:
-            state_dict = {k: v.clone() for k, v in read_safetensors(path).items()}
+            got = read_safetensors(path)
+            if into is None:
+                state_dict = {k: v.clone() for k, v in got.items()}
+            else:
+                state_dict = _copy_into(got, into)
             await self.check_intact(version)
             return state_dict
         rec = await self.record(version)
         if rec["transport"] == "shm":
             raise RuntimeError(f"weights version {version} are in /dev/shm on host {rec['host']}; use transport='torchstore' across hosts")
-        return await torchstore.get_state_dict(self._key(version))
+        got = await torchstore.get_state_dict(self._key(version))
+        return got if into is None else _copy_into(got, into)
 
     async def versions(self) -> list[int]:
         """Versions in the store, oldest first."""
@@ -167,6 +177,16 @@ class WeightStore:
             await self.drop(v)
         return dropped
 
+    async def clear(self) -> None:
+        """Drop every version and free this writer's files (the end of a run)."""
+        for v in await self.versions():
+            await self.drop(v)
+        for f in self._spares():
+            forget_mapping(f)
+            f.unlink(missing_ok=True)
+        if await torchstore.exists(f"{self.name}/latest"):
+            await torchstore.delete(f"{self.name}/latest")
+
     async def drop(self, version: int) -> None:
         rec = await self.record(version)
         await torchstore.delete(f"{self._key(version)}/record")  # first: nobody starts reading it now
@@ -176,9 +196,10 @@ class WeightStore:
             # raced this drop sees the record gone in check_intact() and reads a newer version.
             path = Path(rec["path"])
             if path.exists():
-                if len(list(path.parent.glob(f"{self.name}-spare-*"))) < 2:
-                    os.replace(path, path.parent / f"{self.name}-spare-{uuid.uuid4().hex[:8]}.safetensors")
+                if len(self._spares()) < 2:
+                    os.replace(path, Path(self.shm_dir) / f"{self.name}-{self._token}-spare-{uuid.uuid4().hex[:8]}.safetensors")
                 else:
+                    forget_mapping(path)
                     path.unlink()
         else:
             # put_state_dict stores one key per tensor plus a MAPPING key listing them.
@@ -189,12 +210,46 @@ class WeightStore:
 
 # ---- one-copy safetensors in shared memory ---------------------------------------------
 # safetensors' save_file builds the whole file as bytes first, and load_file copies it out
-# again (0.5-0.9 GB/s measured here). Writing each tensor's bytes straight into the file is
-# one copy; reading maps the file with no copy at all.
+# again (0.5-0.9 GB/s measured here). Here each tensor is copied straight into the file, and
+# reading maps it with no copy at all. Mappings are kept per file (inode) and reused: a tmpfs
+# page costs a fault the first time a process touches it through a mapping, which made a
+# fresh mapping 5-10x slower than memcpy; a version written into a dropped version's file
+# through the mapping kept from last time runs at memcpy speed.
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
+_MAPS: dict[tuple[int, int, int], torch.Tensor] = {}  # (device, inode, size) -> the file, mapped shared
+_MAX_MAPS = 4  # a writer cycles through keep_versions + 2 spare files
+
+
+def _mapping(path: str | Path) -> torch.Tensor:
+    st = os.stat(path)
+    key = (st.st_dev, st.st_ino, st.st_size)
+    buf = _MAPS.pop(key, None)
+    if buf is None:
+        buf = torch.from_file(str(path), shared=True, size=st.st_size, dtype=torch.uint8)
+    _MAPS[key] = buf  # most recently used last
+    while len(_MAPS) > _MAX_MAPS:
+        _MAPS.pop(next(iter(_MAPS)))
+    return buf
+
+
+def _copy_into(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if src.keys() != dst.keys():
+        raise KeyError(f"fetch(into=...): the version has {sorted(src.keys() ^ dst.keys())} where `into` does not, or the reverse")
+    for name, t in src.items():
+        dst[name].copy_(t.view(dst[name].shape))
+    return dst
+
+
+def forget_mapping(path: str | Path) -> None:
+    """Before unlinking a file: a kept mapping would keep its memory."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    _MAPS.pop((st.st_dev, st.st_ino, st.st_size), None)
 
 
 def _header(state_dict: dict[str, torch.Tensor]) -> tuple[dict, bytes, int]:
@@ -216,22 +271,31 @@ def safetensors_size(state_dict: dict[str, torch.Tensor]) -> int:
 
 
 def write_safetensors(state_dict: dict[str, torch.Tensor], path: str | Path) -> None:
-    """Write `path` with one copy per tensor; an existing file of the right size is overwritten
-    in place. Plain writes, not a mapping: a mapped tmpfs file pays a fault per 4 KB page."""
-    _, raw, offset = _header(state_dict)
-    reuse = Path(path).exists() and os.path.getsize(path) == 8 + len(raw) + offset
-    with open(path, "r+b" if reuse else "wb") as f:
+    """Write `path` with one copy per tensor. A file of the right size is overwritten in place
+    through its kept mapping; a new one is written with plain writes (a fresh mapping of a
+    new tmpfs file pays a fault per 4 KB page)."""
+    header, raw, offset = _header(state_dict)
+    size = 8 + len(raw) + offset
+    if Path(path).exists() and os.path.getsize(path) == size:
+        buf = _mapping(path)
+        buf[: 8 + len(raw)].copy_(torch.frombuffer(bytearray(len(raw).to_bytes(8, "little") + raw), dtype=torch.uint8))
+        start = 8 + len(raw)
+        for name, t in state_dict.items():
+            a, b = header[name]["data_offsets"]
+            buf[start + a : start + b].copy_(t.detach().reshape(-1).contiguous().view(torch.uint8))
+        return
+    with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
         for t in state_dict.values():
             f.write(memoryview(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy()))
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors that view the mapped file (no copy); they stay valid after the file is dropped."""
+    """Tensors that view the file through a kept shared mapping (no copy): they change if the
+    file is rewritten, so copy what must outlive the version (`WeightStore.fetch` does)."""
     import json
 
-    size = os.path.getsize(path)
-    buf = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    buf = _mapping(path)
     n = int.from_bytes(bytes(buf[:8].tolist()), "little")
     header = json.loads(bytes(buf[8 : 8 + n].tolist()))
     start = 8 + n

@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
+LETTERS = string.ascii_lowercase[:10]  # the letter tasks' alphabet
+
+
 @dataclass(frozen=True)
 class Sample:
     prompt: str
@@ -28,6 +31,12 @@ def char_overlap(response: str, answer: str) -> float:
         return float(response == "")
     hits = sum(a == b for a, b in zip(response, answer))
     return hits / max(len(response), len(answer))
+
+
+def corrupt(text: str, p: float, rng: random.Random) -> str:
+    """Each character replaced with probability p by a random one of its kind (digit or
+    letter): a noisy demonstration."""
+    return "".join(rng.choice(string.digits if c.isdigit() else LETTERS) if rng.random() < p else c for c in text)
 
 
 class Task:
@@ -61,7 +70,7 @@ class Reverse(Task):
 
     def make(self, rng: random.Random) -> tuple[str, str]:
         n = rng.randint(self.min_len, self.max_len)
-        s = "".join(rng.choice(string.ascii_lowercase[:10]) for _ in range(n))
+        s = "".join(rng.choice(LETTERS) for _ in range(n))
         return f"rev {s}=", s[::-1]
 
 
@@ -91,7 +100,7 @@ class Sort(Task):
     name = "sort"
 
     def make(self, rng: random.Random) -> tuple[str, str]:
-        s = "".join(rng.choice(string.ascii_lowercase[:10]) for _ in range(rng.randint(3, 5)))
+        s = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 5)))
         return f"sort {s}=", "".join(sorted(s))
 
 

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from monarch.actor import concurrent_endpoint, endpoint
 
 from forge.actor import ForgeActor
 from forge.config import from_options
+from forge.metrics import Reduce, record_metric
 from forge.types import Completion
 
 log = logging.getLogger("forge")
@@ -54,7 +56,8 @@ class GeneratorConfig:
     dtype: str = "float32"
     max_model_len: int = 512
     # CPU: vLLM cannot size the KV cache from free memory there, so it is given explicitly.
-    kv_cache_memory_bytes: int = 64 * 2**20
+    # null on GPU: vLLM sizes it from engine.gpu_memory_utilization.
+    kv_cache_memory_bytes: int | None = 64 * 2**20
     max_num_seqs: int = 256
     # Eager by default: on the tiny CPU model torch.compile gave no speed-up (4.2-5.4k tokens/s
     # either way) and adds 20-40 s to engine start. Turn it off for real models; the compile
@@ -106,6 +109,7 @@ class Generator(ForgeActor):
         self.engine = None
         self._swap = asyncio.Lock()
         self._pauses: collections.deque[float] = collections.deque(maxlen=32)
+        self._in_flight, self._busy_mark = 0, 0.0
 
     @endpoint
     async def setup(self) -> None:
@@ -133,8 +137,6 @@ class Generator(ForgeActor):
 
     async def _pull_latest(self) -> None:
         """Fetch the store's latest version (generation goes on meanwhile), then swap it in."""
-        from forge.metrics import Reduce, record_metric
-
         version = await self.store.latest()
         if version is None or version <= self.version:
             return
@@ -185,6 +187,15 @@ class Generator(ForgeActor):
             return TokensPrompt(prompt_token_ids=list(prompt))
         raise TypeError(f"generate: prompt must be a str or a list of token ids, got {type(prompt).__name__}")
 
+    def _count_busy(self, change: int) -> None:
+        """generator/busy_s: time with any request in flight (the utilization benchmarks report),
+        recorded at every start and end so a long busy stretch lands in the flushes it spans."""
+        now = time.perf_counter()
+        if self._in_flight:
+            record_metric("generator/busy_s", now - self._busy_mark, Reduce.SUM)
+        self._in_flight += change
+        self._busy_mark = now
+
     @concurrent_endpoint
     async def generate(
         self,
@@ -204,6 +215,7 @@ class Generator(ForgeActor):
         request_id = uuid.uuid4().hex
         admitted = self.version
         final = None
+        self._count_busy(+1)
         try:
             async with asyncio.timeout(timeout_s or self.cfg.request_timeout_s):
                 async for out in self.engine.generate(engine_prompt, params, request_id):
@@ -222,6 +234,8 @@ class Generator(ForgeActor):
             raise
         except (ValueError, VLLMClientError) as e:  # vLLM's input checks, e.g. longer than max_model_len
             raise ValueError(f"generate: prompt {_preview(prompt)}: {e}") from None
+        finally:
+            self._count_busy(-1)
         finished = self.version
         return [
             Completion(

@@ -1,22 +1,23 @@
-"""Reward service: rule/verifier rewards over the toy tasks, plus a format reward.
+"""Reward service: rule/verifier rewards (toy tasks, math final answers), plus a format reward.
 
     rewards = await Rewards.options().as_service(task="reverse", rewards={"task": 1.0, "format": 0.1})
     scores = await rewards.score.route([(answer, completion_text, finish_reason), ...])
 
-Each reward is a function (answer, text, finish_reason) -> float in REWARDS. One that
-raises scores 0 for that sample and is counted as a failure: it never ends the run.
+Each reward is a function (answer, text, finish_reason) -> float (see `make_rewards`). One
+that raises scores 0 for that sample and is counted as a failure: it never ends the run.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import string
 from typing import Callable
 
 from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
-from forge.tasks import get_task
+from forge.tasks import TASKS, get_task
 
 log = logging.getLogger("forge")
 RewardFn = Callable[[str, str, str], float]
@@ -33,14 +34,40 @@ def exact_reward(answer: str, text: str, finish_reason: str) -> float:
     return float(text.strip() == answer)
 
 
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> float | None:
+    """The answer a math solution ends with: \\boxed{...}, else after '####', else its last number."""
+    for marker in (r"\\boxed\{([^}]*)\}", r"####\s*([^\n]*)"):
+        found = re.findall(marker, text)
+        if found:
+            text = found[-1]
+            break
+    numbers = _NUMBER.findall(text)
+    return float(numbers[-1].replace(",", "")) if numbers else None
+
+
+def math_reward(answer: str, text: str, finish_reason: str) -> float:
+    """1 when the response's final number equals the reference's (GSM8K: after '####')."""
+    want, got = final_number(answer), final_number(text)
+    if want is None:
+        raise ValueError(f"reference answer {answer[-40:]!r} has no number")
+    return float(got is not None and abs(got - want) < 1e-6 * max(1.0, abs(want)))
+
+
 def _task_reward(task: str) -> RewardFn:
     t = get_task(task)
     return lambda answer, text, finish_reason: t.score(text, answer)
 
 
 def make_rewards(task: str) -> dict[str, RewardFn]:
-    """`task`: the task's own score (partial credit); `exact`: 0/1; `format`: stopped cleanly."""
-    return {"task": _task_reward(task), "exact": exact_reward, "format": format_reward}
+    """`exact`: 0/1; `math`: the final number matches; `format`: stopped cleanly; `task`: a toy
+    task's own score (partial credit)."""
+    rewards = {"exact": exact_reward, "math": math_reward, "format": format_reward}
+    if task in TASKS:
+        rewards["task"] = _task_reward(task)
+    return rewards
 
 
 def check_rewards(task: str, weights: dict[str, float]) -> None:
@@ -78,6 +105,6 @@ class Rewards(ForgeActor):
                     row[name], failed = 0.0, 1.0
             row["reward"] = sum(self.weights[n] * row[n] for n in self.fns)
             row["reward_failed"] = failed
-            row["correct"] = exact_reward(answer, text, finish)  # accuracy, whatever the rewards are
+            row["correct"] = row["math"] if "math" in row else exact_reward(answer, text, finish)  # accuracy
             out.append(row)
         return out

@@ -47,6 +47,7 @@ class TrainerConfig:
     transport: str = "shm"
     keep_versions: int = 2  # versions kept in the store (>= the staleness window + 1)
     threads: int = 0  # torch threads per rank (0: the cores divided by the ranks)
+    param_dtype: str = "float32"  # FSDP2 compute dtype of parameters (bfloat16 on GPU); grads reduce in fp32
 
     def validate(self) -> None:
         self.loss.validate()
@@ -54,7 +55,7 @@ class TrainerConfig:
 
 class Trainer(ForgeActor):
     """Policy trainer. Endpoints (call them on every rank with `.call`): train_step,
-    logprobs, push_weights, save, load, export_hf."""
+    logprobs, push_weights, policy_version, save, load, export_hf."""
 
     distributed = True  # torch.distributed env is set up on the mesh before spawn
 
@@ -66,6 +67,7 @@ class Trainer(ForgeActor):
         self.cfg = from_options(TrainerConfig, "Trainer", model, options)
         self.step = 0
         self.version = 0
+        self.store = None  # the WeightStore push_weights writes to (rank 0)
 
     @endpoint
     async def setup(self) -> None:
@@ -96,7 +98,7 @@ class Trainer(ForgeActor):
         self.model = parallelize_qwen3(
             model,
             parallel_dims=dims,
-            training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+            training=TrainingConfig(mixed_precision_param=self.cfg.param_dtype, mixed_precision_reduce="float32"),
             parallelism=ParallelismConfig(data_parallel_shard_degree=self.world, spmd_backend="partial_dtensor"),
             compile_config=CompileConfig(enable=False),
             ac_config=None,
@@ -195,11 +197,17 @@ class Trainer(ForgeActor):
 
         sd = self._full_hf_state_dict()
         if self.rank == 0:
-            store = WeightStore(self.cfg.weights, transport=self.cfg.transport)
-            await store.publish(version, sd)
-            await store.drop_older_than(version - self.cfg.keep_versions + 1)
+            if self.store is None:  # one writer for the run: it reuses its dropped versions' files
+                self.store = WeightStore(self.cfg.weights, transport=self.cfg.transport)
+            await self.store.publish(version, sd)
+            await self.store.drop_older_than(version - self.cfg.keep_versions + 1)
         self.version = version
         return version
+
+    @endpoint
+    async def policy_version(self) -> int:
+        """The version last published or loaded."""
+        return self.version
 
     @endpoint
     async def export_hf(self, path: str) -> str:
@@ -242,6 +250,11 @@ class Trainer(ForgeActor):
         return self.step
 
     async def __cleanup__(self, exc: Exception | None) -> None:
+        if self.store is not None:
+            try:
+                await self.store.clear()  # the published versions' shared memory
+            except Exception as e:  # the store may already be gone; its files are tmpfs only
+                print(f"forge: trainer could not clear weights {self.cfg.weights!r}: {e}", flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -5,6 +5,7 @@ Kept free of forge/monarch imports: vLLM imports it in its EngineCore process.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -33,6 +34,16 @@ def _exit_with(pid: int) -> None:
 _owner = int(os.environ.get("FORGE_GENERATOR_PID", "0"))
 if _owner and _owner != os.getpid() and os.path.isdir("/proc"):
     threading.Thread(target=_exit_with, args=(_owner,), daemon=True, name="forge-exit-with-generator").start()
+
+
+def _expected_reload_warning(record: logging.LogRecord) -> bool:
+    # On every reload vLLM warns that RotaryEmbedding (no weights in any checkpoint) and the
+    # tied ParallelLMHead (refreshed from the embedding below) "failed to load weights".
+    return not (record.getMessage().endswith("Failed to load weights")
+                and record.getMessage().split(":")[0] in ("RotaryEmbedding", "ParallelLMHead"))
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_expected_reload_warning)
 
 
 class WeightReloader:

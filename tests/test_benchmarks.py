@@ -39,3 +39,16 @@ def test_quick_benchmark_writes_json(tmp_path, name, keys):
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads(out.read_text())
     assert all(k in data for k in keys)
+
+
+def test_async_vs_sync_quick_through_forge_bench(tmp_path):
+    out = tmp_path / "async_vs_sync.json"
+    r = subprocess.run([sys.executable, "-m", "forge.cli", "bench", "async_vs_sync", "--quick", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(out.read_text())
+    for key in ("speedup_async_vs_sync", "speedup_one_step_vs_sync", "ideal_speedup"):
+        assert data[key] > 0
+    for mode, bound in (("max_staleness=0", 0), ("max_staleness=1", 1), ("max_staleness=4", 4)):
+        assert data["modes"][mode]["staleness_max"] <= bound
+        assert 0 < data["modes"][mode]["generator_busy_frac"] <= 1.0 + 1e-6

@@ -56,3 +56,22 @@ def test_filtered_group_releases_its_place():
             await buf.shutdown()
 
     asyncio.run(main())
+
+
+def test_sample_that_drops_stale_wakes_blocked_adds():
+    """Full of stale episodes with an add waiting for room: the sample that drops them must let
+    the add in (it used to wait forever, as a synchronous GRPO run did at step 20)."""
+
+    async def main():
+        buf = await ReplayBuffer.options().as_actor(capacity=2, max_staleness=0)
+        try:
+            await buf.add.call_one(group(0))  # full, version 0
+            blocked = asyncio.ensure_future(buf.add.call_one(group(1)))  # waits for room
+            await asyncio.sleep(0.5)
+            assert not blocked.done()
+            batch = await buf.sample.call_one(2, 1, timeout_s=10)  # drops the stale pair, takes the fresh one
+            assert [e.policy_version for e in batch] == [1, 1] and await blocked == 2
+        finally:
+            await buf.shutdown()
+
+    asyncio.run(main())

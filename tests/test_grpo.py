@@ -56,8 +56,50 @@ def test_grpo_steps_then_resume(tmp_path):
     ("group_size=1", "config key 'group_size' must be >= 2"),
     ("trainer_procs=3", "batch of 64 (group_size x groups_per_step) does not split over trainer_procs x trainer.grad_accum = 3"),
     ("trainer.loss.name=ppo9", "unknown loss 'ppo9'"),
+    ("rollout=nowhere:rollout", "config key 'rollout': cannot import 'nowhere:rollout'"),
+    ("rollout=forge.rollout", "config key 'rollout': expected 'package.module:name'"),
+    ("task=gsm9k", "config key 'task': unknown task 'gsm9k'"),
 ])
 def test_bad_config_fails_before_spawning(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(CONFIG, [override], Config)
     assert message in str(e.value)
+
+
+def test_gpu_gsm8k_config_is_valid(tmp_path, tiny_model_dir):
+    """The documented GPU config loads with only its model and data paths replaced."""
+    from test_data import gsm8k_like
+
+    data = gsm8k_like(tmp_path / "train.jsonl")
+    cfg = load_config("configs/grpo_qwen3_1.7b_gsm8k.yaml", [f"model.path={tiny_model_dir}", f"dataset.path={data}"], Config)
+    assert cfg.rewards == {"math": 1.0} and cfg.generator.kv_cache_memory_bytes is None
+    assert cfg.trainer.param_dtype == "bfloat16" and cfg.batch_size == 128
+
+
+def test_ctrl_c_saves_and_leaves_no_processes(tmp_path):
+    """SIGINT mid-run: a checkpoint of the step reached, exit, and no process left behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    over = small(tmp_path, steps=1000, checkpoint_every=0)
+    proc = subprocess.Popen([sys.executable, "-m", "forge.cli", "run", CONFIG, *over], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    metrics = tmp_path / "e2e" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.5)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children  # the services' processes
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert "interrupted at step" in out, out[-3000:]
+    saved = checkpoint.load_run_state(checkpoint.latest(tmp_path / "e2e"))
+    assert saved["step"] >= 2 and (checkpoint.latest(tmp_path / "e2e") / "trainer").is_dir()
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]

@@ -1,4 +1,5 @@
 import json
+import time
 
 import pytest
 
@@ -78,3 +79,18 @@ def test_wandb_backend_offline(tmp_path):
     w.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def test_new_run_starts_empty_and_resume_drops_later_rows(tmp_path):
+    w = MetricWriter(tmp_path, ["jsonl"], start_time=time.time() - 10.0)  # 10 s into the run
+    for step in (1, 2, 3):
+        w.write(step, {"loss": float(step)})
+    w.close()
+    resumed = MetricWriter(tmp_path, ["jsonl"], resume_step=2)  # checkpoint at 2, the run had reached 3
+    assert 9.9 < time.time() - resumed.start < 20  # wall time goes on from step 2's row
+    resumed.write(3, {"loss": 30.0})
+    resumed.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    MetricWriter(tmp_path, ["jsonl"]).close()  # the same run name started afresh
+    assert (tmp_path / "metrics.jsonl").read_text() == ""

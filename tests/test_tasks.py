@@ -64,3 +64,13 @@ def test_dataset_reproducible_and_loadable(tmp_path):
 def test_missing_dataset_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         tasks.load_dataset(tmp_path / "nope.jsonl")
+
+
+def test_corrupt_keeps_kind_and_rate():
+    rng = random.Random(0)
+    text = "abcdefghij0123456789" * 50
+    noisy = tasks.corrupt(text, 0.3, rng)
+    changed = sum(a != b for a, b in zip(text, noisy)) / len(text)
+    assert 0.2 < changed < 0.33  # p = 0.3, minus replacements that drew the same character
+    assert all(a.isdigit() == b.isdigit() for a, b in zip(text, noisy)) and set(noisy) <= set(text)
+    assert tasks.corrupt(text, 0.0, rng) == text

@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from forge.types import Completion, Episode, collate
 

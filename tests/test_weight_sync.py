@@ -41,6 +41,9 @@ def test_store_roundtrip_both_transports():
                 assert path is None or not Path(path).exists()
                 with pytest.raises(KeyError, match="version 1 of 'rt-"):
                     await ws.fetch(1)
+                await ws.clear()  # the end of a run: no versions, no files of this writer left
+                assert await ws.versions() == [] and await ws.latest() is None
+                assert not list(Path(ws.shm_dir).glob(f"rt-{transport}-{ws._token}-*"))
         finally:
             await stop_store(procs)
 

@@ -1,0 +1,48 @@
+"""Prompt streams: generated toy tasks and local dataset files, both resumable."""
+
+import json
+
+import pytest
+
+from forge.config import ConfigError
+from forge.data import DatasetConfig, FilePrompts, TaskPrompts
+
+
+def gsm8k_like(path, n=5):
+    with path.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({"question": f"What is {i} plus {i + 1}?", "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}"}) + "\n")
+    return path
+
+
+def test_file_prompts_epochs_and_resume(tmp_path):
+    cfg = DatasetConfig(path=str(gsm8k_like(tmp_path / "train.jsonl")), template="Q: {question}\nA:")
+    node = FilePrompts(cfg, seed=1)
+    node.reset()
+    first = [next(node) for _ in range(10)]
+    assert sorted(s.prompt for s in first[:5]) == sorted(f"Q: What is {i} plus {i + 1}?\nA:" for i in range(5))
+    assert sorted(s.prompt for s in first[5:]) == sorted(s.prompt for s in first[:5])  # a full second epoch
+    assert [s.prompt for s in first[:5]] != [s.prompt for s in first[5:]]  # reshuffled
+    assert first[0].answer.endswith(f"#### {first[0].answer.split('= ')[1].split()[0]}")
+
+    resumed = FilePrompts(cfg, seed=1)
+    resumed.reset({"index": 7})
+    assert [next(resumed).prompt for _ in range(3)] == [s.prompt for s in first[7:10]]
+
+
+def test_task_prompts_resume():
+    a, b = TaskPrompts("reverse", seed=3), TaskPrompts("reverse", seed=3)
+    a.reset()
+    seen = [next(a) for _ in range(6)]
+    b.reset({"index": 4})
+    assert [next(b) for _ in range(2)] == seen[4:]
+
+
+def test_bad_dataset_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="dataset.path': file not found"):
+        DatasetConfig(path=str(tmp_path / "nope.jsonl")).validate()
+    with pytest.raises(ConfigError, match="is not one of"):
+        DatasetConfig(path=str(tmp_path / "x.txt")).validate()
+    path = gsm8k_like(tmp_path / "t.jsonl")
+    with pytest.raises(ConfigError, match=r"missing \['problem'\]"):
+        FilePrompts(DatasetConfig(path=str(path), template="{problem}"))
