@@ -23,7 +23,7 @@ from forge import checkpoint
 from forge.buffer import ReplayBuffer
 from forge.config import ConfigError, import_object, to_yaml
 from forge.data import DatasetConfig, FilePrompts, TaskPrompts
-from forge.metrics import DEFAULT_BACKENDS, MetricWriter, Reduce, plot_rewards, record_metric
+from forge.metrics import DEFAULT_BACKENDS, MetricWriter, Reduce, discard_pending, plot_rewards, record_metric
 from forge.rollout import make_group
 from forge.store import start_store, stop_store
 from forge.tasks import get_task
@@ -155,6 +155,7 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
         await buffer.load_state_dict.call_one(saved["buffer"])
         await trainer.push_weights.route(state["version"])  # generators resume on the trained policy
     writer = MetricWriter(run_dir, cfg.metrics, resume_step=state["step"] if resume_from else None)
+    await discard_pending()  # services reused from an earlier run may still hold its values
 
     async def rollout_loop() -> None:
         while True:

@@ -11,6 +11,8 @@ costs have the heavy tails of agentic RL:
   latency follows seed 002's distribution scaled down 500x (40% of tasks under 30 s and 10%
   over 10 min become 60 ms and 1.2 s: log-normal, capped at 6 s); each of its samples
   takes that times a log-normal jitter (sigma 0.3).
+A step trains 8 prompts x 4 samples, with one rollout per prompt of a batch in flight
+(8 concurrent rollouts), the way a synchronous system generates a whole batch at once.
 The three runs share one set of services (warm engine, same model) and differ only in
 `max_staleness`; each trains the same number of steps. The ideal speedup comes from the
 on-policy run's own stage times: a perfect pipeline runs at the pace of its slower stage,
@@ -34,7 +36,7 @@ from benchmarks.common import ROOT, parse_args, tiny_model, write_result
 
 SHORT, CAP = (2, 8), 48
 TASK_MEDIAN_S, TASK_SIGMA, TASK_CAP_S, JITTER_SIGMA = 0.098, 1.95, 6.0, 0.3  # P(< 60 ms) = 40%, P(> 1.2 s) = 10%
-GROUP_SIZE, GROUPS, ROLLOUTS = 4, 8, 8
+GROUP_SIZE, GROUPS, ROLLOUTS = 4, 8, 8  # one rollout per prompt of a batch, as a synchronous system generates
 
 
 async def heavy_tail_rollout(sample: Any, gen: Any, rewards: Any, cfg: Any):
@@ -63,6 +65,7 @@ def config(max_staleness: int, steps: int, runs_dir: Path, model: str):
         "steps": steps, "model.path": model, "model.tiny": "null", "group_size": GROUP_SIZE,
         "groups_per_step": GROUPS, "rollout_tasks": ROLLOUTS, "rollout": "benchmarks.async_vs_sync:heavy_tail_rollout",
         "generator.max_model_len": 96, "checkpoint_every": 0, "metrics": "[jsonl]", "trainer.lr": 1e-5,
+        "trainer.grad_accum": 4,  # micro-batches of similar lengths: the long tail is not everyone's padding
     }
     return load_config(str(ROOT / "configs/grpo_tiny.yaml"), [f"{k}={v}" for k, v in overrides.items()], Config)
 

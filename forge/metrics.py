@@ -142,6 +142,12 @@ async def _gather(timeout: float) -> list[dict[str, _Acc]]:
     return [_drain()] + [s for part in parts for s in part]
 
 
+async def discard_pending(timeout: float = 30.0) -> None:
+    """Drop what every process recorded since the last flush: a run that reuses services
+    starts its metrics with itself, not with the tail of the run before."""
+    await _gather(timeout)
+
+
 class MetricWriter:
     def __init__(
         self,

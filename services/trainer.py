@@ -138,20 +138,21 @@ class Trainer(ForgeActor):
         from services.titan import token_logprobs
 
         mine = self._shard(batch).to(self.device)
-        micro = mine.input_ids.shape[0] // self.cfg.grad_accum
+        # Dr.GRPO's default normalizer is the batch's row length, whatever the micro-batches are cut to.
+        loss_cfg = dataclasses.replace(self.cfg.loss, norm_tokens=self.cfg.loss.norm_tokens or mine.input_ids.shape[1])
         self.optimizers.zero_grad()
         sums = torch.zeros(6, dtype=torch.float64)  # loss, kl, entropy, is_ratio, is_capped, tokens
-        for i in range(self.cfg.grad_accum):
-            mb = _rows(mine, slice(i * micro, (i + 1) * micro))
+        for mb in _micro_batches(mine, self.cfg.grad_accum):
             lp, ent = token_logprobs(self.model, mb.input_ids, with_entropy=True)
             w = importance_weight(lp, mb.gen_logprobs, self.cfg.loss.is_cap)
-            loss = self.loss_fn(lp, mb, w, self.cfg.loss)
+            loss = self.loss_fn(lp, mb, w, loss_cfg)
             (loss / (self.world * self.cfg.grad_accum)).backward()
             m = mb.loss_mask
             with torch.no_grad():
                 raw = torch.exp(lp - mb.gen_logprobs)
                 kl = (k3_kl(lp, mb.ref_logprobs) * m).sum() if mb.ref_logprobs is not None else 0.0
-                sums += torch.tensor([loss.item() * m.sum().item(), float(kl), (ent * m).sum().item(),
+                # loss: the objective itself (its share of the mean over ranks and micro-batches); the rest per token
+                sums += torch.tensor([loss.item() / (self.world * self.cfg.grad_accum), float(kl), (ent * m).sum().item(),
                                       (raw * m).sum().item(), ((raw > self.cfg.loss.is_cap).float() * m).sum().item(),
                                       m.sum().item()], dtype=torch.float64)
         grad_norm = dist_utils.clip_grad_norm_(list(self.model.parameters()), max_norm=self.cfg.max_norm, foreach=True)
@@ -161,7 +162,7 @@ class Trainer(ForgeActor):
         dist.all_reduce(sums)
         n = max(sums[5].item(), 1.0)
         return {
-            "loss": sums[0].item() / n, "kl": sums[1].item() / n, "entropy": sums[2].item() / n,
+            "loss": sums[0].item(), "kl": sums[1].item() / n, "entropy": sums[2].item() / n,
             "is_ratio_mean": sums[3].item() / n, "is_capped_frac": sums[4].item() / n,
             "grad_norm": float(grad_norm), "lr": self.schedulers.schedulers[0].get_last_lr()[0],
             "trained_tokens": sums[5].item(),
@@ -259,12 +260,25 @@ class Trainer(ForgeActor):
             dist.destroy_process_group()
 
 
-def _rows(b: Batch, rows: slice) -> Batch:
-    """Rows of a padded batch (one episode per row, as the trainer receives it)."""
+def _micro_batches(b: Batch, n: int) -> list[Batch]:
+    """`n` equal micro-batches of rows of similar length, each cut to its own longest row: a
+    batch is padded to its longest episode, and with a long tail of lengths most of a
+    micro-batch taken in order would be padding."""
+    if n == 1:
+        return [b]
+    lengths = (b.doc_ids >= 0).sum(dim=1)
+    order = torch.argsort(lengths, stable=True)
+    per = len(order) // n
+    return [_rows(b, idx, width=int(lengths[idx].max())) for idx in order.split(per)]
+
+
+def _rows(b: Batch, rows: slice | torch.Tensor, width: int | None = None) -> Batch:
+    """Rows of a padded batch (one episode per row, as the trainer receives it), optionally
+    cut to their first `width` columns."""
     keep = {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
     for name in ("input_ids", "loss_mask", "advantages", "gen_logprobs", "ref_logprobs", "position_ids", "doc_ids"):
         if keep[name] is not None:
-            keep[name] = keep[name][rows]
+            keep[name] = keep[name][rows, :width]
     # doc_ids index episodes: renumber so row i holds episode i of the slice.
     n = keep["input_ids"].shape[0]
     keep["doc_ids"] = torch.where(keep["doc_ids"] >= 0, torch.arange(n)[:, None].to(keep["doc_ids"].device), -1)

@@ -51,4 +51,4 @@ def test_async_vs_sync_quick_through_forge_bench(tmp_path):
         assert data[key] > 0
     for mode, bound in (("max_staleness=0", 0), ("max_staleness=1", 1), ("max_staleness=4", 4)):
         assert data["modes"][mode]["staleness_max"] <= bound
-        assert 0 < data["modes"][mode]["generator_busy_frac"] <= 1.0 + 1e-6
+        assert data["modes"][mode]["generator_busy_frac"] > 0 and data["modes"][mode]["trainer_busy_frac"] > 0

@@ -108,3 +108,25 @@ def test_unknown_option_and_loss_are_named(tiny_model_dir):
             await Trainer.options().as_service(model="/nonexistent")
 
     asyncio.run(main())
+
+
+def test_micro_batches_cut_to_length_give_the_same_step(tiny_model_dir):
+    """grad_accum sorts rows by length and cuts each micro-batch to its longest row: the loss
+    and gradient equal one full-width pass (Dr.GRPO keeps the batch's row length as its norm)."""
+    g = torch.Generator().manual_seed(1)
+    eps = [Episode(tokens=torch.randint(6, 100, (n,), generator=g).tolist(), loss_mask=[0] * 3 + [1] * (n - 3),
+                   gen_logprobs=[-4.0] * n, advantage=float(i % 3) - 1.0)
+           for i, n in enumerate([5, 40, 7, 6, 9, 5, 33, 8])]
+    batch = collate(eps, pad_id=0)
+
+    async def step(grad_accum: int) -> dict:
+        trainer = await Trainer.options().as_service(model=str(tiny_model_dir), lr=0.0, grad_accum=grad_accum,
+                                                     loss={"name": "dr_grpo"})
+        try:
+            return await trainer.train_step.route(batch)
+        finally:
+            await trainer.shutdown()
+
+    whole, cut = asyncio.run(step(1)), asyncio.run(step(4))
+    for key in ("loss", "grad_norm", "entropy", "is_ratio_mean", "trained_tokens"):
+        assert abs(whole[key] - cut[key]) <= 1e-5 * max(1.0, abs(whole[key])), (key, whole[key], cut[key])
