@@ -86,6 +86,7 @@ async def generator_stall(model: str) -> dict:
         await asyncio.gather(*busy)
     finally:
         await gen.shutdown()
+        await store.clear()
     return {"publish_to_live_s_median": statistics.median(live), "paused_s_median": statistics.median(swaps),
             "model_mb": sum(t.numel() * t.element_size() for t in sd.values()) / 2**20}
 

@@ -56,11 +56,11 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
     async def main():
         procs = await start_store()
         gen = await Generator.options().as_service(model=str(tiny_model_dir), max_model_len=256, weights_from="policy")
+        shm = WeightStore("policy", transport="shm")
+        tstore = WeightStore("policy", transport="torchstore")
         try:
             assert await gen.policy_version.route() == 0
             v1 = perturbed(base, 1)
-            shm = WeightStore("policy", transport="shm")
-            tstore = WeightStore("policy", transport="torchstore")
 
             # Publish while 32 long requests run: none waits for the fetch, all finish.
             long = {"max_tokens": 96, "ignore_eos": True}
@@ -98,6 +98,7 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
                 await asyncio.sleep(0.2)
             assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engine_pids)
         finally:
+            await shm.clear()  # this test is the writer: its /dev/shm files go with it
             await gen.shutdown()
             await stop_store(procs)
 
