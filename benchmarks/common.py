@@ -20,10 +20,12 @@ def parse_args(name: str, doc: str, quick_help: str, argv: list[str] | None) -> 
     return p.parse_args(argv)
 
 
-def tiny_model() -> str:
+def tiny_model(**dims: int) -> str:
+    """The benchmark model: the tiny model untrained, or wider/deeper with `dims` (TinyModelSpec fields)."""
     from forge.tiny_model import TinyModelSpec, make_tiny_model
 
-    return str(make_tiny_model(ROOT / ".cache/forge/models/bench-tiny", TinyModelSpec(sft_steps=0)))
+    name = "bench-tiny" + "".join(f"-{k}{v}" for k, v in sorted(dims.items()))
+    return str(make_tiny_model(ROOT / ".cache/forge/models" / name, TinyModelSpec(sft_steps=0, **dims)))
 
 
 def write_result(out: str | Path, result: dict) -> dict:

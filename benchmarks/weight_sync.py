@@ -1,13 +1,17 @@
-"""Weight sync: WeightStore publish + fetch (+ the swap into a consumer's parameters) vs
-state-dict size, next to memcpy of the same bytes.
+"""Weight sync: WeightStore push (publish) + pull (open the version in the consumer's
+process), then the consumer's copy into its own parameters, vs state-dict size, next to
+memcpy of the same bytes.
 
     python -m benchmarks.weight_sync [--quick]
 
 For each size: a torch copy of the same bytes (memcpy bandwidth, measured in this run), the
-"shm" transport (safetensors file in /dev/shm, TorchStore holds the version record) and the
-"torchstore" transport (tensors through TorchStore 0.1.2's RPC). Then the stall one sync
-causes in a generator that follows the store (tiny model): time from publish to the new
-version being live, and how long generation was paused. Writes benchmarks/results/weight_sync.json.
+"shm" transport (safetensors file in /dev/shm, TorchStore holds the version record; the pull
+maps the file, no copy) and the "torchstore" transport (tensors through TorchStore 0.1.2's
+RPC; the pull is the transfer). `fraction_of_memcpy` is memcpy time / push+pull time at the
+largest size; `fraction_with_copy_into_params` adds the copy a generator makes in its swap.
+Then the stall one sync causes in a generator that follows the store (tiny model): time from
+publish to the new version being live, and how long generation was paused. Writes
+benchmarks/results/weight_sync.json.
 """
 
 from __future__ import annotations
@@ -31,38 +35,50 @@ def state_dict(mb: int) -> dict[str, torch.Tensor]:
     return {f"layers.{i}.weight": torch.randn(per) for i in range(n)}
 
 
-def memcpy_s(sd: dict[str, torch.Tensor], repeats: int, fresh: bool = False) -> float:
-    """Copy every tensor into a buffer that is already mapped (fresh=False) or newly allocated
-    (fresh=True: first-touch page faults included, as any new file or allocation pays)."""
+def memcpy_s(sd: dict[str, torch.Tensor], repeats: int) -> float:
+    """Copy every tensor into a buffer that is already mapped: memcpy bandwidth."""
     dst = {k: torch.empty_like(v) for k, v in sd.items()}
     times = []
     for _ in range(repeats + 1):
         t = time.perf_counter()
         for k, v in sd.items():
-            (torch.empty_like(v) if fresh else dst[k]).copy_(v)
+            dst[k].copy_(v)
         times.append(time.perf_counter() - t)
     return statistics.median(times[1:])
 
 
-async def sync_s(store, sd: dict[str, torch.Tensor], repeats: int, into: bool) -> float:
-    """publish + fetch of one version; `into`: fetched into a consumer's existing tensors (a
-    model's parameters: the swap), else into new ones. Four rounds warm up: from then on the
-    writer cycles through files it has mapped before, as it does in a run."""
-    params = {k: torch.empty_like(v) for k, v in sd.items()} if into else None
-    times = []
+async def sync_s(store, sd: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
+    """Median seconds of push, pull and the copy into the consumer's parameters for one
+    version. Four rounds warm up: from then on the writer cycles through files it has mapped
+    before, as it does in a run."""
+    from forge.store import _copy_into
+
+    params = {k: torch.empty_like(v) for k, v in sd.items()}
+    times: dict[str, list[float]] = {"push": [], "pull": [], "copy": []}
     for v in range(1, repeats + 5):
-        t = time.perf_counter()
+        t0 = time.perf_counter()
         await store.publish(v, sd)
-        got = await store.fetch(v, into=params)
-        times.append(time.perf_counter() - t)
-        assert got.keys() == sd.keys()
+        t1 = time.perf_counter()
+        async with store.open(v) as got:
+            t2 = time.perf_counter()
+            _copy_into(got, params)
+            t3 = time.perf_counter()
+        t4 = time.perf_counter()
+        for k, t in (("push", t1 - t0), ("pull", t2 - t1 + t4 - t3), ("copy", t3 - t2)):
+            times[k].append(t)
         await store.drop_older_than(v)
-    assert all(torch.equal(got[k], sd[k]) for k in sd)
+    assert all(torch.equal(params[k], sd[k]) for k in sd)
     await store.clear()
-    return statistics.median(times[4:])
+    return {k: statistics.median(t[4:]) for k, t in times.items()}
 
 
-async def generator_stall(model: str) -> dict:
+MEDIUM = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4)
+
+
+async def generator_stall(model: str, versions: int = 6) -> dict:
+    """A generator follows the store while 8 request streams run: per version, the time from
+    publish to live and how long generation was paused. The writer keeps 2 versions, as the
+    trainer does; the first two versions go into new files (cold), the rest reuse them."""
     from safetensors.torch import load_file
 
     from forge.store import WeightStore
@@ -71,27 +87,36 @@ async def generator_stall(model: str) -> dict:
     store = WeightStore("bench-gen")
     gen = await Generator.options().as_service(model=model, weights_from="bench-gen")
     sd = load_file(Path(model) / "model.safetensors")
+    stop = asyncio.Event()
+
+    async def stream() -> None:
+        while not stop.is_set():
+            await gen.generate.route("rev abc=", n=2, sampling={"max_tokens": 32, "ignore_eos": True})
+
+    busy = [asyncio.ensure_future(stream()) for _ in range(8)]
+    live = []
     try:
-        busy = [asyncio.ensure_future(gen.generate.route("rev abc=", n=4, sampling={"max_tokens": 200, "ignore_eos": True}))
-                for _ in range(16)]
         await asyncio.sleep(0.5)
-        live = []
-        for v in (1, 2, 3):
+        for v in range(1, versions + 1):
             t = time.perf_counter()
             await store.publish(v, sd)
             while await gen.policy_version.route() < v:
                 await asyncio.sleep(0.005)
             live.append(time.perf_counter() - t)
-        swaps = await gen.last_swaps.route()
+            await store.drop_older_than(v - 1)
+            await asyncio.sleep(0.3)  # generation between versions
+        paused = (await gen.last_swaps.route())[-versions:]
+        stop.set()
         await asyncio.gather(*busy)
     finally:
         await gen.shutdown()
         await store.clear()
-    return {"publish_to_live_s_median": statistics.median(live), "paused_s_median": statistics.median(swaps),
-            "model_mb": sum(t.numel() * t.element_size() for t in sd.values()) / 2**20}
+    return {"model_mb": sum(t.numel() * t.element_size() for t in sd.values()) / 2**20,
+            "publish_to_live_s": live, "paused_s": paused,
+            "publish_to_live_s_median": statistics.median(live[2:]), "paused_s_median": statistics.median(paused[2:])}
 
 
-async def measure(sizes: list[int], repeats: int, model: str) -> dict:
+async def measure(sizes: list[int], repeats: int, models: list[str]) -> dict:
     from forge.store import WeightStore, start_store, stop_store
 
     procs = await start_store()
@@ -99,42 +124,42 @@ async def measure(sizes: list[int], repeats: int, model: str) -> dict:
     try:
         for mb in sizes:
             sd = state_dict(mb)
-            row = {"mb": mb, "memcpy_s": memcpy_s(sd, repeats), "memcpy_fresh_s": memcpy_s(sd, repeats, fresh=True)}
+            row = {"mb": mb, "memcpy_s": memcpy_s(sd, 3 * repeats)}
             for transport in ("shm", "torchstore"):
-                store = WeightStore(f"bench-{transport}", transport=transport)
-                row[f"{transport}_s"] = await sync_s(store, sd, repeats, into=True)
-                row[f"{transport}_new_tensors_s"] = await sync_s(store, sd, repeats, into=False)
+                t = await sync_s(WeightStore(f"bench-{transport}", transport=transport), sd, repeats)
+                row.update({f"{transport}_{k}_s": v for k, v in t.items()})
+                row[f"{transport}_gb_s"] = mb / 1024 / (t["push"] + t["pull"])
+                row[f"{transport}_fraction_of_memcpy"] = row["memcpy_s"] / (t["push"] + t["pull"])
+                row[f"{transport}_with_copy_fraction_of_memcpy"] = row["memcpy_s"] / sum(t.values())
             row["memcpy_gb_s"] = mb / 1024 / row["memcpy_s"]
-            row["memcpy_fresh_gb_s"] = mb / 1024 / row["memcpy_fresh_s"]
-            for transport in ("shm", "torchstore"):
-                row[f"{transport}_gb_s"] = mb / 1024 / row[f"{transport}_s"]
-                row[f"{transport}_fraction_of_memcpy"] = row["memcpy_s"] / row[f"{transport}_s"]
-                row[f"{transport}_new_tensors_fraction_of_memcpy"] = row["memcpy_s"] / row[f"{transport}_new_tensors_s"]
             rows.append(row)
             del sd
-        stall = await generator_stall(model)
+        stall = [await generator_stall(m) for m in models]
     finally:
         await stop_store(procs)
     largest = rows[-1]
     return {"rows": rows, "fraction_of_memcpy": largest["shm_fraction_of_memcpy"],
+            "fraction_with_copy_into_params": largest["shm_with_copy_fraction_of_memcpy"],
             "torchstore_fraction_of_memcpy": largest["torchstore_fraction_of_memcpy"],
             "largest_mb": largest["mb"], "generator_sync": stall, "repeats": repeats}
 
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args("weight_sync", __doc__, "sizes up to 64 MB, one repeat (smoke run)", argv)
-    model = tiny_model()
+    models = [tiny_model()] + ([] if a.quick else [tiny_model(**MEDIUM)])
     sizes = [1, 16, 64] if a.quick else [1, 16, 64, 256, 500]
-    result = asyncio.run(measure(sizes, 1 if a.quick else 3, model))
-    print("publish + fetch into the consumer's tensors, as a fraction of one memcpy of the same bytes "
-          "(2 copies at memcpy speed = 0.5); '(new)': fetched into newly allocated tensors")
-    print(f"{'MB':>6}{'memcpy GB/s':>13}{'shm GB/s':>10}{'shm/memcpy':>12}{'(new)':>7}{'torchstore GB/s':>17}{'ts/memcpy':>11}")
+    result = asyncio.run(measure(sizes, 1 if a.quick else 3, models))
+    print("push + pull as a fraction of one memcpy of the same bytes; '+copy': also the consumer's copy into its parameters")
+    print(f"{'MB':>6}{'memcpy GB/s':>13}{'push ms':>9}{'pull ms':>9}{'copy ms':>9}{'shm/memcpy':>12}{'+copy':>7}"
+          f"{'torchstore/memcpy':>19}{'+copy':>7}")
     for r in result["rows"]:
-        print(f"{r['mb']:>6}{r['memcpy_gb_s']:>13.2f}{r['shm_gb_s']:>10.2f}{r['shm_fraction_of_memcpy']:>12.2f}"
-              f"{r['shm_new_tensors_fraction_of_memcpy']:>7.2f}{r['torchstore_gb_s']:>17.2f}{r['torchstore_fraction_of_memcpy']:>11.2f}")
-    g = result["generator_sync"]
-    print(f"generator ({g['model_mb']:.1f} MB model): publish -> live {g['publish_to_live_s_median'] * 1e3:.0f} ms, "
-          f"generation paused {g['paused_s_median'] * 1e3:.0f} ms")
+        print(f"{r['mb']:>6}{r['memcpy_gb_s']:>13.2f}{r['shm_push_s'] * 1e3:>9.1f}{r['shm_pull_s'] * 1e3:>9.1f}{r['shm_copy_s'] * 1e3:>9.1f}"
+              f"{r['shm_fraction_of_memcpy']:>12.2f}{r['shm_with_copy_fraction_of_memcpy']:>7.2f}"
+              f"{r['torchstore_fraction_of_memcpy']:>19.3f}{r['torchstore_with_copy_fraction_of_memcpy']:>7.3f}")
+    for g in result["generator_sync"]:
+        print(f"generator ({g['model_mb']:.0f} MB model), median after 2 cold versions: publish -> live "
+              f"{g['publish_to_live_s_median'] * 1e3:.0f} ms, generation paused {g['paused_s_median'] * 1e3:.0f} ms; "
+              f"cold: {', '.join(f'{x * 1e3:.0f}' for x in g['paused_s'][:2])} ms paused")
     return write_result(a.out, result)
 
 

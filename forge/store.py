@@ -9,6 +9,7 @@ re-checks the class there too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import os
@@ -16,11 +17,14 @@ import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import AsyncIterator
 
 import torch
 import torchstore  # noqa: F401  (its import sets HYPERACTOR_CODEC_MAX_FRAME_LENGTH for big frames)
 from monarch.actor import endpoint
 from torchstore.controller import Controller
+
+from forge.shm import forget_mapping, read_safetensors, safetensors_size, write_safetensors
 
 
 def _make_controller_endpoints_async() -> None:
@@ -76,8 +80,9 @@ class WeightStore:
       - "torchstore": the tensors go into TorchStore (works across hosts).
       - "shm": the tensors go into one safetensors file in /dev/shm and TorchStore holds only
         the version record. Same host only, and much faster with torchstore 0.1.2, whose RPC
-        transport moves 0.2-0.3 GB/s here; a generator's vLLM worker reads the file directly.
-        Dropped versions' files are reused, so a reader checks `check_intact` after reading.
+        transport moves 0.2-0.3 GB/s here; `open` and a generator's vLLM worker map the file
+        (no copy). Dropped versions' files are reused, so a reader checks `check_intact` after
+        reading (`open` and `fetch` do).
         File names carry a token of this writer, so runs sharing a host never share files;
         keep one WeightStore per writer and `clear()` it at the end.
     """
@@ -121,22 +126,20 @@ class WeightStore:
         return nbytes
 
     async def latest(self) -> int | None:
-        if not await torchstore.exists(f"{self.name}/latest"):
+        try:  # one RPC: a get that misses raises, where exists-then-get costs two
+            return await torchstore.get(f"{self.name}/latest")
+        except KeyError:
             return None
-        return await torchstore.get(f"{self.name}/latest")
 
     async def record(self, version: int) -> dict:
-        key = f"{self._key(version)}/record"
-        if not await torchstore.exists(key):
-            raise KeyError(f"weights version {version} of {self.name!r} is not in the store (dropped or never published)")
-        return await torchstore.get(key)
+        try:
+            return await torchstore.get(f"{self._key(version)}/record")
+        except KeyError:
+            raise KeyError(f"weights version {version} of {self.name!r} is not in the store (dropped or never published)") from None
 
     async def local_path(self, version: int) -> str | None:
         """The safetensors file holding `version`, if it is readable from this host (shm)."""
-        rec = await self.record(version)
-        if rec["transport"] == "shm" and rec["host"] == socket.gethostname() and os.path.exists(rec["path"]):
-            return rec["path"]
-        return None
+        return _local_path(await self.record(version))
 
     def _spare(self, size: int) -> Path | None:
         return next((f for f in self._spares() if f.stat().st_size == size), None)
@@ -144,25 +147,37 @@ class WeightStore:
     async def check_intact(self, version: int) -> None:
         """Call after reading a shm version: its record is deleted before its file is reused,
         so a record that still exists means nothing overwrote what was read."""
-        await self.record(version)
+        if not await torchstore.exists(f"{self._key(version)}/record"):
+            raise KeyError(f"weights version {version} of {self.name!r} was dropped while it was read")
+
+    @contextlib.asynccontextmanager
+    async def open(self, version: int) -> AsyncIterator[dict[str, torch.Tensor]]:
+        """`version`'s state dict for the length of the block, without copying it: views of
+        the shm file (same host), or the tensors fetched from TorchStore. Leaving the block
+        raises KeyError if the version was dropped, and its file reused, while it was read:
+        copy out (e.g. `model.load_state_dict`) inside the block."""
+        async with self._open(await self.record(version)) as state_dict:
+            yield state_dict
+
+    @contextlib.asynccontextmanager
+    async def _open(self, rec: dict) -> AsyncIterator[dict[str, torch.Tensor]]:
+        path = _local_path(rec)
+        if path is not None:
+            yield read_safetensors(path)
+            await self.check_intact(rec["version"])
+        elif rec["transport"] == "shm":
+            raise RuntimeError(f"weights version {rec['version']} are in /dev/shm on host {rec['host']}; use transport='torchstore' across hosts")
+        else:
+            yield await torchstore.get_state_dict(self._key(rec["version"]))
 
     async def fetch(self, version: int, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The state dict of `version`: new tensors, or copied into `into`'s tensors (a model's
         own parameters: one copy, no allocation) and returned as `into`."""
-        path = await self.local_path(version)
-        if path is not None:
-            got = read_safetensors(path)
-            if into is None:
-                state_dict = {k: v.clone() for k, v in got.items()}
-            else:
-                state_dict = _copy_into(got, into)
-            await self.check_intact(version)
-            return state_dict
         rec = await self.record(version)
-        if rec["transport"] == "shm":
-            raise RuntimeError(f"weights version {version} are in /dev/shm on host {rec['host']}; use transport='torchstore' across hosts")
-        got = await torchstore.get_state_dict(self._key(version))
-        return got if into is None else _copy_into(got, into)
+        async with self._open(rec) as got:
+            if into is not None:
+                return _copy_into(got, into)
+            return {k: v.clone() for k, v in got.items()} if rec["transport"] == "shm" else got
 
     async def versions(self) -> list[int]:
         """Versions in the store, oldest first."""
@@ -208,31 +223,10 @@ class WeightStore:
                 await torchstore.delete(f"{self._key(version)}/{key}")
 
 
-# ---- one-copy safetensors in shared memory ---------------------------------------------
-# safetensors' save_file builds the whole file as bytes first, and load_file copies it out
-# again (0.5-0.9 GB/s measured here). Here each tensor is copied straight into the file, and
-# reading maps it with no copy at all. Mappings are kept per file (inode) and reused: a tmpfs
-# page costs a fault the first time a process touches it through a mapping, which made a
-# fresh mapping 5-10x slower than memcpy; a version written into a dropped version's file
-# through the mapping kept from last time runs at memcpy speed.
-
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-_FROM_NAME = {v: k for k, v in _DTYPES.items()}
-_MAPS: dict[tuple[int, int, int], torch.Tensor] = {}  # (device, inode, size) -> the file, mapped shared
-_MAX_MAPS = 4  # a writer cycles through keep_versions + 2 spare files
-
-
-def _mapping(path: str | Path) -> torch.Tensor:
-    st = os.stat(path)
-    key = (st.st_dev, st.st_ino, st.st_size)
-    buf = _MAPS.pop(key, None)
-    if buf is None:
-        buf = torch.from_file(str(path), shared=True, size=st.st_size, dtype=torch.uint8)
-    _MAPS[key] = buf  # most recently used last
-    while len(_MAPS) > _MAX_MAPS:
-        _MAPS.pop(next(iter(_MAPS)))
-    return buf
+def _local_path(rec: dict) -> str | None:
+    if rec["transport"] == "shm" and rec["host"] == socket.gethostname() and os.path.exists(rec["path"]):
+        return rec["path"]
+    return None
 
 
 def _copy_into(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -241,72 +235,3 @@ def _copy_into(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> di
     for name, t in src.items():
         dst[name].copy_(t.view(dst[name].shape))
     return dst
-
-
-def forget_mapping(path: str | Path) -> None:
-    """Before unlinking a file: a kept mapping would keep its memory."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return
-    _MAPS.pop((st.st_dev, st.st_ino, st.st_size), None)
-
-
-def _header(state_dict: dict[str, torch.Tensor]) -> tuple[dict, bytes, int]:
-    import json
-
-    header, offset = {}, 0
-    for name, t in state_dict.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
-    return header, raw, offset
-
-
-def safetensors_size(state_dict: dict[str, torch.Tensor]) -> int:
-    _, raw, data = _header(state_dict)
-    return 8 + len(raw) + data
-
-
-def write_safetensors(state_dict: dict[str, torch.Tensor], path: str | Path) -> None:
-    """Write `path` with one copy per tensor. A file of the right size is overwritten in place
-    through its kept mapping; a new one is written with plain writes (a fresh mapping of a
-    new tmpfs file pays a fault per 4 KB page)."""
-    header, raw, offset = _header(state_dict)
-    size = 8 + len(raw) + offset
-    if Path(path).exists() and os.path.getsize(path) == size:
-        buf = _mapping(path)
-        buf[: 8 + len(raw)].copy_(torch.frombuffer(bytearray(len(raw).to_bytes(8, "little") + raw), dtype=torch.uint8))
-        start = 8 + len(raw)
-        for name, t in state_dict.items():
-            a, b = header[name]["data_offsets"]
-            buf[start + a : start + b].copy_(t.detach().reshape(-1).contiguous().view(torch.uint8))
-        return
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
-        for t in state_dict.values():
-            f.write(memoryview(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy()))
-
-
-def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors that view the file through a kept shared mapping (no copy): they change if the
-    file is rewritten, so copy what must outlive the version (`WeightStore.fetch` does)."""
-    import json
-
-    buf = _mapping(path)
-    n = int.from_bytes(bytes(buf[:8].tolist()), "little")
-    header = json.loads(bytes(buf[8 : 8 + n].tolist()))
-    start = 8 + n
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = info["data_offsets"]
-        raw = buf[start + a : start + b]
-        dtype = _FROM_NAME[info["dtype"]]
-        if (start + a) % dtype.itemsize:
-            raw = raw.clone()  # misaligned for its dtype (after an odd-sized tensor): copy this one
-        out[name] = raw.view(dtype).view(info["shape"])
-    return out

@@ -120,12 +120,24 @@ class Generator(ForgeActor):
         self.engine = AsyncLLM.from_engine_args(self.cfg.engine_args())
         self.tokenizer = self.engine.tokenizer
         self.vocab_size = self.engine.model_config.get_vocab_size()
+        await self._warm_up()
         if self.cfg.weights_from is not None:
             from forge.store import WeightStore
 
             self.store = WeightStore(self.cfg.weights_from)
             await self._pull_latest()  # a respawned replica starts on the latest policy
             self._follower = asyncio.create_task(self._follow())
+
+    async def _warm_up(self) -> None:
+        # vLLM torch.compiles its sampling and logprob kernels on the first requests that use
+        # them (2.5-4 s here, even from the compile cache): pay that at startup, not in the
+        # first rollout or weight swap. Batches of 1 and of 2+ compile separately.
+        from vllm.inputs import TokensPrompt
+
+        sp = {**dataclasses.asdict(self.cfg.sampling), "temperature": 1.0, "max_tokens": 2, "stop": None}
+        for n in (1, 2):
+            async for _ in self.engine.generate(TokensPrompt(prompt_token_ids=[0]), self._sampling_params(n, sp), uuid.uuid4().hex):
+                pass
 
     async def _follow(self) -> None:
         while True:
@@ -265,20 +277,22 @@ class Generator(ForgeActor):
         fd, path = tempfile.mkstemp(suffix=".safetensors", dir=_shm_dir())
         os.close(fd)
         try:
-            from safetensors.torch import save_file
+            from forge.shm import write_safetensors
 
-            await asyncio.to_thread(save_file, {k: v.contiguous() for k, v in state_dict.items()}, path)
-            return await self.swap_from_file(path, version)
+            await asyncio.to_thread(write_safetensors, state_dict, path)
+            return await self.swap_from_file(path, version, keep_mapping=False)
         finally:
             os.unlink(path)
 
-    async def swap_from_file(self, path: str, version: int) -> float:
+    async def swap_from_file(self, path: str, version: int, keep_mapping: bool = True) -> float:
         loop = asyncio.get_running_loop()
         async with self._swap:
             start = loop.time()
-            await self.engine.pause_generation(mode="keep", clear_cache=True)
+            # AsyncLLM.pause_generation is this call plus a 20 ms sleep that only orders log
+            # output (its comment says so) and a multimodal-cache reset text models do not need.
+            await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
             try:
-                await self.engine.collective_rpc("forge_reload", args=(path,))
+                await self.engine.collective_rpc("forge_reload", args=(path, keep_mapping))
                 # Prefix-cache entries hold KV computed with the old weights.
                 await self.engine.reset_prefix_cache()
                 self.version = version

@@ -1,6 +1,6 @@
 """Runs inside vLLM's worker process (vLLM's `worker_extension_cls`): in-place weight reload.
 
-Kept free of forge/monarch imports: vLLM imports it in its EngineCore process.
+Kept free of monarch imports (forge.shm is torch-only): vLLM imports it in its EngineCore process.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 
-from safetensors.torch import load_file
+from forge.shm import forget_mapping, read_safetensors
 
 
 def _alive(pid: int) -> bool:
@@ -49,10 +49,11 @@ logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter
 class WeightReloader:
     """Mixed into vLLM's worker; called through `AsyncLLM.collective_rpc`."""
 
-    def forge_reload(self, path: str) -> int:
+    def forge_reload(self, path: str, keep_mapping: bool = True) -> int:
         # Tensors cannot pass through collective_rpc in multiprocess mode ("cannot pickle
-        # memoryview"), so the actor writes a safetensors file (in /dev/shm) and passes its path.
-        weights = load_file(path)
+        # memoryview"), so the actor passes the path of a safetensors file (in /dev/shm). Its
+        # tensors are read as views of the mapped file: the one copy is vLLM's, into the params.
+        weights = read_safetensors(path)
         # `reload_weights`, not `model.load_weights`: it re-runs vLLM's post-load processing.
         self.reload_weights(weights_iterator=iter(weights.items()))
         model = self.model_runner.get_model()
@@ -60,4 +61,6 @@ class WeightReloader:
         if getattr(model.config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
             # A tied lm_head keeps a processed copy of the embedding; refresh it from the new one.
             head.quant_method.process_weights_after_loading(head)
+        if not keep_mapping:  # a one-off file: its memory goes when it is unlinked
+            forget_mapping(path)
         return len(weights)

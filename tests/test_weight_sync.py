@@ -36,11 +36,20 @@ def test_store_roundtrip_both_transports():
                 assert await ws.latest() == 3 and await ws.versions() == [1, 2, 3]
                 got = await ws.fetch(2)
                 assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k] + 2) for k in sd)
+                async with ws.open(3) as view:  # no copy: views of the shm file
+                    assert all(torch.equal(view[k], sd[k] + 3) for k in sd)
+                into = {k: torch.empty_like(t) for k, t in sd.items()}
+                assert (await ws.fetch(1, into=into)) is into and all(torch.equal(into[k], sd[k] + 1) for k in sd)
                 path = await ws.local_path(1)
                 assert await ws.drop_older_than(3) == [1, 2] and await ws.versions() == [3]
                 assert path is None or not Path(path).exists()
                 with pytest.raises(KeyError, match="version 1 of 'rt-"):
                     await ws.fetch(1)
+                await ws.publish(4, sd)
+                if transport == "shm":  # a file dropped (to be reused) under a reader is caught
+                    with pytest.raises(KeyError, match="dropped while it was read"):
+                        async with ws.open(4):
+                            await ws.drop(4)
                 await ws.clear()  # the end of a run: no versions, no files of this writer left
                 assert await ws.versions() == [] and await ws.latest() is None
                 assert not list(Path(ws.shm_dir).glob(f"rt-{transport}-{ws._token}-*"))
@@ -71,6 +80,11 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
             done = [c for s in await asyncio.gather(*streams) for c in s]
             assert len(done) == 32 and all(len(c.token_ids) == 96 for c in done)
             assert any(c.spans_versions for c in done)
+            # vLLM's worker read the file through a mapping: its params must be copies, not
+            # views that change when the file is reused for a later version.
+            path = await shm.local_path(1)
+            with open(path, "r+b") as f:
+                f.write(bytes(os.path.getsize(path)))
             after = await gen.generate.route("1+2=", n=4, sampling={"max_tokens": 16})
             assert all(c.policy_version == 1 for c in after)
             assert max_logprob_error(tiny_model_dir, after, v1) <= 1e-4
@@ -151,7 +165,7 @@ def test_shm_file_format_mixed_dtypes(tmp_path):
     """The one-copy writer makes files safetensors reads, also for odd sizes and non-contiguous tensors."""
     from safetensors.torch import load_file as st_load
 
-    from forge.store import read_safetensors, write_safetensors
+    from forge.shm import read_safetensors, write_safetensors
 
     sd = {"a": torch.randn(3, 4), "b": torch.arange(10), "c": torch.randn(5).to(torch.bfloat16), "d": torch.randn(2, 3).t()}
     for _ in range(2):  # the second write reuses the file in place
