@@ -172,3 +172,21 @@ def test_shm_file_format_mixed_dtypes(tmp_path):
         write_safetensors(sd, tmp_path / "w.safetensors")
         for got in (st_load(tmp_path / "w.safetensors"), read_safetensors(tmp_path / "w.safetensors")):
             assert all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+def test_shm_mappings_of_unlinked_files_are_dropped(tmp_path):
+    """A kept mapping would keep an unlinked file's memory: the next read drops it."""
+    from forge import shm
+
+    sd = {"w": torch.randn(64)}
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    shm.write_safetensors(sd, a)
+    shm.write_safetensors(sd, b)
+    shm.read_safetensors(a)
+    ino_a = os.stat(a).st_ino
+    assert any(k[1] == ino_a for k in shm._MAPS)
+    a.unlink()
+    assert torch.equal(shm.read_safetensors(b)["w"], sd["w"])
+    assert not any(k[1] == ino_a for k in shm._MAPS)
+    shm.forget_mapping(b)
+    assert not any(k[1] == os.stat(b).st_ino for k in shm._MAPS)
