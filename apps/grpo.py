@@ -243,8 +243,6 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
     return row
 
 
-
-
 def main(cfg: Config) -> dict[str, float]:
     return asyncio.run(run(cfg))
 

@@ -51,8 +51,6 @@ async def sync_s(store, sd: dict[str, torch.Tensor], repeats: int) -> dict[str, 
     """Median seconds of push, pull and the copy into the consumer's parameters for one
     version. Four rounds warm up: from then on the writer cycles through files it has mapped
     before, as it does in a run."""
-    from forge.store import _copy_into
-
     params = {k: torch.empty_like(v) for k, v in sd.items()}
     times: dict[str, list[float]] = {"push": [], "pull": [], "copy": []}
     for v in range(1, repeats + 5):
@@ -61,7 +59,8 @@ async def sync_s(store, sd: dict[str, torch.Tensor], repeats: int) -> dict[str, 
         t1 = time.perf_counter()
         async with store.open(v) as got:
             t2 = time.perf_counter()
-            _copy_into(got, params)
+            for k, t in got.items():
+                params[k].copy_(t)
             t3 = time.perf_counter()
         t4 = time.perf_counter()
         for k, t in (("push", t1 - t0), ("pull", t2 - t1 + t4 - t3), ("copy", t3 - t2)):
