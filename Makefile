@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.forge-installed
 CONFIG ?= configs/grpo_tiny.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install run test clean
+.PHONY: install run test lint clean
 
 $(STAMP): pyproject.toml forge/install.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf $(VENV) .cache runs

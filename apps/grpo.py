@@ -11,7 +11,6 @@ rewards with `rewards`, the rollout (multi-turn, tools) with `rollout`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +20,13 @@ from tqdm import tqdm
 
 from forge import checkpoint
 from forge.buffer import ReplayBuffer
+from forge.checkpoint import RunStopped
 from forge.config import ConfigError, import_object, to_yaml
 from forge.data import DatasetConfig, FilePrompts, TaskPrompts
 from forge.metrics import DEFAULT_BACKENDS, MetricWriter, Reduce, discard_pending, plot_rewards, record_metric
-from forge.rollout import make_group
-from forge.store import start_store, stop_store
+from forge.rollout import RolloutError, check_rollout, make_group
+from forge.service import ReplicaRestored, ServiceError
+from forge.store import WeightStore, start_store, stop_store
 from forge.tasks import get_task
 from forge.tiny_model import ModelConfig
 from forge.types import collate
@@ -50,6 +51,8 @@ class Config:
     max_staleness: int = 1
     rollout_tasks: int = 4  # concurrent rollout loops
     rollout: str = "forge.rollout:generate_and_score"  # one prompt -> (completions, scores)
+    max_rollout_failures: int = 20  # rollouts failing in a row before the run stops
+    sample_timeout_s: float = 600.0  # the longest wait for a batch before the run stops
     dynamic_sampling: bool = False  # drop zero-variance groups and refill (DAPO)
     max_episode_tokens: int = 0  # drop longer episodes (0: keep all)
     # name: weight (services/rewards.py). Empty here so a config's dict replaces it instead of
@@ -58,6 +61,7 @@ class Config:
     generator_replicas: int = 1
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     trainer_procs: int = 1
+    trainer_restores: int = 3  # trainer deaths recovered from the last checkpoint before the run stops
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint_every: int = 25
     resume: str | None = None  # a run directory to continue
@@ -67,17 +71,31 @@ class Config:
     def batch_size(self) -> int:
         return self.group_size * self.groups_per_step
 
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.run_name
+
     def validate(self) -> None:
+        """The app's own keys and how sections fit together (each section validates itself)."""
         if self.group_size < 2:
-            raise ConfigError(f"config key 'group_size' must be >= 2 (GRPO compares samples of a group), got {self.group_size}")
+            raise ConfigError(
+                f"config key 'group_size' must be >= 2 (GRPO compares samples of a group), got {self.group_size}"
+            )
         if self.max_staleness < 0:
             raise ConfigError(f"config key 'max_staleness' must be >= 0, got {self.max_staleness}")
+        for key in ("max_rollout_failures", "sample_timeout_s", "rollout_tasks"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"config key '{key}' must be > 0, got {getattr(self, key)}")
         shards = self.trainer_procs * self.trainer.grad_accum
         if self.batch_size % shards:
-            raise ConfigError(f"batch of {self.batch_size} (group_size x groups_per_step) does not split over "
-                              f"trainer_procs x trainer.grad_accum = {shards}")
+            raise ConfigError(
+                f"batch of {self.batch_size} (group_size x groups_per_step) does not split over "
+                f"trainer_procs x trainer.grad_accum = {shards}"
+            )
         if not self.rewards:
             self.rewards = {"exact": 1.0}
+        if self.trainer.total_steps is None:
+            self.trainer.total_steps = self.steps
         import_object("rollout", self.rollout)
         if not self.dataset.path:
             try:
@@ -86,13 +104,8 @@ class Config:
                 raise ConfigError(f"config key 'task': {e} (or give a file in 'dataset.path')") from None
         try:
             check_rewards(self.task, self.rewards)
-            self.trainer.loss.validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-
-
-def options(section) -> dict:
-    return {k: v for k, v in dataclasses.asdict(section).items() if k != "model"}
 
 
 @dataclass
@@ -109,16 +122,23 @@ class Services:
     async def start(cls, cfg: Config) -> Services:
         model = str(cfg.model.resolve())
         store = await start_store()
-        trainer = await Trainer.options(procs=cfg.trainer_procs).as_service(model, **options(cfg.trainer))
-        gen = await Generator.options(replicas=cfg.generator_replicas).as_service(
-            model, **{**options(cfg.generator), "weights_from": cfg.trainer.weights})
+        weights = WeightStore(cfg.trainer.weights, transport=cfg.trainer.transport)  # the run's versions
+        trainer = await Trainer.options(procs=cfg.trainer_procs, max_restores=cfg.trainer_restores).as_service(
+            model, cfg.trainer, weights
+        )
+        gen = await Generator.options(replicas=cfg.generator_replicas).as_service(model, cfg.generator, weights)
         rewards = await Rewards.options().as_service(cfg.task, dict(cfg.rewards))
         ref = await Reference.options().as_service(model) if cfg.trainer.loss.kl_coef > 0 else None
         return cls(store, trainer, gen, rewards, ref)
 
     async def shutdown(self) -> None:
-        await asyncio.gather(self.gen.shutdown(), self.trainer.shutdown(), self.rewards.shutdown(),
-                             *([self.ref.shutdown()] if self.ref else []), return_exceptions=True)
+        await asyncio.gather(
+            self.gen.shutdown(),
+            self.trainer.shutdown(),
+            self.rewards.shutdown(),
+            *([self.ref.shutdown()] if self.ref else []),
+            return_exceptions=True,
+        )
         await stop_store(self.store)
 
 
@@ -134,26 +154,42 @@ async def run(cfg: Config) -> dict[str, float]:
 
 
 async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> dict[str, float]:
-    """The GRPO loop on running services; returns the last metrics row."""
-    run_dir = Path(cfg.runs_dir) / cfg.run_name
+    """The GRPO loop on running services; returns the last metrics row. Raises RunStopped when
+    the run cannot go on (the trainer could not be restored, rollouts keep failing, no batch
+    comes), naming the checkpoint to resume from."""
+    run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     rollout = import_object("rollout", cfg.rollout)
     trainer, gen, rewards, ref = s.trainer, s.gen, s.rewards, s.ref
-    buffer = await ReplayBuffer.options().as_actor(capacity=cfg.batch_size * (cfg.max_staleness + 1),
-                                                   max_staleness=cfg.max_staleness, max_tokens=cfg.max_episode_tokens,
-                                                   dynamic_sampling=cfg.dynamic_sampling)
+    buffer = await ReplayBuffer.options().as_actor(
+        capacity=cfg.batch_size * (cfg.max_staleness + 1),
+        max_staleness=cfg.max_staleness,
+        max_tokens=cfg.max_episode_tokens,
+        dynamic_sampling=cfg.dynamic_sampling,
+    )
     prompts = FilePrompts(cfg.dataset, cfg.seed) if cfg.dataset.path else TaskPrompts(cfg.task, cfg.seed)
     prompts.reset()
     version = await trainer.policy_version.route()  # 0, unless these services already trained
     state = {"step": 0, "version": version, "on_policy": version}
-    if resume_from is not None:
-        await trainer.load.fanout(str(resume_from / "trainer"))
-        saved = checkpoint.load_run_state(resume_from)
-        state = {"step": saved["step"], "version": saved["version"], "on_policy": saved["version"]}
+    failures = {"streak": 0, "last": None}  # rollouts failing in a row, and the last error
+
+    async def rewind(ckpt: Path, trainer_restored: bool = False) -> None:
+        """Continue from checkpoint `ckpt`: its step and data position, and the trainer's state
+        (loaded here on --resume; a restored trainer replica loaded it itself). The buffer
+        keeps what it holds: its staleness rule judges those episodes."""
+        saved = checkpoint.load_run_state(ckpt)
+        if not trainer_restored:
+            await trainer.load.route(str(ckpt / "trainer"))
+            await buffer.load_state_dict.call_one(saved["buffer"])
+            await trainer.push_weights.route()  # generators resume on the trained policy
+        state["step"] = saved["step"]
+        state["version"] = state["on_policy"] = await trainer.policy_version.route()
         prompts.reset(saved["prompts"])
-        await buffer.load_state_dict.call_one(saved["buffer"])
-        await trainer.push_weights.route(state["version"])  # generators resume on the trained policy
+        trainer.set_restore_point(str(ckpt / "trainer"))
+
+    if resume_from is not None:
+        await rewind(resume_from)
     writer = MetricWriter(run_dir, cfg.metrics, resume_step=state["step"] if resume_from else None)
     await discard_pending()  # services reused from an earlier run may still hold its values
 
@@ -161,76 +197,146 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
         while True:
             try:
                 await rollout_once()
+                failures["streak"] = 0
+            except RolloutError:
+                raise  # a broken contract fails every call alike: stop now
             except Exception as e:  # one bad rollout (prompt, reward, replica) never ends the run
+                failures["streak"] += 1
+                failures["last"] = f"{type(e).__name__}: {e}"
                 record_metric("rollout_errors", 1, Reduce.SUM)
-                tqdm.write(f"grpo: rollout failed: {type(e).__name__}: {e}")
+                tqdm.write(f"grpo: rollout failed: {failures['last']}")
+                if failures["streak"] >= cfg.max_rollout_failures:
+                    raise RunStopped(
+                        run_dir,
+                        state["step"],
+                        f"{failures['streak']} rollouts failed in a row (config "
+                        f"key 'max_rollout_failures'); the last: {failures['last']}",
+                    ) from None
 
     async def rollout_once() -> None:
         if cfg.max_staleness == 0:  # on-policy: start only on the weights the next batch trains
             while await gen.policy_version.route() < state["on_policy"]:
                 await asyncio.sleep(0.02)
         start = time.perf_counter()
-        group, scores = await rollout(next(prompts), gen, rewards, cfg)
+        group, scores = check_rollout(await rollout(next(prompts), gen, rewards, cfg), f"rollout {cfg.rollout!r}")
         record_metric("time/rollout_s", time.perf_counter() - start)  # one group: generation + scoring
-        episodes = make_group(group, scores, std_normalize=cfg.trainer.loss.name != "dr_grpo")
+        episodes = make_group(group, scores, std_normalize=cfg.trainer.loss.normalize_std)
         record_metric("generated_tokens", sum(len(c.token_ids) for c in group), Reduce.SUM)
-        for s in scores:
-            record_metric("rollout_reward", s["reward"])
-            record_metric("reward_failures", s["reward_failed"], Reduce.SUM)
+        for sc in scores:
+            record_metric("rollout_reward", sc.reward)
+            record_metric("reward_failures", sc.failed, Reduce.SUM)
         await buffer.add.call_one(episodes)
+
+    async def sample_batch() -> list:
+        """The next batch, or the reason none will come: a rollout loop that stopped, or a timeout."""
+        get = asyncio.ensure_future(buffer.sample.call_one(cfg.batch_size, state["version"]))
+        done, _ = await asyncio.wait(
+            [get, *rollouts], timeout=cfg.sample_timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if get in done:
+            return get.result()
+        get.cancel()
+        for t in done:
+            t.result()  # a rollout loop ends only by raising
+        held = await buffer.get_stats.call_one()
+        raise RunStopped(
+            run_dir,
+            state["step"],
+            f"no batch of {cfg.batch_size} episodes usable by policy version "
+            f"{state['version']} within {cfg.sample_timeout_s} s (config key 'sample_timeout_s'): the "
+            f"buffer holds {held['size']} ({held}); rollouts last failed with: "
+            f"{failures['last'] or 'nothing (none failed)'}",
+        )
 
     async def save() -> None:
         path = checkpoint.step_dir(run_dir, state["step"])
         await trainer.save.fanout(str(path / "trainer"))
-        checkpoint.save_run_state(path, {**state, "prompts": prompts.state_dict(),
-                                         "buffer": await buffer.state_dict.call_one()})
+        checkpoint.save_run_state(
+            path, {**state, "prompts": prompts.state_dict(), "buffer": await buffer.state_dict.call_one()}
+        )
+        trainer.set_restore_point(str(path / "trainer"))
+
+    async def recover(e: ReplicaRestored) -> None:
+        died_at = state["step"]
+        await rewind(Path(e.restore_point).parent, trainer_restored=True)
+        writer.rewind(state["step"])
+        record_metric("trainer_restores", 1, Reduce.SUM)
+        tqdm.write(
+            f"grpo: {e}. It died at step {died_at}; the run continues from step {state['step']} "
+            f"(policy version {state['version']}); the metrics rows after step {state['step']} are dropped"
+        )
+
+    async def step() -> dict[str, float]:
+        t0 = time.perf_counter()
+        episodes = await sample_batch()
+        trained_on = state["version"]
+        state["on_policy"] = trained_on + 1  # rollouts from here on are for the next batch
+        t1 = time.perf_counter()
+        batch = collate(episodes, pad_id=0)
+        if ref is not None:
+            batch.ref_logprobs = await ref.logprobs.route(batch)
+        t2 = time.perf_counter()
+        version, metrics = await trainer.train_step.route(batch)
+        for key, value in metrics.items():
+            record_metric(key, value)
+        t3 = time.perf_counter()
+        await trainer.push_weights.route()  # returns once published
+        state["version"] = version
+        await buffer.notify_version.call_one(version)
+        state["step"] += 1
+        for e in episodes:
+            record_metric("reward_mean", e.reward)
+            record_metric("reward_std", e.reward, Reduce.STD)
+            if e.score.correct is not None:
+                record_metric("accuracy", e.score.correct)
+            record_metric("staleness_mean", trained_on - e.policy_version)
+            record_metric("staleness_max", trained_on - e.policy_version, Reduce.MAX)
+        wall = time.perf_counter() - t0
+        record_metric("tokens_per_s", sum(e.num_response_tokens for e in episodes) / wall)
+        for name, seconds in (
+            ("wait_s", t1 - t0),
+            ("ref_s", t2 - t1),
+            ("train_s", t3 - t2),
+            ("push_s", wall - (t3 - t0)),
+        ):
+            record_metric(f"time/{name}", seconds)
+        return await writer.flush(state["step"])
 
     rollouts = [asyncio.create_task(rollout_loop()) for _ in range(cfg.rollout_tasks)]
     bar = tqdm(total=cfg.steps, initial=state["step"], desc="grpo", unit="step")
     row: dict[str, float] = {}
     plotted = time.monotonic()
+    restored: ReplicaRestored | None = None
     try:
-        while state["step"] < cfg.steps:
-            t0 = time.perf_counter()
-            episodes = await buffer.sample.call_one(cfg.batch_size, state["version"])
-            state["on_policy"] = state["version"] + 1  # rollouts from here on are for the next batch
-            t1 = time.perf_counter()
-            batch = collate(episodes, pad_id=0)
-            if ref is not None:
-                batch.ref_logprobs = await ref.logprobs.route(batch)
-            t2 = time.perf_counter()
-            for key, value in (await trainer.train_step.route(batch)).items():
-                record_metric(key, value)
-            t3 = time.perf_counter()
-            state["version"] += 1
-            await trainer.push_weights.route(state["version"])  # returns once published
-            await buffer.notify_version.call_one(state["version"])
-            state["step"] += 1
-            for e in episodes:
-                record_metric("reward_mean", e.reward)
-                record_metric("reward_std", e.reward, Reduce.STD)
-                record_metric("accuracy", e.rewards["correct"])
-                record_metric("staleness_mean", state["version"] - 1 - e.policy_version)
-                record_metric("staleness_max", state["version"] - 1 - e.policy_version, Reduce.MAX)
-            wall = time.perf_counter() - t0
-            record_metric("tokens_per_s", sum(e.num_response_tokens for e in episodes) / wall)
-            for name, seconds in (("wait_s", t1 - t0), ("ref_s", t2 - t1), ("train_s", t3 - t2), ("push_s", wall - (t3 - t0))):
-                record_metric(f"time/{name}", seconds)
-            row = await writer.flush(state["step"])
-            if time.monotonic() - plotted > 10:  # matplotlib costs ~0.2 s: not every step
-                plot_rewards(run_dir)
-                plotted = time.monotonic()
-            bar.update()
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
-                            tok_s=f"{row['tokens_per_s']:.0f}")
-            if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0:
-                await save()
-        if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every:
-            await save()  # the final state, unless the loop just saved it
-        await trainer.export_hf.route(str(run_dir / "model"))  # the trained policy, HF format
+        while True:
+            try:
+                if restored is not None:  # inside the try: the trainer may die again meanwhile
+                    await recover(restored)
+                    restored = None
+                while state["step"] < cfg.steps:
+                    row = await step()
+                    if time.monotonic() - plotted > 10:  # matplotlib costs ~0.2 s: not every step
+                        plot_rewards(run_dir)
+                        plotted = time.monotonic()
+                    bar.n = state["step"]
+                    bar.set_postfix(
+                        reward=f"{row['reward_mean']:.3f}",
+                        acc=f"{row.get('accuracy', float('nan')):.2f}",
+                        tok_s=f"{row['tokens_per_s']:.0f}",
+                    )
+                    if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0:
+                        await save()
+                if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every:
+                    await save()  # the final state, unless the loop just saved it
+                await trainer.export_hf.route(str(run_dir / "model"))  # the trained policy, HF format
+                break
+            except ReplicaRestored as e:
+                restored = e
     except (KeyboardInterrupt, asyncio.CancelledError):
         print(f"\ngrpo: interrupted at step {state['step']}; saving a checkpoint", flush=True)
         await asyncio.shield(save())
+    except (ServiceError, RolloutError) as e:
+        raise RunStopped(run_dir, state["step"], str(e)) from e
     finally:
         for t in rollouts:
             t.cancel()

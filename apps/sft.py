@@ -1,10 +1,11 @@
 """Supervised fine-tuning of a (tiny) model on a toy task, with held-out evaluation.
 
-    python -m apps.sft --config configs/sft_tiny.yaml [key=value ...]
+python -m apps.sft --config configs/sft_tiny.yaml [key=value ...]
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,13 +52,16 @@ def main(cfg: Config) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     metrics = MetricWriter(run_dir, cfg.metrics)
+    # One optimizer and one data stream for the whole run: eval chunks must not reset them.
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    rng = random.Random(f"sft:{cfg.task}:{cfg.seed}")
 
     result = evaluate(model, tokenizer, cfg.task, cfg.eval_samples)
     metrics.write(0, {"eval_reward": result["reward"], "eval_accuracy": result["accuracy"]})
     bar = tqdm(range(0, cfg.steps, cfg.eval_every), desc="sft", unit="chunk")
     for done in bar:
         n = min(cfg.eval_every, cfg.steps - done)
-        losses = sft(model, tokenizer, cfg.task, n, cfg.batch_size, cfg.lr, seed=cfg.seed + done)
+        losses = sft(model, tokenizer, cfg.task, n, cfg.batch_size, opt, rng)
         result = evaluate(model, tokenizer, cfg.task, cfg.eval_samples)
         row = {"loss": sum(losses) / n, "eval_reward": result["reward"], "eval_accuracy": result["accuracy"]}
         metrics.write(done + n, row)
@@ -65,7 +69,9 @@ def main(cfg: Config) -> dict[str, float]:
     metrics.close()
     model.save_pretrained(run_dir / "model")
     tokenizer.save_pretrained(run_dir / "model")
-    print(f"sft: {cfg.task} accuracy {result['accuracy']:.2f}, reward {result['reward']:.3f}; model in {run_dir / 'model'}")
+    print(
+        f"sft: {cfg.task} accuracy {result['accuracy']:.2f}, reward {result['reward']:.3f}; model in {run_dir / 'model'}"
+    )
     return result
 
 

@@ -49,8 +49,10 @@ async def heavy_tail_rollout(sample: Any, gen: Any, rewards: Any, cfg: Any):
         await asyncio.sleep(latency)  # the environment/verifier step
         return completion
 
-    draws = [(CAP if rng.random() < 0.1 else rng.randint(*SHORT), task_s * math.exp(JITTER_SIGMA * rng.gauss(0, 1)))
-             for _ in range(cfg.group_size)]
+    draws = [
+        (CAP if rng.random() < 0.1 else rng.randint(*SHORT), task_s * math.exp(JITTER_SIGMA * rng.gauss(0, 1)))
+        for _ in range(cfg.group_size)
+    ]
     group = await asyncio.gather(*(one(*d) for d in draws))
     scores = await rewards.score.route([(sample.answer, c.text, c.finish_reason) for c in group])
     return list(group), scores
@@ -61,10 +63,20 @@ def config(max_staleness: int, steps: int, runs_dir: Path, model: str):
     from forge.config import load_config
 
     overrides = {
-        "run_name": f"staleness_{max_staleness}", "runs_dir": str(runs_dir), "max_staleness": max_staleness,
-        "steps": steps, "model.path": model, "model.tiny": "null", "group_size": GROUP_SIZE,
-        "groups_per_step": GROUPS, "rollout_tasks": ROLLOUTS, "rollout": "benchmarks.async_vs_sync:heavy_tail_rollout",
-        "generator.max_model_len": 96, "checkpoint_every": 0, "metrics": "[jsonl]", "trainer.lr": 1e-5,
+        "run_name": f"staleness_{max_staleness}",
+        "runs_dir": str(runs_dir),
+        "max_staleness": max_staleness,
+        "steps": steps,
+        "model.path": model,
+        "model.tiny": "null",
+        "group_size": GROUP_SIZE,
+        "groups_per_step": GROUPS,
+        "rollout_tasks": ROLLOUTS,
+        "rollout": "benchmarks.async_vs_sync:heavy_tail_rollout",
+        "generator.max_model_len": 96,
+        "checkpoint_every": 0,
+        "metrics": "[jsonl]",
+        "trainer.lr": 1e-5,
         "trainer.grad_accum": 4,  # micro-batches of similar lengths: the long tail is not everyone's padding
     }
     return load_config(str(ROOT / "configs/grpo_tiny.yaml"), [f"{k}={v}" for k, v in overrides.items()], Config)
@@ -117,16 +129,29 @@ def main(argv: list[str] | None = None) -> dict:
         "async_fraction_of_ideal": sync["wall_s"] / modes[4]["wall_s"] / ideal,
         "modes": {f"max_staleness={k}": v for k, v in modes.items()},
         "steps": steps,
-        "workload": {"group_size": GROUP_SIZE, "groups_per_step": GROUPS, "rollout_tasks": ROLLOUTS, "short_tokens": SHORT,
-                     "cap_tokens": CAP, "cap_frac": 0.1, "task_latency_median_s": TASK_MEDIAN_S,
-                     "task_latency_sigma": TASK_SIGMA, "task_latency_cap_s": TASK_CAP_S, "sample_jitter_sigma": JITTER_SIGMA},
+        "workload": {
+            "group_size": GROUP_SIZE,
+            "groups_per_step": GROUPS,
+            "rollout_tasks": ROLLOUTS,
+            "short_tokens": SHORT,
+            "cap_tokens": CAP,
+            "cap_frac": 0.1,
+            "task_latency_median_s": TASK_MEDIAN_S,
+            "task_latency_sigma": TASK_SIGMA,
+            "task_latency_cap_s": TASK_CAP_S,
+            "sample_jitter_sigma": JITTER_SIGMA,
+        },
     }
     print(f"{'max_staleness':<15}{'wall s':>9}{'speedup':>9}{'gen busy':>10}{'train busy':>12}{'staleness max':>15}")
     for k, m in modes.items():
-        print(f"{k:<15}{m['wall_s']:>9.1f}{sync['wall_s'] / m['wall_s']:>9.2f}{m['generator_busy_frac']:>10.2f}"
-              f"{m['trainer_busy_frac']:>12.2f}{m['staleness_max']:>15.0f}")
-    print(f"ideal speedup {ideal:.2f} (from the on-policy run's stage times); async reaches "
-          f"{result['async_fraction_of_ideal'] * 100:.0f}% of it")
+        print(
+            f"{k:<15}{m['wall_s']:>9.1f}{sync['wall_s'] / m['wall_s']:>9.2f}{m['generator_busy_frac']:>10.2f}"
+            f"{m['trainer_busy_frac']:>12.2f}{m['staleness_max']:>15.0f}"
+        )
+    print(
+        f"ideal speedup {ideal:.2f} (from the on-policy run's stage times); async reaches "
+        f"{result['async_fraction_of_ideal'] * 100:.0f}% of it"
+    )
     return write_result(a.out, result)
 
 

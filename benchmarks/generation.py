@@ -45,9 +45,10 @@ async def service_rate(model: str, replicas: int, ps: list[str], n: int, max_tok
 
     from services.generator import Generator
 
-    gen = await Generator.options(replicas=replicas).as_service(model=model)
+    gen = await Generator.options(replicas=replicas).as_service(model)
     sampling = {**SAMPLING, "max_tokens": max_tokens}
     try:
+
         async def run() -> int:
             groups = await asyncio.gather(*(gen.generate.route(p, n=n, sampling=sampling) for p in ps))
             return sum(len(c.token_ids) for g in groups for c in g)
@@ -61,7 +62,10 @@ async def service_rate(model: str, replicas: int, ps: list[str], n: int, max_tok
                 t = time.perf_counter()
                 paused.append(await gen.load_weights.route(sd, version=v))
                 calls.append(time.perf_counter() - t)
-            reload = {"reload_call_s_median": statistics.median(calls), "reload_paused_s_median": statistics.median(paused)}
+            reload = {
+                "reload_call_s_median": statistics.median(calls),
+                "reload_paused_s_median": statistics.median(paused),
+            }
     finally:
         await gen.shutdown()
     return {"tokens_per_s": rate, **reload}
@@ -75,9 +79,12 @@ async def bare_vllm_rate(model: str, ps: list[str], n: int, max_tokens: int, rep
     from services.generator import GeneratorConfig
 
     os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache/forge/vllm"))
-    engine = AsyncLLM.from_engine_args(GeneratorConfig(model=model).engine_args())
-    params = SamplingParams(n=n, max_tokens=max_tokens, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, **SAMPLING)
+    engine = AsyncLLM.from_engine_args(GeneratorConfig().engine_args(model))
+    params = SamplingParams(
+        n=n, max_tokens=max_tokens, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, **SAMPLING
+    )
     try:
+
         async def one(p: str) -> int:
             async for out in engine.generate(p, params, uuid.uuid4().hex):
                 final = out
@@ -89,8 +96,8 @@ async def bare_vllm_rate(model: str, ps: list[str], n: int, max_tokens: int, rep
         return {"tokens_per_s": await timed(run, repeats)}
     finally:
         engine.shutdown()
-        del engine
-        gc.collect()  # AsyncLLM.__del__ now, while its imports still exist
+        engine = None  # AsyncLLM.__del__ now (the closures above hold the name, not the engine)
+        gc.collect()  # while its imports still exist
 
 
 async def hf_rate(model: str, ps: list[str], n: int, max_tokens: int, repeats: int) -> dict:
@@ -103,8 +110,14 @@ async def hf_rate(model: str, ps: list[str], n: int, max_tokens: int, repeats: i
 
     async def run() -> int:
         with torch.no_grad():
-            out = lm.generate(**batch, do_sample=True, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                              num_return_sequences=n, pad_token_id=tok.pad_token_id)
+            out = lm.generate(
+                **batch,
+                do_sample=True,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                num_return_sequences=n,
+                pad_token_id=tok.pad_token_id,
+            )
         return (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
 
     return {"tokens_per_s": await timed(run, repeats)}
@@ -127,13 +140,23 @@ def main(argv: list[str] | None = None) -> dict:
         "vllm_vs_hf_generate": rows["bare_vllm"]["tokens_per_s"] / rows["hf_generate"]["tokens_per_s"],
         "reload_call_s_median": rows["service_1_replica"]["reload_call_s_median"],
         "reload_paused_s_median": rows["service_1_replica"]["reload_paused_s_median"],
-        "workload": {"prompts": n_prompts, "n": n, "max_tokens": max_tokens, "repeats": repeats, "model": "tiny (2.4M)"},
+        "workload": {
+            "prompts": n_prompts,
+            "n": n,
+            "max_tokens": max_tokens,
+            "repeats": repeats,
+            "model": "tiny (2.4M)",
+        },
     }
     print(f"{'system':<20}{'tokens/s (median)':>20}")
     for name, r in rows.items():
         print(f"{name:<20}{r['tokens_per_s']:>20.0f}")
-    print(f"service/bare vLLM x{result['service_vs_bare_vllm']:.2f}; bare vLLM/HF generate x{result['vllm_vs_hf_generate']:.2f}")
-    print(f"reload: call {result['reload_call_s_median'] * 1e3:.0f} ms, generation paused {result['reload_paused_s_median'] * 1e3:.0f} ms")
+    print(
+        f"service/bare vLLM x{result['service_vs_bare_vllm']:.2f}; bare vLLM/HF generate x{result['vllm_vs_hf_generate']:.2f}"
+    )
+    print(
+        f"reload: call {result['reload_call_s_median'] * 1e3:.0f} ms, generation paused {result['reload_paused_s_median'] * 1e3:.0f} ms"
+    )
     return write_result(a.out, result)
 
 

@@ -43,6 +43,7 @@ async def measure(n: int, repeats: int) -> dict:
     bare = await Noop.options().as_actor()
     svc = await Noop.options(replicas=1).as_service()
     try:
+
         def bare_call():
             return bare.noop.call_one()
 
@@ -59,10 +60,14 @@ async def measure(n: int, repeats: int) -> dict:
     finally:
         await svc.shutdown()
         await bare.shutdown()
-    out = {name: {"latency_us_median": statistics.median(r["lat"]), "calls_per_s_median": statistics.median(r["tput"])}
-           for name, r in rows.items()}
+    out = {
+        name: {"latency_us_median": statistics.median(r["lat"]), "calls_per_s_median": statistics.median(r["tput"])}
+        for name, r in rows.items()
+    }
     out["route_latency_ratio"] = out["service_route"]["latency_us_median"] / out["bare_call_one"]["latency_us_median"]
-    out["route_throughput_ratio"] = out["service_route"]["calls_per_s_median"] / out["bare_call_one"]["calls_per_s_median"]
+    out["route_throughput_ratio"] = (
+        out["service_route"]["calls_per_s_median"] / out["bare_call_one"]["calls_per_s_median"]
+    )
     out["calls"], out["repeats"] = n, repeats
     return out
 
@@ -74,7 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("bare_call_one", "service_route"):
         r = result[name]
         print(f"{name:<16}{r['latency_us_median']:>22.0f}{r['calls_per_s_median']:>18.0f}")
-    print(f"route/bare: latency x{result['route_latency_ratio']:.2f}, throughput x{result['route_throughput_ratio']:.2f}")
+    print(
+        f"route/bare: latency x{result['route_latency_ratio']:.2f}, throughput x{result['route_throughput_ratio']:.2f}"
+    )
     return write_result(a.out, result)
 
 

@@ -18,18 +18,25 @@ import sys
 import time
 
 import torch
+from monarch.actor import endpoint
 
 from benchmarks.common import parse_args, tiny_model, write_result
 from forge.actor import ForgeActor
-from monarch.actor import endpoint
 
 
 def batch(rows: int, seq: int):
     from forge.types import Episode, collate
 
     g = torch.Generator().manual_seed(0)
-    eps = [Episode(tokens=torch.randint(6, 100, (seq,), generator=g).tolist(), loss_mask=[0] * 8 + [1] * (seq - 8),
-                   gen_logprobs=[-4.6] * seq, advantage=float(i % 2) - 0.5) for i in range(rows)]
+    eps = [
+        Episode(
+            tokens=torch.randint(6, 100, (seq,), generator=g).tolist(),
+            loss_mask=[0] * 8 + [1] * (seq - 8),
+            gen_logprobs=[-4.6] * seq,
+            advantage=float(i % 2) - 0.5,
+        )
+        for i in range(rows)
+    ]
     return collate(eps, pad_id=0)
 
 
@@ -43,35 +50,14 @@ class BareTitan(ForgeActor):
 
     @endpoint
     async def setup(self) -> None:
-        import torch.distributed as dist
-        from torch.distributed.fsdp import FSDPModule
-        from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
-        from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-        from torchtitan.distributed import ParallelDims
-        from torchtitan.distributed import utils as dist_utils
-        from torchtitan.models.qwen3.parallelize import parallelize_qwen3
-
-        from services.titan import load_hf_model, use_device_type
+        from services.titan import build_sharded_model, default_device, init_distributed
+        from services.trainer import TrainerConfig, build_optimizers
 
         torch.set_num_threads(self.threads)
-        use_device_type("cpu")
-        dist.init_process_group("gloo")
-        dist_utils.set_spmd_backend("partial_dtensor")
-        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1, spmd_backend="partial_dtensor")
-        dims.build_mesh()
-        self.model = parallelize_qwen3(
-            load_hf_model(self.model_dir), parallel_dims=dims,
-            training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
-            parallelism=ParallelismConfig(data_parallel_shard_degree=1, spmd_backend="partial_dtensor"),
-            compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp")
-        for m in self.model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_force_sum_reduction_for_comms(True)
-        self.opt = OptimizersContainer.Config(implementation="for-loop", param_groups=[ParamGroupConfig(
-            pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8,
-                                                                     "weight_decay": 0.0})]).build(model_parts=[self.model])
-        self.sched = LRSchedulersContainer.Config(warmup_steps=0, decay_type="linear", min_lr_factor=1.0).build(
-            optimizers=self.opt, training_steps=1000)
+        device = default_device()
+        init_distributed(device)
+        self.model = build_sharded_model(self.model_dir, device)  # the trainer's own model setup
+        self.opt, self.sched = build_optimizers(self.model, TrainerConfig(lr=1e-5, total_steps=1000))
 
     @endpoint
     async def steps(self, b, n: int) -> list[float]:
@@ -94,9 +80,9 @@ class BareTitan(ForgeActor):
 
 
 async def measure(model_dir: str, b, rounds: int, steps: int, threads: int) -> tuple[list[float], list[float]]:
-    from services.trainer import Trainer
+    from services.trainer import Trainer, TrainerConfig
 
-    trainer = await Trainer.options().as_service(model_dir, lr=1e-5, threads=threads)
+    trainer = await Trainer.options().as_service(model_dir, TrainerConfig(lr=1e-5, total_steps=1000, threads=threads))
     bare = await BareTitan.options().as_actor(model_dir, threads)
     forge_times, bare_times = [], []
     try:
@@ -120,8 +106,15 @@ def main(argv: list[str] | None = None) -> dict:
     b = batch(64, 32)
     forge_times, bare_times = asyncio.run(measure(model, b, rounds, steps, threads))
     forge_s, bare_s = statistics.median(forge_times), statistics.median(bare_times)
-    result = {"bare_torchtitan_step_s": bare_s, "forge_train_step_s": forge_s, "overhead": forge_s / bare_s - 1,
-              "batch": {"rows": 64, "seq": 32}, "rounds": rounds, "steps_per_round": steps, "threads": threads}
+    result = {
+        "bare_torchtitan_step_s": bare_s,
+        "forge_train_step_s": forge_s,
+        "overhead": forge_s / bare_s - 1,
+        "batch": {"rows": 64, "seq": 32},
+        "rounds": rounds,
+        "steps_per_round": steps,
+        "threads": threads,
+    }
     print(f"{'step':<24}{'seconds (median)':>18}")
     print(f"{'bare torchtitan':<24}{bare_s:>18.4f}")
     print(f"{'forge train_step':<24}{forge_s:>18.4f}")

@@ -71,7 +71,9 @@ async def sync_s(store, sd: dict[str, torch.Tensor], repeats: int) -> dict[str, 
     return {k: statistics.median(t[4:]) for k, t in times.items()}
 
 
-MEDIUM = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4)
+MEDIUM = dict(
+    hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4
+)
 
 
 async def generator_stall(model: str, versions: int = 6) -> dict:
@@ -84,7 +86,7 @@ async def generator_stall(model: str, versions: int = 6) -> dict:
     from services.generator import Generator
 
     store = WeightStore("bench-gen")
-    gen = await Generator.options().as_service(model=model, weights_from="bench-gen")
+    gen = await Generator.options().as_service(model, None, store)
     sd = load_file(Path(model) / "model.safetensors")
     stop = asyncio.Event()
 
@@ -110,9 +112,13 @@ async def generator_stall(model: str, versions: int = 6) -> dict:
     finally:
         await gen.shutdown()
         await store.clear()
-    return {"model_mb": sum(t.numel() * t.element_size() for t in sd.values()) / 2**20,
-            "publish_to_live_s": live, "paused_s": paused,
-            "publish_to_live_s_median": statistics.median(live[2:]), "paused_s_median": statistics.median(paused[2:])}
+    return {
+        "model_mb": sum(t.numel() * t.element_size() for t in sd.values()) / 2**20,
+        "publish_to_live_s": live,
+        "paused_s": paused,
+        "publish_to_live_s_median": statistics.median(live[2:]),
+        "paused_s_median": statistics.median(paused[2:]),
+    }
 
 
 async def measure(sizes: list[int], repeats: int, models: list[str]) -> dict:
@@ -137,10 +143,15 @@ async def measure(sizes: list[int], repeats: int, models: list[str]) -> dict:
     finally:
         await stop_store(procs)
     largest = rows[-1]
-    return {"rows": rows, "fraction_of_memcpy": largest["shm_fraction_of_memcpy"],
-            "fraction_with_copy_into_params": largest["shm_with_copy_fraction_of_memcpy"],
-            "torchstore_fraction_of_memcpy": largest["torchstore_fraction_of_memcpy"],
-            "largest_mb": largest["mb"], "generator_sync": stall, "repeats": repeats}
+    return {
+        "rows": rows,
+        "fraction_of_memcpy": largest["shm_fraction_of_memcpy"],
+        "fraction_with_copy_into_params": largest["shm_with_copy_fraction_of_memcpy"],
+        "torchstore_fraction_of_memcpy": largest["torchstore_fraction_of_memcpy"],
+        "largest_mb": largest["mb"],
+        "generator_sync": stall,
+        "repeats": repeats,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -148,17 +159,25 @@ def main(argv: list[str] | None = None) -> dict:
     models = [tiny_model()] + ([] if a.quick else [tiny_model(**MEDIUM)])
     sizes = [1, 16, 64] if a.quick else [1, 16, 64, 256, 500]
     result = asyncio.run(measure(sizes, 1 if a.quick else 3, models))
-    print("push + pull as a fraction of one memcpy of the same bytes; '+copy': also the consumer's copy into its parameters")
-    print(f"{'MB':>6}{'memcpy GB/s':>13}{'push ms':>9}{'pull ms':>9}{'copy ms':>9}{'shm/memcpy':>12}{'+copy':>7}"
-          f"{'torchstore/memcpy':>19}{'+copy':>7}")
+    print(
+        "push + pull as a fraction of one memcpy of the same bytes; '+copy': also the consumer's copy into its parameters"
+    )
+    print(
+        f"{'MB':>6}{'memcpy GB/s':>13}{'push ms':>9}{'pull ms':>9}{'copy ms':>9}{'shm/memcpy':>12}{'+copy':>7}"
+        f"{'torchstore/memcpy':>19}{'+copy':>7}"
+    )
     for r in result["rows"]:
-        print(f"{r['mb']:>6}{r['memcpy_gb_s']:>13.2f}{r['shm_push_s'] * 1e3:>9.1f}{r['shm_pull_s'] * 1e3:>9.1f}{r['shm_copy_s'] * 1e3:>9.1f}"
-              f"{r['shm_fraction_of_memcpy']:>12.2f}{r['shm_with_copy_fraction_of_memcpy']:>7.2f}"
-              f"{r['torchstore_fraction_of_memcpy']:>19.3f}{r['torchstore_with_copy_fraction_of_memcpy']:>7.3f}")
+        print(
+            f"{r['mb']:>6}{r['memcpy_gb_s']:>13.2f}{r['shm_push_s'] * 1e3:>9.1f}{r['shm_pull_s'] * 1e3:>9.1f}{r['shm_copy_s'] * 1e3:>9.1f}"
+            f"{r['shm_fraction_of_memcpy']:>12.2f}{r['shm_with_copy_fraction_of_memcpy']:>7.2f}"
+            f"{r['torchstore_fraction_of_memcpy']:>19.3f}{r['torchstore_with_copy_fraction_of_memcpy']:>7.3f}"
+        )
     for g in result["generator_sync"]:
-        print(f"generator ({g['model_mb']:.0f} MB model), median after 2 cold versions: publish -> live "
-              f"{g['publish_to_live_s_median'] * 1e3:.0f} ms, generation paused {g['paused_s_median'] * 1e3:.0f} ms; "
-              f"cold: {', '.join(f'{x * 1e3:.0f}' for x in g['paused_s'][:2])} ms paused")
+        print(
+            f"generator ({g['model_mb']:.0f} MB model), median after 2 cold versions: publish -> live "
+            f"{g['publish_to_live_s_median'] * 1e3:.0f} ms, generation paused {g['paused_s_median'] * 1e3:.0f} ms; "
+            f"cold: {', '.join(f'{x * 1e3:.0f}' for x in g['paused_s'][:2])} ms paused"
+        )
     return write_result(a.out, result)
 
 

@@ -33,14 +33,21 @@ def _on_unhandled_fault(failure: MeshFailure) -> None:
 monarch.actor.unhandled_fault_hook = _on_unhandled_fault
 
 
-def _set_env(env: dict[str, str]) -> None:
+def _bootstrap(env: dict[str, str], title: str | None) -> None:
     os.environ.update(env)
+    if title:  # `ps` (and a chaos test) can tell the roles apart
+        import setproctitle
+
+        setproctitle.setproctitle(title)
 
 
-def spawn_procs(procs: int, hosts: HostMesh | None = None, env: dict[str, str] | None = None) -> ProcMesh:
-    """`procs` processes on each host of `hosts` (this host by default), with `env` set in each."""
+def spawn_procs(
+    procs: int, hosts: HostMesh | None = None, env: dict[str, str] | None = None, title: str | None = None
+) -> ProcMesh:
+    """`procs` processes on each host of `hosts` (this host by default), with `env` set in each
+    and `title` as their process title."""
     host = hosts if hosts is not None else this_host()
-    bootstrap = functools.partial(_set_env, dict(env)) if env else None
+    bootstrap = functools.partial(_bootstrap, dict(env or {}), title) if env or title else None
     mesh = host.spawn_procs(per_host={"procs": procs}, bootstrap=bootstrap)
     metrics.register_procs(mesh)
     return mesh
@@ -57,6 +64,11 @@ class ForgeActor(Actor):
 
     # True: each proc gets torch.distributed's env (RANK, WORLD_SIZE, MASTER_ADDR, ...) first.
     distributed: bool = False
+    # True: a replica holds state the run cannot lose (the trainer's weights and optimizer). Its
+    # service does not retry a call that saw it die: it restores a new replica from the restore
+    # point it was given (`Service.set_restore_point`) and raises ReplicaRestored, or stops the
+    # run with ServiceError when there is none. False: respawn and retry (frozen or stateless roles).
+    stateful: bool = False
 
     @classmethod
     def options(
@@ -66,8 +78,17 @@ class ForgeActor(Actor):
         hosts: HostMesh | None = None,
         env: dict[str, str] | None = None,
         router: str = "least_loaded",
-    ) -> "SpawnOptions":
-        return SpawnOptions(cls, procs=procs, replicas=replicas, hosts=hosts, env=dict(env or {}), router=router)
+        max_restores: int = 3,
+    ) -> SpawnOptions:
+        return SpawnOptions(
+            cls,
+            procs=procs,
+            replicas=replicas,
+            hosts=hosts,
+            env=dict(env or {}),
+            router=router,
+            max_restores=max_restores,
+        )
 
     @classmethod
     def check_args(cls, *args: Any, **kwargs: Any) -> None:
@@ -78,9 +99,10 @@ class ForgeActor(Actor):
         """Heavy or async start-up (an engine, a model); runs once after spawn, before any call."""
 
     @endpoint
-    async def on_respawn(self) -> None:
-        """Called on a replica the service respawned after a crash; restore state here
-        (the generator reloads the latest weights)."""
+    async def on_respawn(self, restore_point: Any = None) -> None:
+        """Called on a replica the service respawned after a crash, with the service's restore
+        point: a `stateful` role loads its state from it; others need nothing (the generator
+        loads the latest weights in `setup`)."""
 
 
 @dataclass
@@ -91,6 +113,7 @@ class SpawnOptions:
     hosts: HostMesh | None = None
     env: dict[str, str] = field(default_factory=dict)
     router: str = "least_loaded"
+    max_restores: int = 3  # stateful roles: restores per replica before the run stops
 
     def __post_init__(self) -> None:
         if self.procs < 1 or self.replicas < 1:
@@ -100,7 +123,7 @@ class SpawnOptions:
         """Spawn the procs and the actor on them, then run its `setup()`; an exception raised
         by the constructor or by setup reaches the caller as itself, and the procs are stopped."""
         self.actor.check_args(*args, **kwargs)
-        procs = spawn_procs(self.procs, self.hosts, self.env)
+        procs = spawn_procs(self.procs, self.hosts, self.env, title=f"forge:{self.actor.__name__.lower()}")
         if self.actor.distributed:
             from monarch.spmd import setup_torch_elastic_env_async
 
@@ -118,7 +141,7 @@ class SpawnOptions:
         return procs, mesh
 
     @returns_future
-    async def as_actor(self, *args: Any, **kwargs: Any) -> "ActorHandle":
+    async def as_actor(self, *args: Any, **kwargs: Any) -> ActorHandle:
         if self.replicas != 1:
             raise ValueError(f"{self.actor.__name__}: as_actor() spawns one mesh; use as_service() for replicas")
         return ActorHandle(*await self.spawn_mesh(*args, **kwargs))

@@ -33,7 +33,9 @@ class ReplayBuffer(ForgeActor):
     @classmethod
     def check_args(cls, capacity: int, max_staleness: int, max_tokens: int = 0, dynamic_sampling: bool = False) -> None:
         if capacity < 1 or max_staleness < 0:
-            raise ValueError(f"ReplayBuffer: capacity must be >= 1 and max_staleness >= 0, got {capacity}, {max_staleness}")
+            raise ValueError(
+                f"ReplayBuffer: capacity must be >= 1 and max_staleness >= 0, got {capacity}, {max_staleness}"
+            )
 
     def __init__(self, capacity: int, max_staleness: int, max_tokens: int = 0, dynamic_sampling: bool = False):
         self.capacity, self.max_staleness, self.max_tokens = capacity, max_staleness, max_tokens
@@ -76,6 +78,7 @@ class ReplayBuffer(ForgeActor):
         if batch_size > self.capacity:
             raise ValueError(f"ReplayBuffer: batch of {batch_size} is larger than capacity {self.capacity}")
         async with self.changed:
+
             def ready() -> bool:
                 self._drop_stale(version)
                 return len(self.episodes) >= batch_size
@@ -83,14 +86,18 @@ class ReplayBuffer(ForgeActor):
             try:
                 await asyncio.wait_for(self.changed.wait_for(ready), timeout_s)
             except TimeoutError:
-                raise TimeoutError(f"ReplayBuffer.sample: fewer than {batch_size} episodes usable by policy "
-                                   f"version {version} after {timeout_s}s ({len(self.episodes)} held)") from None
+                raise TimeoutError(
+                    f"ReplayBuffer.sample: fewer than {batch_size} episodes usable by policy "
+                    f"version {version} after {timeout_s}s ({len(self.episodes)} held)"
+                ) from None
             batch = [self.episodes.popleft() for _ in range(batch_size)]
             self.stats["sampled"] += batch_size
             self.changed.notify_all()  # room for waiting adds
         worst = max(version - e.policy_version for e in batch)
         if worst > self.max_staleness:
-            raise StalenessError(f"episode {worst} versions old in a batch for version {version} (max_staleness={self.max_staleness})")
+            raise StalenessError(
+                f"episode {worst} versions old in a batch for version {version} (max_staleness={self.max_staleness})"
+            )
         return batch
 
     @endpoint

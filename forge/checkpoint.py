@@ -32,3 +32,16 @@ def save_run_state(path: Path, state: dict[str, Any], keep: int = 2) -> None:
 
 def load_run_state(path: Path) -> dict[str, Any]:
     return torch.load(path / "run_state.pt", weights_only=False)
+
+
+class RunStopped(RuntimeError):
+    """The run cannot go on. The message says why, and how to resume if a checkpoint exists."""
+
+    def __init__(self, run_dir: str | Path, step: int, why: str):
+        last = latest(run_dir)
+        hint = (
+            f"resume from its checkpoint of step {load_run_state(last)['step']} with: forge run --resume {run_dir}"
+            if last is not None
+            else "no checkpoint was saved yet (config key 'checkpoint_every')"
+        )
+        super().__init__(f"the run stopped at step {step}: {why}. {hint}")

@@ -7,6 +7,7 @@ import importlib
 import sys
 from pathlib import Path
 
+from forge.checkpoint import RunStopped
 from forge.config import ConfigError, load_config, read_yaml, require_file
 
 
@@ -38,7 +39,10 @@ def run(config: str | None, overrides: list[str], app: str | None = None, resume
         cfg = load_config(config, overrides, module.Config)
     except ConfigError as e:
         _fail(str(e))
-    return module.main(cfg)
+    try:
+        return module.main(cfg)
+    except RunStopped as e:
+        _fail(str(e))
 
 
 def run_app(app: str, argv: list[str] | None = None) -> None:
@@ -101,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
 
         if a.task not in tasks.TASKS:
             _fail(f"--task: unknown task {a.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
-        out = make_tiny_model(a.out, TinyModelSpec(task=a.task, sft_steps=a.sft_steps, sft_noise=a.sft_noise, seed=a.seed), force=a.force)
+        out = make_tiny_model(
+            a.out, TinyModelSpec(task=a.task, sft_steps=a.sft_steps, sft_noise=a.sft_noise, seed=a.seed), force=a.force
+        )
         info = json.loads((Path(out) / BUILD_FILE).read_text())
         print(f"tiny model in {out}: {info['parameters']:,} parameters, built in {info['build_seconds']} s")
     elif a.cmd == "make-dataset":

@@ -7,8 +7,9 @@ wrong and where it came from, so `forge run` can print one line instead of a tra
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -135,30 +136,3 @@ def import_object(key: str, path: str) -> Any:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"config key {key!r}: cannot import {path!r}: {_first_line(e)}") from None
-
-
-def require_dir(key: str, value: str | Path) -> None:
-    if not Path(value).is_dir():
-        raise ConfigError(f"config key '{key}': directory not found: {value}")
-
-
-def from_options(cls: type, role: str, model: str, options: dict[str, Any]) -> Any:
-    """A service's config dataclass from `model` and keyword options (as `as_service(model,
-    **options)` receives them); nested sections may be dicts. Unknown names are a TypeError
-    naming them, and the model directory must hold a config.json."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - set(fields))
-    if unknown:
-        raise TypeError(f"{role}: unknown option(s) {unknown}; known: {', '.join(sorted(set(fields) - {'model'}))}")
-    values = dict(options)
-    for name, value in options.items():
-        f = fields[name]
-        if isinstance(value, dict) and f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-            if dataclasses.is_dataclass(default):
-                values[name] = type(default)(**value)
-    cfg = cls(model=str(model), **values)
-    require_file(f"{role.lower()}.model", Path(cfg.model) / "config.json")
-    if hasattr(cfg, "validate"):
-        cfg.validate()
-    return cfg

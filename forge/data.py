@@ -78,8 +78,10 @@ class FilePrompts(IndexedPrompts):
         wanted = {name for _, name, _, _ in string.Formatter().parse(cfg.template) if name} | {cfg.answer_key}
         missing = wanted - set(self.rows.column_names)
         if missing or not len(self.rows):
-            raise ConfigError(f"config key 'dataset': {cfg.path} has {len(self.rows)} rows and columns "
-                              f"{self.rows.column_names}; missing {sorted(missing)}")
+            raise ConfigError(
+                f"config key 'dataset': {cfg.path} has {len(self.rows)} rows and columns "
+                f"{self.rows.column_names}; missing {sorted(missing)}"
+            )
         self.cfg, self._order = cfg, (-1, [])
 
     def sample(self, i: int) -> Sample:
@@ -89,4 +91,6 @@ class FilePrompts(IndexedPrompts):
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
             self._order = (epoch, order)
         row = self.rows[self._order[1][i]]
-        return Sample(prompt=self.cfg.template.format(**row), answer=str(row[self.cfg.answer_key]), task=Path(self.cfg.path).stem)
+        return Sample(
+            prompt=self.cfg.template.format(**row), answer=str(row[self.cfg.answer_key]), task=Path(self.cfg.path).stem
+        )

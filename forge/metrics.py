@@ -19,10 +19,11 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from monarch.actor import Actor, endpoint, returns_future
 
@@ -57,7 +58,7 @@ class _Acc:
         self.max = max(self.max, v)
         self.min = min(self.min, v)
 
-    def merge(self, key: str, other: "_Acc") -> None:
+    def merge(self, key: str, other: _Acc) -> None:
         if other.reduce != self.reduce:
             raise ValueError(f"metric {key!r} recorded with reduce={self.reduce.value} and {other.reduce.value}")
         self.n += other.n
@@ -164,25 +165,14 @@ class MetricWriter:
             raise ValueError(f"unknown metrics backend(s) {sorted(unknown)}; known: {', '.join(BACKENDS)}")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        jsonl = self.run_dir / "metrics.jsonl"
-        kept = []
-        if resume_step is not None and jsonl.exists():
-            kept = [line for line in jsonl.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resume_step]
-        elif resume_step is None:
+        self.backends = tuple(backends)
+        self._jsonl = self._tb = self._wandb = None
+        if resume_step is None:
             shutil.rmtree(self.run_dir / "tb", ignore_errors=True)
+            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        kept = self._open(resume_step)
         done_s = json.loads(kept[-1])["wall_s"] if kept else 0.0
         self.start = start_time if start_time is not None else time.time() - done_s
-        self.backends = tuple(backends)
-        self._jsonl = None
-        if "jsonl" in backends:
-            self._jsonl = jsonl.open("w")
-            self._jsonl.writelines(line + "\n" for line in kept)
-        self._tb = self._wandb = None
-        if "tensorboard" in backends:
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = None if resume_step is None else resume_step + 1  # TensorBoard hides later events
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=purge)
         if "wandb" in backends:
             import wandb
 
@@ -190,6 +180,35 @@ class MetricWriter:
             self._wandb = wandb.init(
                 dir=str(self.run_dir), mode="offline", name=self.run_dir.name, config=dict(config or {})
             )
+
+    def _open(self, keep_until: int | None) -> list[str]:
+        """(Re)open the JSONL and TensorBoard files, keeping the rows up to step `keep_until`."""
+        jsonl = self.run_dir / "metrics.jsonl"
+        kept = []
+        if keep_until is not None and jsonl.exists():
+            kept = [
+                line
+                for line in jsonl.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= keep_until
+            ]
+        if "jsonl" in self.backends:
+            self._jsonl = jsonl.open("w")
+            self._jsonl.writelines(line + "\n" for line in kept)
+            self._jsonl.flush()
+        if "tensorboard" in self.backends:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = None if keep_until is None else keep_until + 1  # TensorBoard hides later events
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=purge)
+        return kept
+
+    def rewind(self, step: int) -> None:
+        """The run continues from `step` (a checkpoint) again: drop the rows after it. Wall
+        time goes on (the lost steps took it)."""
+        for f in (self._jsonl, self._tb):
+            if f is not None:
+                f.close()
+        self._open(step)
 
     @returns_future
     async def flush(self, step: int, timeout: float = 30.0) -> dict[str, float]:
@@ -235,7 +254,7 @@ def plot_rewards(run_dir: str | Path, keys: Sequence[str] = ("reward_mean", "acc
             pts = [(r[x], r[key]) for r in rows if key in r]
             if pts:
                 xs, ys = zip(*pts)
-                line, = ax.plot(xs, ys, alpha=0.3, linewidth=0.8)
+                (line,) = ax.plot(xs, ys, alpha=0.3, linewidth=0.8)
                 w = max(1, len(ys) // 15)  # a moving average shows the trend through per-batch noise
                 avg = [sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1]) for i in range(len(ys))]
                 ax.plot(xs, avg, style, color=line.get_color(), label=f"{key} (mean of {w})")

@@ -7,8 +7,13 @@
 
 Every call returns a Monarch Future: `await` it, or `.get()` it from a REPL. An exception
 raised by an endpoint reaches the caller as itself. A replica whose process dies is taken
-out of rotation, the calls that were on it are retried once on a healthy replica, and it
-is respawned with the same constructor arguments, then told `on_respawn()`.
+out of rotation and respawned with the same constructor arguments, then told
+`on_respawn(restore_point)`. For most roles the calls that were on it are retried once on a
+healthy replica. A `stateful` role's calls are not retried: its new replica restores the
+state saved at the service's restore point (`svc.set_restore_point(p)`, e.g. after each
+checkpoint) and the callers get `ReplicaRestored(p)` to rewind their own state to the same
+point; with no restore point, or after `max_restores`, they get a ServiceError that names
+the dead role and the point to resume from.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, NoReturn
 
+# Monarch exports no public name for the error a call to a dead actor raises; this is its one import.
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import ActorError, ProcMesh, returns_future
 
@@ -30,7 +38,16 @@ ROUTERS = ("least_loaded", "round_robin")
 
 
 class ServiceError(RuntimeError):
-    """No healthy replica could serve a call."""
+    """No healthy replica could serve a call, or a stateful replica could not be restored."""
+
+
+class ReplicaRestored(RuntimeError):
+    """A stateful replica died during the call and a new one restored the state saved at
+    `restore_point`; the call was not retried. Rewind the caller's state to that point."""
+
+    def __init__(self, role: str, restore_point: Any, cause: str, seconds: float):
+        super().__init__(f"{role} died ({cause}); a new replica restored {restore_point} in {seconds:.1f} s")
+        self.role, self.restore_point, self.seconds = role, restore_point, seconds
 
 
 @dataclass
@@ -52,6 +69,13 @@ class Service:
         self.replicas: list[Replica] = []
         self._rr = itertools.count()
         self._closed = False
+        self.restore_point: Any = None
+        self._lost: str | None = None  # why a stateful replica is gone for good
+
+    def set_restore_point(self, point: Any) -> None:
+        """Where a respawned replica restores its state from (`on_respawn(point)`), e.g. the
+        newest checkpoint; stateful roles cannot be recovered before one is set."""
+        self.restore_point = point
 
     async def start(self) -> None:
         spawned = await asyncio.gather(
@@ -72,7 +96,7 @@ class Service:
     def _pick(self, exclude: Replica | None = None) -> Replica:
         choices = [r for r in self.healthy() if r is not exclude] or self.healthy()
         if not choices:
-            raise ServiceError(f"{self.options.actor.__name__}: no healthy replica")
+            raise ServiceError(self._lost or f"{self.options.actor.__name__}: no healthy replica")
         turn = next(self._rr)
         if self.options.router == "round_robin":
             return choices[turn % len(choices)]
@@ -92,12 +116,15 @@ class Service:
         ranked = [v for _, v in values.items()]
         return ranked if all_ranks else ranked[0]
 
-    async def _call(self, name: str, args: tuple, kwargs: dict, *, replica: Replica | None = None,
-                    all_ranks: bool = False) -> Any:
+    async def _call(
+        self, name: str, args: tuple, kwargs: dict, *, replica: Replica | None = None, all_ranks: bool = False
+    ) -> Any:
         r = replica if replica is not None and replica.healthy else self._pick()
         try:
             return await self._invoke(r, name, args, kwargs, all_ranks)
         except SupervisionError as first:
+            if self.options.actor.stateful:
+                await self._restore(r, first)
             respawn = self._replica_died(r)
             if not self.healthy() and respawn is not None:
                 await asyncio.shield(respawn)  # the only replica: retry on its replacement
@@ -121,11 +148,36 @@ class Service:
 
     # ---- supervision ---------------------------------------------------------------
 
+    async def _restore(self, r: Replica, cause: BaseException) -> NoReturn:
+        """A stateful replica died: restore a new one from the restore point, then tell the
+        caller (ReplicaRestored); or say why it cannot be (ServiceError)."""
+        role = f"{self.options.actor.__name__} replica {r.index}"
+        point, start = self.restore_point, time.monotonic()
+        cause = str(cause).strip().splitlines()[-1].strip()  # Monarch's last line says how it died
+        if r.respawned is None:  # the first call to see this death decides
+            if point is None:
+                self._lost = f"{role} died ({cause}) and holds state that no checkpoint has saved yet"
+            elif r.respawns >= self.options.max_restores:
+                self._lost = (
+                    f"{role} died ({cause}) after {r.respawns} restores (max_restores); "
+                    f"its last restore point is {point}"
+                )
+            if self._lost:
+                r.healthy = False
+                raise ServiceError(self._lost)
+        try:
+            await asyncio.shield(self._replica_died(r))
+        except Exception as e:
+            self._lost = f"{role} died ({cause}) and could not be restored from {point}: {type(e).__name__}: {e}"
+            raise ServiceError(self._lost) from None
+        raise ReplicaRestored(role, point, cause, time.monotonic() - start)
+
     def _replica_died(self, r: Replica) -> asyncio.Future | None:
         if self._closed:
             return None
         if r.respawned is None:
-            log.warning("forge: %s replica %d died; respawning", self.options.actor.__name__, r.index)
+            how = f"restoring it from {self.restore_point}" if self.options.actor.stateful else "respawning"
+            log.warning("forge: %s replica %d died; %s", self.options.actor.__name__, r.index, how)
             r.healthy = False
             r.respawned = asyncio.ensure_future(self._respawn(r))
         return r.respawned
@@ -133,9 +185,14 @@ class Service:
     async def _respawn(self, r: Replica) -> None:
         with contextlib.suppress(Exception):
             await stop_procs(r.procs)
-        r.procs, r.mesh = await self.options.spawn_mesh(*self.args, **self.kwargs)
-        await r.mesh.on_respawn.call()
         r.respawns += 1
+        r.procs, r.mesh = await self.options.spawn_mesh(*self.args, **self.kwargs)
+        try:
+            await r.mesh.on_respawn.call(self.restore_point)
+        except BaseException as e:
+            with contextlib.suppress(Exception):
+                await stop_procs(r.procs)
+            raise (e.exception if isinstance(e, ActorError) else e) from None
         r.healthy, r.respawned = True, None
 
     @returns_future
@@ -148,13 +205,13 @@ class Service:
 
     # ---- public API ----------------------------------------------------------------
 
-    def __getattr__(self, name: str) -> "ServiceEndpoint":
+    def __getattr__(self, name: str) -> ServiceEndpoint:
         if name.startswith("_") or not hasattr(self.options.actor, name):
             raise AttributeError(f"{self.options.actor.__name__} has no endpoint {name!r}")
         return ServiceEndpoint(self, name)
 
     @contextlib.asynccontextmanager
-    async def session(self) -> AsyncIterator["Session"]:
+    async def session(self) -> AsyncIterator[Session]:
         s = Session(self, self._pick())
         yield s
 
@@ -171,7 +228,7 @@ class Service:
 
 
 class ServiceEndpoint:
-    def __init__(self, service: Service, name: str, session: "Session | None" = None):
+    def __init__(self, service: Service, name: str, session: Session | None = None):
         self.service, self.name, self.session = service, name, session
 
     @returns_future

@@ -1,4 +1,5 @@
-"""One-copy safetensors files in shared memory (/dev/shm), read with no copy at all.
+"""One-copy safetensors files in shared memory (/dev/shm), read with no copy at all, in a
+directory per run that outlives no crash.
 
 safetensors' save_file builds the whole file as bytes first, and load_file copies it out
 again (0.5-0.9 GB/s measured here). Here each tensor is copied straight into the file, and
@@ -15,15 +16,77 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
 _MAX_MAPS = 4  # a writer cycles through keep_versions + 2 spare files
+ROOT = Path("/dev/shm/forge") if os.path.isdir("/dev/shm") else Path("/tmp/forge-shm")
+
+
+# ---- a directory per run ------------------------------------------------------------
+# Weight files are RAM: a SIGKILLed run must not keep them until reboot. Each controller
+# process owns ROOT/run-<pid>-<start time>; the first `run_dir()` of any later process
+# removes the directories whose owner is gone (the start time tells a reused pid apart).
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time in clock ticks
+    except (OSError, IndexError):
+        return None
+
+
+def _owner_alive(d: Path) -> bool:
+    _, pid, start = (d.name.split("-") + ["", ""])[:3]
+    return pid.isdigit() and _start_time(int(pid)) == start
+
+
+def sweep_dead_runs(root: Path = ROOT) -> list[Path]:
+    """Remove the run directories whose owner process has exited; returns them."""
+    dead = [d for d in root.glob("run-*") if d.is_dir() and not _owner_alive(d)]
+    for d in dead:
+        shutil.rmtree(d, ignore_errors=True)
+    return dead
+
+
+_RUN_DIR: Path | None = None
+
+
+def run_dir() -> Path:
+    """This process's directory for shared-memory files (created, and dead runs swept, on
+    first use). Pass it to the processes that write for this run (a WeightStore carries it)."""
+    global _RUN_DIR
+    if _RUN_DIR is None or not _RUN_DIR.is_dir():
+        sweep_dead_runs()
+        _RUN_DIR = ROOT / f"run-{os.getpid()}-{_start_time(os.getpid())}"
+        _RUN_DIR.mkdir(parents=True, exist_ok=True)
+    return _RUN_DIR
+
+
+def remove_run_dir() -> None:
+    """The end of this process's run: free every file in its directory."""
+    global _RUN_DIR
+    if _RUN_DIR is not None:
+        for f in _RUN_DIR.glob("*"):
+            forget_mapping(f)
+        shutil.rmtree(_RUN_DIR, ignore_errors=True)
+        _RUN_DIR = None
 
 
 @dataclass

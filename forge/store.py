@@ -15,16 +15,16 @@ import inspect
 import os
 import socket
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
 
 import torch
 import torchstore  # noqa: F401  (its import sets HYPERACTOR_CODEC_MAX_FRAME_LENGTH for big frames)
 from monarch.actor import endpoint
 from torchstore.controller import Controller
 
-from forge.shm import forget_mapping, read_safetensors, safetensors_size, write_safetensors
+from forge.shm import forget_mapping, read_safetensors, remove_run_dir, run_dir, safetensors_size, write_safetensors
 
 
 def _make_controller_endpoints_async() -> None:
@@ -58,7 +58,7 @@ async def start_store(hosts=None):
     to pass to `stop_store`. Call once, from the controller."""
     from forge.actor import spawn_procs
 
-    procs = spawn_procs(1, hosts)
+    procs = spawn_procs(1, hosts, title="forge:store")
     await torchstore.initialize(mesh=procs)
     return procs
 
@@ -69,6 +69,7 @@ async def stop_store(procs) -> None:
     # torchstore.shutdown() leaves the volume's processes running, so they are stopped here.
     await torchstore.shutdown()
     await stop_procs(procs)
+    remove_run_dir()  # the run's weight files, a dead writer's too
 
 
 @dataclass
@@ -83,17 +84,22 @@ class WeightStore:
         transport moves 0.2-0.3 GB/s here; `open` and a generator's vLLM worker map the file
         (no copy). Dropped versions' files are reused, so a reader checks `check_intact` after
         reading (`open` and `fetch` do).
-        File names carry a token of this writer, so runs sharing a host never share files;
-        keep one WeightStore per writer and `clear()` it at the end.
+        Files live in the run's directory (`forge.shm.run_dir()` of the process that made
+        this WeightStore, which is removed at `stop_store` and swept once its owner is gone)
+        and carry a token of this writer. Make the WeightStore in the controller and pass it
+        to the writer: a respawned writer then reuses its predecessor's files. `clear()` it
+        at the end.
     """
 
     name: str = "policy"
     transport: str = "shm"
-    shm_dir: str = "/dev/shm/forge"
+    shm_dir: str | None = None  # None: this process's run directory
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown weights transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
+        if self.shm_dir is None and self.transport == "shm":
+            self.shm_dir = str(run_dir())
         self._token = uuid.uuid4().hex[:8]
 
     def _key(self, version: int) -> str:
@@ -103,6 +109,8 @@ class WeightStore:
         return Path(self.shm_dir) / f"{self.name}-{self._token}-v{version}.safetensors"
 
     def _spares(self) -> list[Path]:
+        if self.shm_dir is None:
+            return []
         return list(Path(self.shm_dir).glob(f"{self.name}-{self._token}-spare-*.safetensors"))
 
     async def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
@@ -135,7 +143,9 @@ class WeightStore:
         try:
             return await torchstore.get(f"{self._key(version)}/record")
         except KeyError:
-            raise KeyError(f"weights version {version} of {self.name!r} is not in the store (dropped or never published)") from None
+            raise KeyError(
+                f"weights version {version} of {self.name!r} is not in the store (dropped or never published)"
+            ) from None
 
     async def local_path(self, version: int) -> str | None:
         """The safetensors file holding `version`, if it is readable from this host (shm)."""
@@ -166,7 +176,9 @@ class WeightStore:
             yield read_safetensors(path)
             await self.check_intact(rec["version"])
         elif rec["transport"] == "shm":
-            raise RuntimeError(f"weights version {rec['version']} are in /dev/shm on host {rec['host']}; use transport='torchstore' across hosts")
+            raise RuntimeError(
+                f"weights version {rec['version']} are in /dev/shm on host {rec['host']}; use transport='torchstore' across hosts"
+            )
         else:
             yield await torchstore.get_state_dict(self._key(rec["version"]))
 
@@ -183,7 +195,9 @@ class WeightStore:
         """Versions in the store, oldest first."""
         prefix, suffix = f"{self.name}/v", "/record"
         return sorted(
-            int(k[len(prefix) : -len(suffix)]) for k in await torchstore.keys() if k.startswith(prefix) and k.endswith(suffix)
+            int(k[len(prefix) : -len(suffix)])
+            for k in await torchstore.keys()
+            if k.startswith(prefix) and k.endswith(suffix)
         )
 
     async def drop_older_than(self, version: int) -> list[int]:
@@ -212,7 +226,9 @@ class WeightStore:
             path = Path(rec["path"])
             if path.exists():
                 if len(self._spares()) < 2:
-                    os.replace(path, Path(self.shm_dir) / f"{self.name}-{self._token}-spare-{uuid.uuid4().hex[:8]}.safetensors")
+                    os.replace(
+                        path, Path(self.shm_dir) / f"{self.name}-{self._token}-spare-{uuid.uuid4().hex[:8]}.safetensors"
+                    )
                 else:
                     forget_mapping(path)
                     path.unlink()
@@ -231,7 +247,9 @@ def _local_path(rec: dict) -> str | None:
 
 def _copy_into(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if src.keys() != dst.keys():
-        raise KeyError(f"fetch(into=...): the version has {sorted(src.keys() ^ dst.keys())} where `into` does not, or the reverse")
+        raise KeyError(
+            f"fetch(into=...): the version has {sorted(src.keys() ^ dst.keys())} where `into` does not, or the reverse"
+        )
     for name, t in src.items():
         dst[name].copy_(t.view(dst[name].shape))
     return dst

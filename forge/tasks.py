@@ -14,7 +14,6 @@ import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
 LETTERS = string.ascii_lowercase[:10]  # the letter tasks' alphabet
 
 
@@ -121,7 +120,7 @@ def generate(task: str, n: int, seed: int = 0) -> list[Sample]:
 
 def write_dataset(path: str | Path, task: str, n: int = 10_000, seed: int = 0) -> Path:
     """Write `n` samples as JSON lines (prompt, answer, task): loadable with
-    `datasets.load_dataset("json", data_files=path)` and `forge.tasks.load_dataset`."""
+    `datasets.load_dataset("json", data_files=path)` (and `dataset.path` of an app)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -130,13 +129,3 @@ def write_dataset(path: str | Path, task: str, n: int = 10_000, seed: int = 0) -
             f.write(json.dumps(asdict(s)) + "\n")
     tmp.replace(path)
     return path
-
-
-def load_dataset(path: str | Path):
-    """The dataset file as a HF `datasets.Dataset` (columns prompt, answer, task)."""
-    import datasets
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {path}")
-    return datasets.load_dataset("json", data_files=str(path), split="train")

@@ -121,12 +121,20 @@ def build_model(spec: TinyModelSpec, tokenizer):
     return Qwen3ForCausalLM(config)
 
 
-def sft(model, tokenizer, task: str, steps: int, batch_size: int, lr: float, seed: int, noise: float = 0.0) -> list[float]:
-    """Supervised warm start: next-token loss on the answer (and EOS) of fresh task samples,
-    a `noise` fraction of the answer characters replaced at random."""
-    rng = random.Random(f"sft:{task}:{seed}")
+def sft(
+    model,
+    tokenizer,
+    task: str,
+    steps: int,
+    batch_size: int,
+    opt: torch.optim.Optimizer,
+    rng: random.Random,
+    noise: float = 0.0,
+) -> list[float]:
+    """Supervised warm start: next-token loss on the answer (and EOS) of fresh task samples
+    drawn from `rng`, a `noise` fraction of the answer characters replaced at random. `opt`
+    and `rng` carry over between calls: a run passes the same ones to each of its chunks."""
     t = tasks.get_task(task)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses = []
     for _ in range(steps):
@@ -140,7 +148,9 @@ def sft(model, tokenizer, task: str, steps: int, batch_size: int, lr: float, see
         for i, (p, a) in enumerate(zip(prompts, answers)):
             ids[i, : len(p) + len(a)] = torch.tensor(p + a)
             labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
-        loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id), labels=labels).loss
+        loss = model(
+            input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id), labels=labels
+        ).loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -158,10 +168,13 @@ def evaluate(model, tokenizer, task: str, n: int = 128, seed: int = 1234, max_ne
     tokenizer.padding_side = "left"
     enc = tokenizer([s.prompt for s in samples], return_tensors="pt", padding=True)
     out = model.generate(
-        **enc, max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        **enc,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
-    responses = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    responses = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     scores = [t.score(r, s.answer) for r, s in zip(responses, samples)]
     return {"reward": sum(scores) / n, "accuracy": sum(x == 1.0 for x in scores) / n}
 
@@ -178,7 +191,9 @@ def make_tiny_model(out: str | Path, spec: TinyModelSpec | None = None, force: b
     torch.manual_seed(spec.seed)
     tokenizer = build_tokenizer(spec.seed)
     model = build_model(spec, tokenizer)
-    losses = sft(model, tokenizer, spec.task, spec.sft_steps, spec.sft_batch_size, spec.sft_lr, spec.seed, spec.sft_noise)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
+    rng = random.Random(f"sft:{spec.task}:{spec.seed}")
+    losses = sft(model, tokenizer, spec.task, spec.sft_steps, spec.sft_batch_size, opt, rng, spec.sft_noise)
     # Write next to the target and swap in whole, so an interrupted build never looks cached.
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""The data that flows through forge: Completion -> Episode -> Batch. One definition each.
+"""The data that flows through forge: Completion -> Score -> Episode -> Batch. One definition each.
 
 Token-aligned lists use one convention everywhere: index t describes token t of the
 sequence (the prompt included). A model's logits at t-1 predict token t, so the trainer
@@ -7,8 +7,9 @@ shifts once, in one place, and nobody else has to think about it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -31,9 +32,7 @@ class Completion:
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.token_ids):
-            raise ValueError(
-                f"Completion: {len(self.logprobs)} logprobs for {len(self.token_ids)} tokens"
-            )
+            raise ValueError(f"Completion: {len(self.logprobs)} logprobs for {len(self.token_ids)} tokens")
         if self.max_policy_version is None:
             self.max_policy_version = self.policy_version
 
@@ -43,19 +42,56 @@ class Completion:
 
 
 @dataclass
+class Score:
+    """What the reward service, or a custom rollout, says of one sample."""
+
+    reward: float  # the weighted total GRPO trains on
+    components: dict[str, float] = field(default_factory=dict)  # each named reward, unweighted
+    correct: float | None = None  # 1/0 for a verified answer (the `accuracy` metric); None: not known
+    error: str | None = None  # why a reward function failed (it then scored 0 for this sample)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @classmethod
+    def coerce(cls, value: Any, where: str) -> Score:
+        """`value` as a Score: a Score, or a mapping of its fields (`reward` required). Anything
+        else is a TypeError that says what `where` returned and which field is wrong."""
+        if isinstance(value, cls):
+            return value
+        names = [f.name for f in fields(cls)]
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"{where} is a {type(value).__name__}, not a forge.types.Score (fields: {', '.join(names)})"
+            )
+        if "reward" not in value:
+            raise TypeError(f"{where} has no field 'reward' (a Score needs it; got {sorted(value)})")
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise TypeError(f"{where} has unknown field(s) {unknown}; a Score has {', '.join(names)}")
+        try:
+            return cls(
+                reward=float(value["reward"]),
+                components={k: float(v) for k, v in dict(value.get("components") or {}).items()},
+                correct=None if value.get("correct") is None else float(value["correct"]),
+                error=value.get("error"),
+            )
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{where}: {e}") from None
+
+
+@dataclass
 class Episode:
     """One trajectory to train on: all turns flattened into one token sequence."""
 
     tokens: list[int]
     loss_mask: list[int]  # 1 where the policy produced the token, 0 for prompt / tool output
     gen_logprobs: list[float]  # generator logprob of each token (0 where loss_mask is 0)
-    reward: float = 0.0
     advantage: float = 0.0
-    group_id: str = ""
     policy_version: int = 0
     ref_logprobs: list[float] | None = None
-    rewards: dict[str, float] = field(default_factory=dict)  # components, for metrics
-    completions: list[Completion] = field(default_factory=list)
+    score: Score = field(default_factory=lambda: Score(0.0))
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -65,17 +101,19 @@ class Episode:
                 raise ValueError(f"Episode.{name} has {len(value)} entries for {n} tokens")
 
     @classmethod
-    def from_completion(cls, c: Completion, group_id: str = "", **kw: Any) -> "Episode":
+    def from_completion(cls, c: Completion, **kw: Any) -> Episode:
         p = len(c.prompt_ids)
         return cls(
             tokens=list(c.prompt_ids) + list(c.token_ids),
             loss_mask=[0] * p + [1] * len(c.token_ids),
             gen_logprobs=[0.0] * p + list(c.logprobs),
-            group_id=group_id,
             policy_version=c.policy_version,
-            completions=[c],
             **kw,
         )
+
+    @property
+    def reward(self) -> float:
+        return self.score.reward
 
     @property
     def num_response_tokens(self) -> int:
@@ -91,7 +129,6 @@ class Batch:
     advantages: torch.Tensor  # float, the episode's advantage on each of its tokens
     gen_logprobs: torch.Tensor  # float
     ref_logprobs: torch.Tensor | None  # float, or None if no episode had them
-    position_ids: torch.Tensor  # long, restarts at 0 for every packed episode
     doc_ids: torch.Tensor  # long, episode index of each token, -1 on padding
     policy_versions: torch.Tensor  # long, [episodes]
 
@@ -99,7 +136,7 @@ class Batch:
     def num_episodes(self) -> int:
         return int(self.policy_versions.numel())
 
-    def to(self, device: torch.device | str) -> "Batch":
+    def to(self, device: torch.device | str) -> Batch:
         moved = {
             f.name: (getattr(self, f.name).to(device) if getattr(self, f.name) is not None else None)
             for f in fields(self)
@@ -107,66 +144,28 @@ class Batch:
         return Batch(**moved)
 
 
-def _rows(episodes: Sequence[Episode], pack: bool, max_len: int | None) -> list[list[int]]:
-    """Which episodes go in which row: one each, or first-fit packing up to max_len."""
-    if not pack:
-        return [[i] for i in range(len(episodes))]
-    if max_len is None:
-        raise ValueError("collate(pack=True) needs max_len")
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i, ep in enumerate(episodes):
-        n = len(ep.tokens)
-        if n > max_len:
-            raise ValueError(f"episode {i} has {n} tokens, more than max_len={max_len}")
-        for r, free in enumerate(room):
-            if n <= free:
-                rows[r].append(i)
-                room[r] -= n
-                break
-        else:
-            rows.append([i])
-            room.append(max_len - n)
-    return rows
-
-
-def collate(
-    episodes: Sequence[Episode], pad_id: int, pack: bool = False, max_len: int | None = None
-) -> Batch:
-    """Pad (one episode per row) or pack (several per row, first fit) into a Batch."""
+def collate(episodes: Sequence[Episode], pad_id: int) -> Batch:
+    """One episode per row, padded to the longest."""
     if not episodes:
         raise ValueError("collate() got no episodes")
-    rows = _rows(episodes, pack, max_len)
-    width = max_len if pack else max(len(e.tokens) for e in episodes)
-    if max_len is not None and not pack:
-        longest = max(len(e.tokens) for e in episodes)
-        if longest > max_len:
-            raise ValueError(f"an episode has {longest} tokens, more than max_len={max_len}")
-    shape = (len(rows), width)
+    shape = (len(episodes), max(len(e.tokens) for e in episodes))
     b = dict(
         input_ids=torch.full(shape, pad_id, dtype=torch.long),
         loss_mask=torch.zeros(shape),
         advantages=torch.zeros(shape),
         gen_logprobs=torch.zeros(shape),
         ref_logprobs=torch.zeros(shape),
-        position_ids=torch.zeros(shape, dtype=torch.long),
         doc_ids=torch.full(shape, -1, dtype=torch.long),
     )
-    for r, members in enumerate(rows):
-        start = 0
-        for i in members:
-            ep = episodes[i]
-            n = len(ep.tokens)
-            s = slice(start, start + n)
-            b["input_ids"][r, s] = torch.tensor(ep.tokens)
-            b["loss_mask"][r, s] = torch.tensor(ep.loss_mask, dtype=torch.float)
-            b["advantages"][r, s] = ep.advantage
-            b["gen_logprobs"][r, s] = torch.tensor(ep.gen_logprobs)
-            if ep.ref_logprobs is not None:
-                b["ref_logprobs"][r, s] = torch.tensor(ep.ref_logprobs)
-            b["position_ids"][r, s] = torch.arange(n)
-            b["doc_ids"][r, s] = i
-            start += n
+    for i, ep in enumerate(episodes):
+        s = slice(0, len(ep.tokens))
+        b["input_ids"][i, s] = torch.tensor(ep.tokens)
+        b["loss_mask"][i, s] = torch.tensor(ep.loss_mask, dtype=torch.float)
+        b["advantages"][i, s] = ep.advantage
+        b["gen_logprobs"][i, s] = torch.tensor(ep.gen_logprobs)
+        if ep.ref_logprobs is not None:
+            b["ref_logprobs"][i, s] = torch.tensor(ep.ref_logprobs)
+        b["doc_ids"][i, s] = i
     with_ref = sum(e.ref_logprobs is not None for e in episodes)
     if with_ref == 0:
         b["ref_logprobs"] = None

@@ -1,8 +1,11 @@
 """Generator service: stock vLLM (`AsyncLLM`) behind a forge service.
 
-    gen = await Generator.options(replicas=2).as_service(model=path, sampling={"temperature": 0.8})
+    gen = await Generator.options(replicas=2).as_service(path, GeneratorConfig(sampling=SamplingConfig(temperature=0.8)))
     completions = await gen.generate.route("rev abc=", n=8)      # one GRPO group
     await gen.load_weights.fanout(state_dict, version=3)         # in place, no restart
+
+With `weights_from=WeightStore(...)`, each replica follows the store's latest version in
+the background (and a respawned replica starts on it).
 
 Each replica runs one AsyncLLM (continuous batching): concurrent `generate` calls are
 batched by vLLM. Every Completion carries its token ids, the logprob of each sampled token
@@ -31,7 +34,7 @@ import torch
 from monarch.actor import concurrent_endpoint, endpoint
 
 from forge.actor import ForgeActor
-from forge.config import from_options
+from forge.config import require_file
 from forge.metrics import Reduce, record_metric
 from forge.types import Completion
 
@@ -52,7 +55,6 @@ class SamplingConfig:
 
 @dataclass
 class GeneratorConfig:
-    model: str = ""  # HF model directory
     dtype: str = "float32"
     max_model_len: int = 512
     # CPU: vLLM cannot size the KV cache from free memory there, so it is given explicitly.
@@ -66,20 +68,17 @@ class GeneratorConfig:
     request_timeout_s: float = 300.0
     cache_dir: str = ".cache/forge/vllm"  # vLLM's compile cache survives between runs here
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    # Follow this WeightStore (forge.store): load every new `latest` version in the background.
-    weights_from: str | None = None
-    poll_s: float = 0.1
+    poll_s: float = 0.1  # how often a replica that follows a WeightStore looks for a new version
     engine: dict[str, Any] = field(default_factory=dict)  # any other vllm AsyncEngineArgs field
 
-    def engine_args(self) -> Any:
+    def engine_args(self, model: str) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-        unknown = sorted(set(self.engine) - known)
+        unknown = sorted(set(self.engine) - {f.name for f in dataclasses.fields(AsyncEngineArgs)})
         if unknown:
             raise ValueError(f"unknown vLLM engine option(s) {unknown} (generator config key 'engine')")
         return AsyncEngineArgs(
-            model=self.model,
+            model=model,
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
@@ -97,14 +96,19 @@ def _preview(prompt: Any) -> str:
 
 
 class Generator(ForgeActor):
-    """vLLM generation service. Endpoints: generate, load_weights, version."""
+    """vLLM generation service. Endpoints: generate, load_weights, policy_version, last_swaps,
+    engine_pids."""
 
     @classmethod
-    def check_args(cls, model: str | Path, **options: Any) -> None:
-        from_options(GeneratorConfig, "Generator", model, options)
+    def check_args(cls, model: str | Path, cfg: GeneratorConfig | None = None, weights_from: Any = None) -> None:
+        require_file("model.path", Path(model) / "config.json")
+        if cfg is not None and not isinstance(cfg, GeneratorConfig):
+            raise TypeError(f"Generator: cfg must be a GeneratorConfig, got {type(cfg).__name__}")
 
-    def __init__(self, model: str | Path, **options: Any):
-        self.cfg = from_options(GeneratorConfig, "Generator", model, options)
+    def __init__(self, model: str | Path, cfg: GeneratorConfig | None = None, weights_from: Any = None):
+        """`weights_from`: a forge.store.WeightStore to follow (load each new latest version)."""
+        self.model, self.cfg = str(model), cfg or GeneratorConfig()
+        self.store = weights_from
         self.version = 0
         self.engine = None
         self._swap = asyncio.Lock()
@@ -117,14 +121,10 @@ class Generator(ForgeActor):
 
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(self.cfg.cache_dir).absolute()))
         os.environ["FORGE_GENERATOR_PID"] = str(os.getpid())  # vLLM's processes exit with this one
-        self.engine = AsyncLLM.from_engine_args(self.cfg.engine_args())
-        self.tokenizer = self.engine.tokenizer
+        self.engine = AsyncLLM.from_engine_args(self.cfg.engine_args(self.model))
         self.vocab_size = self.engine.model_config.get_vocab_size()
         await self._warm_up()
-        if self.cfg.weights_from is not None:
-            from forge.store import WeightStore
-
-            self.store = WeightStore(self.cfg.weights_from)
+        if self.store is not None:
             await self._pull_latest()  # a respawned replica starts on the latest policy
             self._follower = asyncio.create_task(self._follow())
 
@@ -136,7 +136,9 @@ class Generator(ForgeActor):
 
         sp = {**dataclasses.asdict(self.cfg.sampling), "temperature": 1.0, "max_tokens": 2, "stop": None}
         for n in (1, 2):
-            async for _ in self.engine.generate(TokensPrompt(prompt_token_ids=[0]), self._sampling_params(n, sp), uuid.uuid4().hex):
+            async for _ in self.engine.generate(
+                TokensPrompt(prompt_token_ids=[0]), self._sampling_params(n, sp), uuid.uuid4().hex
+            ):
                 pass
 
     async def _follow(self) -> None:
@@ -274,7 +276,9 @@ class Generator(ForgeActor):
         return await self.load_weights_local(state_dict, version)
 
     async def load_weights_local(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
-        fd, path = tempfile.mkstemp(suffix=".safetensors", dir=_shm_dir())
+        from forge.shm import run_dir
+
+        fd, path = tempfile.mkstemp(suffix=".safetensors", dir=run_dir())
         os.close(fd)
         try:
             from forge.shm import write_safetensors
@@ -325,8 +329,3 @@ class Generator(ForgeActor):
             engine.shutdown(timeout=1.0)  # within Monarch's cleanup deadline
             del engine
             gc.collect()  # AsyncLLM.__del__ now, not at interpreter exit when its imports are gone
-
-
-def _shm_dir() -> str | None:
-    # /dev/shm keeps the handover in memory; fall back to the default temp dir elsewhere.
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None

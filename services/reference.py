@@ -1,13 +1,12 @@
 """Reference model service: the frozen initial policy, for the KL term.
 
-    ref = await Reference.options().as_service(model=path)
-    ref_logprobs = await ref.logprobs.route(batch)   # [rows, seq], token-aligned
+ref = await Reference.options().as_service(model=path)
+ref_logprobs = await ref.logprobs.route(batch)   # [rows, seq], token-aligned
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from monarch.actor import endpoint
@@ -23,7 +22,7 @@ class Reference(ForgeActor):
 
     @classmethod
     def check_args(cls, model: str | Path, chunk_rows: int = 8) -> None:
-        require_file("reference.model", Path(model) / "config.json")
+        require_file("model.path", Path(model) / "config.json")
         if chunk_rows < 1:
             raise ValueError(f"Reference: chunk_rows must be >= 1, got {chunk_rows}")
 
@@ -32,10 +31,9 @@ class Reference(ForgeActor):
 
     @endpoint
     async def setup(self) -> None:
-        from services.titan import load_hf_model
+        from services.titan import default_device, load_hf_model
 
-        accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        self.device = torch.device(accel.type if accel else "cpu")
+        self.device = default_device()
         self.model = load_hf_model(self.path, self.device).eval().requires_grad_(False)
 
     @endpoint
@@ -44,7 +42,3 @@ class Reference(ForgeActor):
 
         with torch.no_grad():
             return token_logprobs(self.model, batch.input_ids.to(self.device), chunk_rows=self.chunk_rows)[0].cpu()
-
-    @endpoint
-    async def info(self) -> dict[str, Any]:
-        return {"model": self.path, "chunk_rows": self.chunk_rows}

@@ -1,10 +1,10 @@
 """Reward service: rule/verifier rewards (toy tasks, math final answers), plus a format reward.
 
     rewards = await Rewards.options().as_service(task="reverse", rewards={"task": 1.0, "format": 0.1})
-    scores = await rewards.score.route([(answer, completion_text, finish_reason), ...])
+    scores = await rewards.score.route([(answer, completion_text, finish_reason), ...])  # [Score]
 
 Each reward is a function (answer, text, finish_reason) -> float (see `make_rewards`). One
-that raises scores 0 for that sample and is counted as a failure: it never ends the run.
+that raises scores 0 for that sample and marks its Score failed: it never ends the run.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import re
 import string
-from typing import Callable
+from collections.abc import Callable
 
 from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
 from forge.tasks import TASKS, get_task
+from forge.types import Score
 
 log = logging.getLogger("forge")
 RewardFn = Callable[[str, str, str], float]
@@ -91,20 +92,26 @@ class Rewards(ForgeActor):
         self.fns = {name: fn for name, fn in make_rewards(task).items() if name in rewards}
 
     @endpoint
-    async def score(self, samples: list[tuple[str, str, str]]) -> list[dict[str, float]]:
-        """For each (answer, text, finish_reason): {"reward": total, <name>: value, "reward_failed": 0/1,
-        "correct": 0/1}."""
+    async def score(self, samples: list[tuple[str, str, str]]) -> list[Score]:
+        """For each (answer, text, finish_reason): the weighted total, each component, and
+        `correct` (the `math` reward when configured, else exact match)."""
         out = []
         for answer, text, finish in samples:
-            row, failed = {}, 0.0
+            parts, errors = {}, []
             for name, fn in self.fns.items():
                 try:
-                    row[name] = float(fn(answer, text, finish))
+                    parts[name] = float(fn(answer, text, finish))
                 except Exception as e:  # a broken reward scores 0 and is counted, the run goes on
                     log.warning("forge: reward %r failed on %r: %s", name, text[:40], e)
-                    row[name], failed = 0.0, 1.0
-            row["reward"] = sum(self.weights[n] * row[n] for n in self.fns)
-            row["reward_failed"] = failed
-            row["correct"] = row["math"] if "math" in row else exact_reward(answer, text, finish)  # accuracy
-            out.append(row)
+                    parts[name] = 0.0
+                    errors.append(f"{name}: {type(e).__name__}: {e}")
+            correct = parts["math"] if "math" in parts else exact_reward(answer, text, finish)
+            out.append(
+                Score(
+                    reward=sum(self.weights[n] * parts[n] for n in self.fns),
+                    components=parts,
+                    correct=correct,
+                    error="; ".join(errors) or None,
+                )
+            )
         return out

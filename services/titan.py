@@ -1,4 +1,6 @@
-"""torchtitan as a library: build a model sized from an HF config.json and load HF weights.
+"""torchtitan as a library: build a model sized from an HF config.json, load HF weights,
+shard it with FSDP2. Every platform specific of the trainer, the reference and the trainer
+benchmark lives here, each with its one-line why.
 
 torchtitan's registry only knows fixed flavors ("0.6B", ...), so the config is built
 from the HF values with torchtitan's own config helpers; weights go through its
@@ -8,13 +10,14 @@ state-dict adapter, the same path a real Qwen3 checkpoint takes.
 from __future__ import annotations
 
 import json
+import os
 from functools import partial
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3TransformerBlock
@@ -34,7 +37,13 @@ def read_hf_config(model_dir: str | Path) -> dict:
     return hf
 
 
-def qwen3_config(hf: dict) -> Qwen3Model.Config:
+def attention_config(device_type: str) -> FlexAttention.Config | ScaledDotProductAttention.Config:
+    # torchtitan's FlexAttention has no backward on CPU; causal SDPA is the same attention there
+    # for unpacked rows.
+    return ScaledDotProductAttention.Config() if device_type == "cpu" else FlexAttention.Config()
+
+
+def qwen3_config(hf: dict, device_type: str = "cpu") -> Qwen3Model.Config:
     dim, vocab, eps = hf["hidden_size"], hf["vocab_size"], hf["rms_norm_eps"]
     head_dim = hf.get("head_dim") or dim // hf["num_attention_heads"]
     # transformers 5 keeps rope_theta under rope_parameters; older files have it top-level.
@@ -54,8 +63,7 @@ def qwen3_config(hf: dict) -> Qwen3Model.Config:
             head_dim=head_dim,
             wqkv_param_init=_INIT,
             wo_param_init=_INIT,
-            # FlexAttention has no backward on CPU; causal SDPA runs everywhere.
-            inner_attention=ScaledDotProductAttention.Config(),
+            inner_attention=attention_config(device_type),
             rope=rope,
             qk_norm=norm(head_dim),
         ),
@@ -77,7 +85,7 @@ def qwen3_config(hf: dict) -> Qwen3Model.Config:
 def load_hf_model(model_dir: str | Path, device: str | torch.device = "cpu") -> Qwen3Model:
     """A torchtitan Qwen3 model with the HF safetensors weights of `model_dir`, fp32."""
     device = torch.device(device)
-    cfg = qwen3_config(read_hf_config(model_dir))
+    cfg = qwen3_config(read_hf_config(model_dir), device.type)
     with torch.device("meta"):
         model = cfg.build()
     model.to_empty(device=device)
@@ -94,15 +102,76 @@ def load_hf_model(model_dir: str | Path, device: str | torch.device = "cpu") -> 
     return model.float()
 
 
-def use_device_type(device_type: str) -> None:
-    # torchtitan picks its device type at import ("cuda" when no accelerator is found), and
-    # fully_shard then fails on a CPU machine; point it at the real one.
+def default_device() -> torch.device:
+    """This process's accelerator (its LOCAL_RANK's), else the CPU."""
+    if not torch.accelerator.is_available():
+        return torch.device("cpu")
+    return torch.device(torch.accelerator.current_accelerator().type, int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """The default process group for `device` (gloo on CPU); returns (rank, world size)."""
+    import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.tools.utils as tools_utils
 
+    # torchtitan picks its device type at import ("cuda" when no accelerator is found), and
+    # fully_shard then fails on a CPU machine; point it at the real one.
     for module in (tools_utils, parallel_dims, dist_utils):
-        module.device_type = device_type
+        module.device_type = device.type
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if device.type == "cpu" else None)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def build_sharded_model(model_dir: str | Path, device: torch.device, param_dtype: str = "float32") -> torch.nn.Module:
+    """The HF model of `model_dir` as a torchtitan Qwen3, FSDP2-sharded over every rank of the
+    default process group (`init_distributed` first), in training mode."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+    world = dist.get_world_size()
+    # "partial_dtensor": the default SPMD backend fails with more than one rank here.
+    dist_utils.set_spmd_backend("partial_dtensor")
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, world_size=world, spmd_backend="partial_dtensor"
+    )
+    dims.build_mesh()
+    model = parallelize_qwen3(
+        load_hf_model(model_dir, device),
+        parallel_dims=dims,
+        training=TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce="float32"),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=world, spmd_backend="partial_dtensor"),
+        compile_config=CompileConfig(enable=False),
+        ac_config=None,
+        dump_folder="/tmp",
+    )
+    if gradients_summed():
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+    return model.train()
+
+
+def gradients_summed() -> bool:
+    """True where FSDP sums gradients over ranks instead of averaging them (the caller divides
+    its loss by the world size): gloo has no PREMUL_SUM, which FSDP's averaging uses."""
+    import torch.distributed as dist
+
+    return dist.get_backend() == "gloo"
+
+
+def _forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    if isinstance(model.config.first_attention.inner_attention, FlexAttention.Config):
+        # Flex attends to whatever its block mask allows: give it the causal one.
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        return model(ids, positions=positions, attention_masks=model.get_attention_masks(positions))
+    return model(ids)
 
 
 def token_logprobs(
@@ -118,7 +187,7 @@ def token_logprobs(
     lps, ents = [], []
     for start in range(0, rows, step):
         ids = input_ids[start : start + step]
-        logits = model(ids)[:, :-1].float()
+        logits = _forward(model, ids)[:, :-1].float()
         flat = logits.reshape(-1, logits.shape[-1])
         lp = -torch.nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
         lps.append(torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1))

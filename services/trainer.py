@@ -1,19 +1,20 @@
 """Trainer service: torchtitan as a library, one mesh of N procs (FSDP2 over all of them).
 
-    trainer = await Trainer.options(procs=2).as_actor(model=path, lr=1e-4, loss={"name": "grpo"})
-    metrics = (await trainer.train_step.call(batch))  # every rank takes its share of the rows
-    version = await trainer.push_weights.call(1)       # publish to the WeightStore, no waiting
+    trainer = await Trainer.options(procs=2).as_service(model_dir, TrainerConfig(lr=1e-4), store)
+    version, metrics = await trainer.train_step.route(batch)  # every rank takes its share of the rows
+    await trainer.push_weights.route()                         # publish `version`, no waiting
 
-Model from torchtitan's Qwen3 (sized from the HF config.json, HF weights through its
-state-dict adapter), torchtitan's qwen3 parallelize (FSDP2), optimizer, LR scheduler and
-gradient clipping. Checkpoints are DCP (model, optimizer, scheduler, step, version);
-`export_hf` writes safetensors that transformers and vLLM load.
+The trainer owns the policy version: each optimizer step makes the next one, `push_weights`
+publishes the current one. Model from torchtitan's Qwen3 (sized from the HF config.json,
+HF weights through its state-dict adapter; services/titan.py), torchtitan's optimizer, LR
+scheduler and gradient clipping. Checkpoints are DCP (model, optimizer, scheduler, step,
+version); `export_hf` writes safetensors that transformers and vLLM load. The service is
+`stateful`: a replica that dies is restored from the service's restore point (a checkpoint).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,22 +25,29 @@ import torch.distributed as dist
 from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
-from forge.config import from_options
-from forge.losses import LOSSES, LossConfig, importance_weight, k3_kl
+from forge.config import require_file
+from forge.losses import LossConfig, get_loss, importance_weight, k3_kl
+from forge.store import WeightStore
 from forge.types import Batch
 
-HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 @dataclass
 class TrainerConfig:
-    model: str = ""  # HF model directory
     lr: float = 1e-5
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     warmup_steps: int = 0
     lr_decay: str = "none"  # torchtitan decay_type: none | linear | cosine | sqrt
-    total_steps: int = 1000  # for the LR schedule
+    total_steps: int | None = None  # length of the LR schedule; null: the app's `steps`
     max_norm: float = 1.0  # gradient clipping
     grad_accum: int = 1  # microbatches per step on each rank
     loss: LossConfig = field(default_factory=LossConfig)
@@ -50,122 +58,138 @@ class TrainerConfig:
     param_dtype: str = "float32"  # FSDP2 compute dtype of parameters (bfloat16 on GPU); grads reduce in fp32
 
     def validate(self) -> None:
-        self.loss.validate()
+        if self.lr_decay not in DECAYS:
+            raise ValueError(f"config key 'trainer.lr_decay': {self.lr_decay!r} is not one of {', '.join(DECAYS)}")
+        if self.grad_accum < 1:
+            raise ValueError(f"config key 'trainer.grad_accum' must be >= 1, got {self.grad_accum}")
+
+
+DECAYS = {"none": "linear", "linear": "linear", "cosine": "cosine", "sqrt": "sqrt"}  # ours -> torchtitan's
+
+
+def build_optimizers(model: torch.nn.Module, c: TrainerConfig) -> tuple[Any, Any]:
+    """torchtitan's AdamW and LR scheduler containers for `model`, from the config."""
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
+
+    optimizers = OptimizersContainer.Config(
+        implementation="for-loop",
+        param_groups=[
+            ParamGroupConfig(
+                pattern=r".*",
+                optimizer_name="AdamW",
+                optimizer_kwargs={"lr": c.lr, "betas": tuple(c.betas), "eps": 1e-8, "weight_decay": c.weight_decay},
+            )
+        ],
+    ).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(
+        warmup_steps=c.warmup_steps,
+        decay_type=DECAYS[c.lr_decay],
+        min_lr_factor=1.0 if c.lr_decay == "none" else 0.0,
+    ).build(optimizers=optimizers, training_steps=c.total_steps or max(1, c.warmup_steps))  # constant LR: any length
+    return optimizers, schedulers
 
 
 class Trainer(ForgeActor):
-    """Policy trainer. Endpoints (call them on every rank with `.call`): train_step,
+    """Policy trainer. Endpoints (a service call reaches every rank of the replica): train_step,
     logprobs, push_weights, policy_version, save, load, export_hf."""
 
     distributed = True  # torch.distributed env is set up on the mesh before spawn
+    stateful = True  # weights and optimizer: restored from the restore point, never reset
 
     @classmethod
-    def check_args(cls, model: str | Path, **options: Any) -> None:
-        from_options(TrainerConfig, "Trainer", model, options)
+    def check_args(cls, model: str | Path, cfg: TrainerConfig, store: WeightStore | None = None) -> None:
+        if not isinstance(cfg, TrainerConfig):
+            raise TypeError(f"Trainer: cfg must be a TrainerConfig, got {type(cfg).__name__}")
+        require_file("model.path", Path(model) / "config.json")
 
-    def __init__(self, model: str | Path, **options: Any):
-        self.cfg = from_options(TrainerConfig, "Trainer", model, options)
+    def __init__(self, model: str | Path, cfg: TrainerConfig, store: WeightStore | None = None):
+        self.model_dir, self.cfg = str(model), cfg
+        # The WeightStore push_weights writes to (rank 0). Made by the caller, so a respawned
+        # trainer writes as the same writer (its files, its run directory).
+        self.store = store if store is not None else WeightStore(cfg.weights, transport=cfg.transport)
         self.step = 0
         self.version = 0
-        self.store = None  # the WeightStore push_weights writes to (rank 0)
 
     @endpoint
     async def setup(self) -> None:
-        from torch.distributed.fsdp import FSDPModule
-        from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
-        from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-        from torchtitan.distributed import ParallelDims
-        from torchtitan.distributed import utils as dist_utils
-        from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+        import os
 
-        from services.titan import load_hf_model, qwen3_config, read_hf_config, use_device_type
+        from services.titan import build_sharded_model, default_device, init_distributed, qwen3_config, read_hf_config
 
-        accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        self.device = torch.device(accel.type, int(os.environ.get("LOCAL_RANK", 0))) if accel else torch.device("cpu")
-        use_device_type(self.device.type)
-        dist.init_process_group("gloo" if self.device.type == "cpu" else None)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = default_device()
+        self.rank, self.world = init_distributed(self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(self.cfg.threads or max(1, (os.cpu_count() or 1) // self.world))
-        # "partial_dtensor": the default SPMD backend fails with more than one rank here.
-        dist_utils.set_spmd_backend("partial_dtensor")
-        dims = ParallelDims(dp_replicate=1, dp_shard=self.world, cp=1, tp=1, pp=1, ep=1, world_size=self.world,
-                            spmd_backend="partial_dtensor")
-        dims.build_mesh()
-        self.hf_config = read_hf_config(self.cfg.model)
-        self.adapter_config = qwen3_config(self.hf_config)
-        model = load_hf_model(self.cfg.model, self.device)
-        self.model = parallelize_qwen3(
-            model,
-            parallel_dims=dims,
-            training=TrainingConfig(mixed_precision_param=self.cfg.param_dtype, mixed_precision_reduce="float32"),
-            parallelism=ParallelismConfig(data_parallel_shard_degree=self.world, spmd_backend="partial_dtensor"),
-            compile_config=CompileConfig(enable=False),
-            ac_config=None,
-            dump_folder="/tmp",
-        )
-        for m in self.model.modules():
-            if isinstance(m, FSDPModule):
-                # gloo has no PREMUL_SUM, which FSDP picks for its gradient averaging: sum
-                # instead; the loss is divided by the number of ranks (train_step).
-                m.set_force_sum_reduction_for_comms(True)
-        self.model.train()
-        c = self.cfg
-        self.optimizers = OptimizersContainer.Config(
-            implementation="for-loop",
-            param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={
-                "lr": c.lr, "betas": tuple(c.betas), "eps": 1e-8, "weight_decay": c.weight_decay})],
-        ).build(model_parts=[self.model])
-        decay = {"none": "linear", "linear": "linear", "cosine": "cosine", "sqrt": "sqrt"}[c.lr_decay]
-        self.schedulers = LRSchedulersContainer.Config(
-            warmup_steps=c.warmup_steps, decay_type=decay, min_lr_factor=1.0 if c.lr_decay == "none" else 0.0,
-        ).build(optimizers=self.optimizers, training_steps=c.total_steps)
-        self.loss_fn = LOSSES[c.loss.name]
+        self.hf_config = read_hf_config(self.model_dir)
+        self.adapter_config = qwen3_config(self.hf_config, self.device.type)
+        self.model = build_sharded_model(self.model_dir, self.device, self.cfg.param_dtype)
+        self.optimizers, self.schedulers = build_optimizers(self.model, self.cfg)
+        self.loss_fn = get_loss(self.cfg.loss.name)
 
     def _shard(self, batch: Batch) -> Batch:
         """This rank's rows; the caller sends one whole batch to every rank."""
         rows = batch.input_ids.shape[0]
         if rows % (self.world * self.cfg.grad_accum):
-            raise ValueError(f"train_step: {rows} rows do not split over {self.world} ranks x grad_accum {self.cfg.grad_accum}")
+            raise ValueError(
+                f"train_step: {rows} rows do not split over {self.world} ranks x grad_accum {self.cfg.grad_accum}"
+            )
         per = rows // self.world
         return _rows(batch, slice(self.rank * per, (self.rank + 1) * per))
 
     @endpoint
-    async def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on `batch`; returns metrics averaged over ranks."""
+    async def train_step(self, batch: Batch) -> tuple[int, dict[str, float]]:
+        """One optimizer step on `batch`: returns the new policy version and metrics averaged
+        over ranks."""
         from torchtitan.distributed import utils as dist_utils
 
-        from services.titan import token_logprobs
+        from services.titan import gradients_summed, token_logprobs
 
         mine = self._shard(batch).to(self.device)
         # Dr.GRPO's default normalizer is the batch's row length, whatever the micro-batches are cut to.
         loss_cfg = dataclasses.replace(self.cfg.loss, norm_tokens=self.cfg.loss.norm_tokens or mine.input_ids.shape[1])
+        shares = self.cfg.grad_accum * self.world  # the loss is a mean over micro-batches and ranks
+        grad_shares = self.cfg.grad_accum * (self.world if gradients_summed() else 1)
         self.optimizers.zero_grad()
-        sums = torch.zeros(6, dtype=torch.float64)  # loss, kl, entropy, is_ratio, is_capped, tokens
+        # loss, kl, entropy, is_ratio, is_capped, tokens: summed on the device, copied to the host once.
+        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
         for mb in _micro_batches(mine, self.cfg.grad_accum):
             lp, ent = token_logprobs(self.model, mb.input_ids, with_entropy=True)
             w = importance_weight(lp, mb.gen_logprobs, self.cfg.loss.is_cap)
             loss = self.loss_fn(lp, mb, w, loss_cfg)
-            (loss / (self.world * self.cfg.grad_accum)).backward()
+            (loss / grad_shares).backward()
             m = mb.loss_mask
             with torch.no_grad():
                 raw = torch.exp(lp - mb.gen_logprobs)
-                kl = (k3_kl(lp, mb.ref_logprobs) * m).sum() if mb.ref_logprobs is not None else 0.0
-                # loss: the objective itself (its share of the mean over ranks and micro-batches); the rest per token
-                sums += torch.tensor([loss.item() / (self.world * self.cfg.grad_accum), float(kl), (ent * m).sum().item(),
-                                      (raw * m).sum().item(), ((raw > self.cfg.loss.is_cap).float() * m).sum().item(),
-                                      m.sum().item()], dtype=torch.float64)
+                kl = (k3_kl(lp, mb.ref_logprobs) * m).sum() if mb.ref_logprobs is not None else lp.new_zeros(())
+                sums += torch.stack(
+                    [
+                        loss.detach() / shares,
+                        kl,
+                        (ent * m).sum(),
+                        (raw * m).sum(),
+                        ((raw > self.cfg.loss.is_cap).to(m.dtype) * m).sum(),
+                        m.sum(),
+                    ]
+                ).double()
         grad_norm = dist_utils.clip_grad_norm_(list(self.model.parameters()), max_norm=self.cfg.max_norm, foreach=True)
         self.optimizers.step()
         self.schedulers.step()
         self.step += 1
+        self.version += 1
         dist.all_reduce(sums)
-        n = max(sums[5].item(), 1.0)
-        return {
-            "loss": sums[0].item(), "kl": sums[1].item() / n, "entropy": sums[2].item() / n,
-            "is_ratio_mean": sums[3].item() / n, "is_capped_frac": sums[4].item() / n,
-            "grad_norm": float(grad_norm), "lr": self.schedulers.schedulers[0].get_last_lr()[0],
-            "trained_tokens": sums[5].item(),
+        loss, kl, ent, ratio, capped, tokens, norm = torch.cat(
+            [sums, torch.as_tensor(grad_norm).reshape(1).to(sums)]
+        ).tolist()
+        n = max(tokens, 1.0)
+        return self.version, {
+            "loss": loss,
+            "kl": kl / n,
+            "entropy": ent / n,
+            "is_ratio_mean": ratio / n,
+            "is_capped_frac": capped / n,
+            "grad_norm": norm,
+            "lr": self.schedulers.schedulers[0].get_last_lr()[0],
+            "trained_tokens": tokens,
         }
 
     @endpoint
@@ -190,24 +214,22 @@ class Trainer(ForgeActor):
         return {k: v.contiguous() for k, v in hf.items()}
 
     @endpoint
-    async def push_weights(self, version: int) -> int:
-        """Publish the current weights as `version` and return; generators pull it themselves.
-        Only rank 0 writes (the gathered full state dict); versions older than
-        `keep_versions` are dropped."""
-        from forge.store import WeightStore
+    async def push_weights(self) -> int:
+        """Publish the current weights as the current policy version and return it; generators
+        pull it themselves. Only rank 0 writes (the gathered full state dict); versions older
+        than `keep_versions` are dropped."""
+        return await self._push()
 
+    async def _push(self) -> int:
         sd = self._full_hf_state_dict()
         if self.rank == 0:
-            if self.store is None:  # one writer for the run: it reuses its dropped versions' files
-                self.store = WeightStore(self.cfg.weights, transport=self.cfg.transport)
-            await self.store.publish(version, sd)
-            await self.store.drop_older_than(version - self.cfg.keep_versions + 1)
-        self.version = version
-        return version
+            await self.store.publish(self.version, sd)
+            await self.store.drop_older_than(self.version - self.cfg.keep_versions + 1)
+        return self.version
 
     @endpoint
     async def policy_version(self) -> int:
-        """The version last published or loaded."""
+        """The version of the current weights (the last step's, or the checkpoint's loaded)."""
         return self.version
 
     @endpoint
@@ -221,16 +243,20 @@ class Trainer(ForgeActor):
             out.mkdir(parents=True, exist_ok=True)
             save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
             for name in HF_FILES:
-                if (Path(self.cfg.model) / name).exists():
-                    shutil.copy(Path(self.cfg.model) / name, out / name)
+                if (Path(self.model_dir) / name).exists():
+                    shutil.copy(Path(self.model_dir) / name, out / name)
         dist.barrier()
         return path
 
     def _state(self) -> dict[str, Any]:
         from torchtitan.components.checkpointer import ModelWrapper
 
-        return {"model": ModelWrapper(self.model), "optimizer": self.optimizers, "lr_scheduler": self.schedulers,
-                "train_state": {"step": self.step, "version": self.version}}
+        return {
+            "model": ModelWrapper(self.model),
+            "optimizer": self.optimizers,
+            "lr_scheduler": self.schedulers,
+            "train_state": {"step": self.step, "version": self.version},
+        }
 
     @endpoint
     async def save(self, path: str) -> None:
@@ -241,6 +267,10 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def load(self, path: str) -> int:
+        """Load a `save`d checkpoint; returns its step."""
+        return self._load(path)
+
+    def _load(self, path: str) -> int:
         import torch.distributed.checkpoint as dcp
 
         if not Path(path).is_dir():
@@ -250,12 +280,26 @@ class Trainer(ForgeActor):
         self.step, self.version = state["train_state"]["step"], state["train_state"]["version"]
         return self.step
 
+    @endpoint
+    async def on_respawn(self, restore_point: str | None = None) -> None:
+        """A new replica after a crash: load the checkpoint at `restore_point`, then publish it
+        as a version newer than any the dead replica published, so generators move to it
+        (versions only grow; episodes of the lost versions are judged by max_staleness)."""
+        if restore_point is None:
+            raise ValueError("Trainer.on_respawn: no checkpoint to restore from")
+        self._load(restore_point)
+        newest = [await self.store.latest() if self.rank == 0 else None]
+        dist.broadcast_object_list(newest, src=0)
+        if newest[0] is not None and newest[0] >= self.version:
+            self.version = newest[0] + 1
+        await self._push()
+
     async def __cleanup__(self, exc: Exception | None) -> None:
-        if self.store is not None:
+        if getattr(self, "rank", None) == 0:
             try:
                 await self.store.clear()  # the published versions' shared memory
             except Exception as e:  # the store may already be gone; its files are tmpfs only
-                print(f"forge: trainer could not clear weights {self.cfg.weights!r}: {e}", flush=True)
+                print(f"forge: trainer could not clear weights {self.store.name!r}: {e}", flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -276,11 +320,11 @@ def _rows(b: Batch, rows: slice | torch.Tensor, width: int | None = None) -> Bat
     """Rows of a padded batch (one episode per row, as the trainer receives it), optionally
     cut to their first `width` columns."""
     keep = {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
-    for name in ("input_ids", "loss_mask", "advantages", "gen_logprobs", "ref_logprobs", "position_ids", "doc_ids"):
+    for name in ("input_ids", "loss_mask", "advantages", "gen_logprobs", "ref_logprobs", "doc_ids"):
         if keep[name] is not None:
             keep[name] = keep[name][rows, :width]
     # doc_ids index episodes: renumber so row i holds episode i of the slice.
     n = keep["input_ids"].shape[0]
-    keep["doc_ids"] = torch.where(keep["doc_ids"] >= 0, torch.arange(n)[:, None].to(keep["doc_ids"].device), -1)
+    keep["doc_ids"] = torch.where(keep["doc_ids"] >= 0, torch.arange(n, device=keep["doc_ids"].device)[:, None], -1)
     keep["policy_versions"] = b.policy_versions[rows]
     return Batch(**keep)

@@ -39,8 +39,10 @@ if _owner and _owner != os.getpid() and os.path.isdir("/proc"):
 def _expected_reload_warning(record: logging.LogRecord) -> bool:
     # On every reload vLLM warns that RotaryEmbedding (no weights in any checkpoint) and the
     # tied ParallelLMHead (refreshed from the embedding below) "failed to load weights".
-    return not (record.getMessage().endswith("Failed to load weights")
-                and record.getMessage().split(":")[0] in ("RotaryEmbedding", "ParallelLMHead"))
+    return not (
+        record.getMessage().endswith("Failed to load weights")
+        and record.getMessage().split(":")[0] in ("RotaryEmbedding", "ParallelLMHead")
+    )
 
 
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_expected_reload_warning)

@@ -35,7 +35,7 @@ class Probe(ForgeActor):
         return current_rank().rank
 
     @endpoint
-    async def on_respawn(self) -> None:
+    async def on_respawn(self, restore_point=None) -> None:
         self.respawned = True
 
     @endpoint
@@ -55,3 +55,31 @@ class Recorder(ForgeActor):
     async def host(self) -> tuple[int, int]:
         """(pid, parent pid): procs on different Monarch hosts have different parents."""
         return os.getpid(), os.getppid()
+
+
+class Counter(ForgeActor):
+    """Stateful: a count that only a checkpoint file (the restore point) brings back."""
+
+    stateful = True
+
+    def __init__(self):
+        self.count = 0
+
+    @endpoint
+    async def add(self, n: int) -> int:
+        self.count += n
+        return self.count
+
+    @endpoint
+    async def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(str(self.count))
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def on_respawn(self, restore_point=None) -> None:
+        with open(restore_point) as f:
+            self.count = int(f.read())

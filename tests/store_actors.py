@@ -2,9 +2,10 @@
 
 import os
 
-import forge.store  # noqa: F401  (the child needs the torchstore adapter too)
 import torchstore
 from monarch.actor import Actor, endpoint
+
+import forge.store  # noqa: F401  (the child needs the torchstore adapter too)
 
 
 class Fetcher(Actor):

@@ -1,3 +1,5 @@
+"""Each benchmark's --quick smoke run writes its JSON (the full runs are `forge bench NAME`)."""
+
 import json
 import subprocess
 import sys
@@ -5,48 +7,45 @@ import sys
 import pytest
 
 
-def test_service_overhead_quick_writes_json(tmp_path):
-    out = tmp_path / "service_overhead.json"
-    r = subprocess.run([sys.executable, "-m", "benchmarks.service_overhead", "--quick", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+def bench(tmp_path, name: str, timeout: float = 600, through_cli: bool = False) -> tuple[str, dict]:
+    """Run benchmark `name` with --quick; its stdout and its JSON result."""
+    out = tmp_path / f"{name}.json"
+    cmd = ["forge.cli", "bench", name] if through_cli else [f"benchmarks.{name}"]
+    args = [sys.executable, "-m", *cmd, "--quick", "--out", str(out)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "service_route" in r.stdout
-    data = json.loads(out.read_text())
+    return r.stdout, json.loads(out.read_text())
+
+
+def test_service_overhead_quick_writes_json(tmp_path):
+    stdout, data = bench(tmp_path, "service_overhead", timeout=300)
+    assert "service_route" in stdout
     for key in ("bare_call_one", "service_route"):
         assert data[key]["latency_us_median"] > 0 and data[key]["calls_per_s_median"] > 0
     assert data["route_latency_ratio"] > 0
 
 
 def test_generation_quick_writes_json(tmp_path):
-    out = tmp_path / "generation.json"
-    r = subprocess.run([sys.executable, "-m", "benchmarks.generation", "--quick", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    data = json.loads(out.read_text())
+    _, data = bench(tmp_path, "generation")
     for row in ("hf_generate", "bare_vllm", "service_1_replica"):
         assert data["rows"][row]["tokens_per_s"] > 0
     assert data["service_vs_bare_vllm"] > 0 and data["vllm_vs_hf_generate"] > 0 and data["reload_paused_s_median"] > 0
 
 
-@pytest.mark.parametrize("name, keys", [
-    ("weight_sync", ("fraction_of_memcpy", "torchstore_fraction_of_memcpy", "generator_sync")),
-    ("trainer", ("bare_torchtitan_step_s", "forge_train_step_s", "overhead")),
-])
+@pytest.mark.parametrize(
+    "name, keys",
+    [
+        ("weight_sync", ("fraction_of_memcpy", "torchstore_fraction_of_memcpy", "generator_sync")),
+        ("trainer", ("bare_torchtitan_step_s", "forge_train_step_s", "overhead")),
+    ],
+)
 def test_quick_benchmark_writes_json(tmp_path, name, keys):
-    out = tmp_path / f"{name}.json"
-    r = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    data = json.loads(out.read_text())
+    _, data = bench(tmp_path, name)
     assert all(k in data for k in keys)
 
 
 def test_async_vs_sync_quick_through_forge_bench(tmp_path):
-    out = tmp_path / "async_vs_sync.json"
-    r = subprocess.run([sys.executable, "-m", "forge.cli", "bench", "async_vs_sync", "--quick", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    data = json.loads(out.read_text())
+    _, data = bench(tmp_path, "async_vs_sync", through_cli=True)
     for key in ("speedup_async_vs_sync", "speedup_one_step_vs_sync", "ideal_speedup"):
         assert data[key] > 0
     for mode, bound in (("max_staleness=0", 0), ("max_staleness=1", 1), ("max_staleness=4", 4)):

@@ -3,12 +3,20 @@ import asyncio
 import pytest
 
 from forge.buffer import ReplayBuffer
-from forge.types import Episode
+from forge.types import Episode, Score
 
 
 def group(version: int, rewards=(0.0, 1.0), tokens: int = 4) -> list[Episode]:
-    return [Episode(tokens=[1] * tokens, loss_mask=[0] + [1] * (tokens - 1), gen_logprobs=[0.0] * tokens,
-                    reward=r, policy_version=version) for r in rewards]
+    return [
+        Episode(
+            tokens=[1] * tokens,
+            loss_mask=[0] + [1] * (tokens - 1),
+            gen_logprobs=[0.0] * tokens,
+            score=Score(r),
+            policy_version=version,
+        )
+        for r in rewards
+    ]
 
 
 def test_staleness_capacity_and_state():

@@ -11,7 +11,15 @@ from forge.data import DatasetConfig, FilePrompts, TaskPrompts
 def gsm8k_like(path, n=5):
     with path.open("w") as f:
         for i in range(n):
-            f.write(json.dumps({"question": f"What is {i} plus {i + 1}?", "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}"}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "question": f"What is {i} plus {i + 1}?",
+                        "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}",
+                    }
+                )
+                + "\n"
+            )
     return path
 
 

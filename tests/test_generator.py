@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.generator import Generator
+from services.generator import Generator, GeneratorConfig
 
 PROMPTS = ["rev abc=", "12+7=", "sort dbca=", "rev jihgf=", "3+45=", "sort gfe="]
 
@@ -24,7 +24,9 @@ def loop():
 
 @pytest.fixture(scope="module")
 def gen(loop, tiny_model_dir):
-    svc = loop.run_until_complete(Generator.options().as_service(model=str(tiny_model_dir), max_model_len=256))
+    svc = loop.run_until_complete(
+        Generator.options().as_service(str(tiny_model_dir), GeneratorConfig(max_model_len=256))
+    )
     yield svc
     loop.run_until_complete(svc.shutdown())
 
@@ -61,7 +63,9 @@ def max_logprob_error(model_dir: Path, completions: list, sd: dict | None = None
     worst = 0.0
     for c in completions:
         with torch.no_grad():
-            logits = model(torch.tensor([c.prompt_ids + c.token_ids])).logits[0, len(c.prompt_ids) - 1 : -1] / temperature
+            logits = (
+                model(torch.tensor([c.prompt_ids + c.token_ids])).logits[0, len(c.prompt_ids) - 1 : -1] / temperature
+            )
         ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
         worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
     return worst
@@ -117,7 +121,7 @@ def test_reload_equals_fresh_engine(loop, gen, tmp_path, tiny_model_dir):
         await gen.generate.route(PROMPTS[0], sampling=greedy)  # now in the prefix cache
         paused_s = await gen.load_weights.route(sd, version=1)
         reloaded = [(await gen.generate.route(p, sampling=greedy))[0] for p in PROMPTS]
-        fresh_svc = await Generator.options().as_service(model=str(new_dir), max_model_len=256)
+        fresh_svc = await Generator.options().as_service(str(new_dir), GeneratorConfig(max_model_len=256))
         try:
             fresh = [(await fresh_svc.generate.route(p, sampling=greedy))[0] for p in PROMPTS]
         finally:

@@ -12,15 +12,41 @@ from forge.cli import run
 from forge.config import ConfigError, load_config
 
 CONFIG = "configs/grpo_tiny.yaml"
-FIELDS = {"step", "wall_s", "reward_mean", "reward_std", "accuracy", "loss", "kl", "entropy", "staleness_mean",
-          "staleness_max", "is_ratio_mean", "tokens_per_s", "time/wait_s", "time/train_s", "time/push_s"}
+FIELDS = {
+    "step",
+    "wall_s",
+    "reward_mean",
+    "reward_std",
+    "accuracy",
+    "loss",
+    "kl",
+    "entropy",
+    "staleness_mean",
+    "staleness_max",
+    "is_ratio_mean",
+    "tokens_per_s",
+    "time/wait_s",
+    "time/train_s",
+    "time/push_s",
+}
 
 
 def small(tmp_path, **extra) -> list[str]:
-    over = {"runs_dir": str(tmp_path), "run_name": "e2e", "group_size": 4, "groups_per_step": 2, "steps": 3,
-            "max_staleness": 1, "rollout_tasks": 2, "checkpoint_every": 2, "metrics": "[jsonl]",
-            "model.path": str(tmp_path / "model"), "model.tiny.sft_steps": 20, "generator.sampling.max_tokens": 8,
-            "rewards": "{task: 1.0}"}  # partial credit: a barely trained model still gets a signal
+    over = {
+        "runs_dir": str(tmp_path),
+        "run_name": "e2e",
+        "group_size": 4,
+        "groups_per_step": 2,
+        "steps": 3,
+        "max_staleness": 1,
+        "rollout_tasks": 2,
+        "checkpoint_every": 2,
+        "metrics": "[jsonl]",
+        "model.path": str(tmp_path / "model"),
+        "model.tiny.sft_steps": 20,
+        "generator.sampling.max_tokens": 8,
+        "rewards": "{task: 1.0}",
+    }  # partial credit: a barely trained model still gets a signal
     over.update(extra)
     return [f"{k}={v}" for k, v in over.items()]
 
@@ -51,15 +77,21 @@ def test_grpo_steps_then_resume(tmp_path):
     assert resumed["prompts"]["index"] > saved["prompts"]["index"]
 
 
-@pytest.mark.parametrize("override, message", [
-    ("rewards={tsk: 1.0}", "unknown reward(s) ['tsk'] (config key 'rewards')"),
-    ("group_size=1", "config key 'group_size' must be >= 2"),
-    ("trainer_procs=3", "batch of 64 (group_size x groups_per_step) does not split over trainer_procs x trainer.grad_accum = 3"),
-    ("trainer.loss.name=ppo9", "unknown loss 'ppo9'"),
-    ("rollout=nowhere:rollout", "config key 'rollout': cannot import 'nowhere:rollout'"),
-    ("rollout=forge.rollout", "config key 'rollout': expected 'package.module:name'"),
-    ("task=gsm9k", "config key 'task': unknown task 'gsm9k'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rewards={tsk: 1.0}", "unknown reward(s) ['tsk'] (config key 'rewards')"),
+        ("group_size=1", "config key 'group_size' must be >= 2"),
+        (
+            "trainer_procs=3",
+            "batch of 64 (group_size x groups_per_step) does not split over trainer_procs x trainer.grad_accum = 3",
+        ),
+        ("trainer.loss.name=ppo9", "unknown loss 'ppo9'"),
+        ("rollout=nowhere:rollout", "config key 'rollout': cannot import 'nowhere:rollout'"),
+        ("rollout=forge.rollout", "config key 'rollout': expected 'package.module:name'"),
+        ("task=gsm9k", "config key 'task': unknown task 'gsm9k'"),
+    ],
+)
 def test_bad_config_fails_before_spawning(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(CONFIG, [override], Config)
@@ -71,7 +103,9 @@ def test_gpu_gsm8k_config_is_valid(tmp_path, tiny_model_dir):
     from test_data import gsm8k_like
 
     data = gsm8k_like(tmp_path / "train.jsonl")
-    cfg = load_config("configs/grpo_qwen3_1.7b_gsm8k.yaml", [f"model.path={tiny_model_dir}", f"dataset.path={data}"], Config)
+    cfg = load_config(
+        "configs/grpo_qwen3_1.7b_gsm8k.yaml", [f"model.path={tiny_model_dir}", f"dataset.path={data}"], Config
+    )
     assert cfg.rewards == {"math": 1.0} and cfg.generator.kv_cache_memory_bytes is None
     assert cfg.trainer.param_dtype == "bfloat16" and cfg.batch_size == 128
 
@@ -87,8 +121,13 @@ def test_ctrl_c_saves_and_leaves_no_processes(tmp_path):
     import psutil
 
     over = small(tmp_path, steps=1000, checkpoint_every=0)
-    proc = subprocess.Popen([sys.executable, "-m", "forge.cli", "run", CONFIG, *over], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "forge.cli", "run", CONFIG, *over],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     metrics = tmp_path / "e2e" / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
@@ -103,3 +142,43 @@ def test_ctrl_c_saves_and_leaves_no_processes(tmp_path):
     assert saved["step"] >= 2 and (checkpoint.latest(tmp_path / "e2e") / "trainer").is_dir()
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
+
+
+def test_broken_rollouts_stop_the_run_with_a_clear_error(tmp_path):
+    """A rollout that returns a malformed score, one that always raises and one that never
+    returns each end the run within bounded time, with an error that says what went wrong."""
+    import asyncio
+    import time
+
+    from apps.grpo import Services, train
+    from forge.checkpoint import RunStopped
+
+    cases = {
+        "grpo_rollouts:score_without_reward": r"rollout 'grpo_rollouts:score_without_reward': scores\[0\] has no field 'reward'",
+        "grpo_rollouts:always_raises": r"\d+ rollouts failed in a row \(config key 'max_rollout_failures'\); the last: "
+        r"ConnectionError: tool server unreachable",
+        "grpo_rollouts:never_returns": r"no batch of 8 episodes usable by policy version 0 within 3.0 s \(config key "
+        r"'sample_timeout_s'\): the buffer holds 0 .*; rollouts last failed with: nothing",
+    }
+    cfgs = {
+        name: load_config(
+            CONFIG,
+            small(tmp_path, rollout=name, max_rollout_failures=5, sample_timeout_s=3, run_name=name.split(":")[1]),
+            Config,
+        )
+        for name in cases
+    }
+
+    async def main():
+        services = await Services.start(next(iter(cfgs.values())))
+        try:
+            for name, cfg in cfgs.items():
+                start = time.monotonic()
+                with pytest.raises(RunStopped, match=cases[name]) as e:
+                    await train(cfg, services)
+                assert "the run stopped at step 0" in str(e.value) and "no checkpoint was saved yet" in str(e.value)
+                assert time.monotonic() - start < 60, name
+        finally:
+            await services.shutdown()
+
+    asyncio.run(main())

@@ -79,3 +79,21 @@ def test_importance_weight_and_advantages():
 def test_unknown_loss_is_named():
     with pytest.raises(ValueError, match="unknown loss 'ppo2'.*'loss.name'"):
         LossConfig(name="ppo2").validate()
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_loss_runs_on_the_device_of_its_inputs(name):
+    """Every tensor a loss makes follows its inputs' device: on `meta`, a tensor made on the
+    default device would fail to mix, as a CPU tensor would on the first GPU step."""
+    ref = [[0, -0.5, -1.0, -2.0], [0, -1.0, -0.2]]
+    batch = collate([Episode(**{**e.__dict__, "ref_logprobs": r}) for e, r in zip(EPS, ref)], pad_id=0).to("meta")
+    lp = torch.tensor(LP).to("meta").requires_grad_()
+    w = importance_weight(lp, batch.gen_logprobs, 2.0)
+    loss = LOSSES[name](lp, batch, w, LossConfig(name=name, kl_coef=0.1))
+    loss.backward()
+    assert loss.device.type == "meta" and loss.shape == () and lp.grad.device.type == "meta"
+
+
+def test_std_normalize_is_the_losses_choice():
+    assert LossConfig(name="grpo").normalize_std and not LossConfig(name="dr_grpo").normalize_std
+    assert LossConfig(name="dr_grpo", std_normalize=True).normalize_std

@@ -31,10 +31,10 @@ def test_record_metric_reduces_across_three_processes(tmp_path):
     import asyncio
 
     import numpy as np
+    from service_actors import Recorder
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from forge.metrics import Reduce, record_metric
-    from service_actors import Recorder
 
     per_rank = [[1.0, 2.0], [3.0], [10.0, -4.0, 0.5]]
     every = [v for vs in per_rank for v in vs] + [7.0]  # the controller records 7.0 too

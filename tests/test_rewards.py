@@ -4,13 +4,20 @@ import asyncio
 
 import pytest
 
+from forge.types import Score
 from services.rewards import Rewards, check_rewards, final_number, math_reward
 
 
-@pytest.mark.parametrize("text, number", [
-    ("3 + 4 = 7\n#### 7", 7.0), ("so the answer is \\boxed{1,234}.", 1234.0), ("x = 3, then -4.5", -4.5),
-    ("#### 12 apples", 12.0), ("no digits", None),
-])
+@pytest.mark.parametrize(
+    "text, number",
+    [
+        ("3 + 4 = 7\n#### 7", 7.0),
+        ("so the answer is \\boxed{1,234}.", 1234.0),
+        ("x = 3, then -4.5", -4.5),
+        ("#### 12 apples", 12.0),
+        ("no digits", None),
+    ],
+)
 def test_final_number(text, number):
     assert final_number(text) == number
 
@@ -37,7 +44,8 @@ def test_reward_service_weights_and_failures():
             await svc.shutdown()
 
     ok, wrong, broken = asyncio.run(main())
-    assert ok == {"math": 1.0, "format": 1.0, "reward": 1.5, "reward_failed": 0.0, "correct": 1.0}
-    assert wrong["reward"] == 0.0 and wrong["correct"] == 0.0
-    # the reference has no number: the math reward raises, scores 0 and is counted; the run goes on
-    assert broken["math"] == 0.0 and broken["reward_failed"] == 1.0 and broken["reward"] == 0.5
+    assert ok == Score(reward=1.5, components={"math": 1.0, "format": 1.0}, correct=1.0)
+    assert wrong.reward == 0.0 and wrong.correct == 0.0 and not wrong.failed
+    # the reference has no number: the math reward raises, scores 0 and is marked; the run goes on
+    assert broken.components["math"] == 0.0 and broken.reward == 0.5
+    assert broken.failed and "math: ValueError: reference answer 'seven' has no number" in broken.error

@@ -8,7 +8,6 @@ from collections import Counter
 
 import psutil
 import pytest
-
 from service_actors import Probe
 
 
@@ -58,7 +57,7 @@ def test_endpoint_exception_is_the_callers_error():
             assert await svc.pid.route() == pid  # same replica, still serving
             assert len(svc.healthy()) == 1
             with pytest.raises(AttributeError, match="no endpoint 'nope'"):
-                svc.nope
+                _ = svc.nope
         finally:
             await svc.shutdown()
 
@@ -174,3 +173,46 @@ def test_two_host_process_job_placement():
             break
         time.sleep(0.2)
     assert not any(alive(p) for p in pids)
+
+
+def test_stateful_replica_is_restored_from_its_restore_point_or_stops_the_run(tmp_path):
+    """A stateful role is never silently reset: without a restore point its death is a
+    ServiceError naming it; with one, a new replica restores that state and the call that saw
+    the death raises ReplicaRestored (not retried); past max_restores it is a ServiceError."""
+    from service_actors import Counter
+
+    from forge.service import ReplicaRestored, ServiceError
+
+    async def kill_and_call(svc, n):
+        os.kill(await svc.pid.route(), signal.SIGKILL)
+        return await svc.add.route(n)
+
+    async def main():
+        svc = await Counter.options(max_restores=1).as_service()
+        try:
+            assert await svc.add.route(5) == 5
+            with pytest.raises(ServiceError, match="Counter replica 0 died .* no checkpoint has saved yet"):
+                await kill_and_call(svc, 1)
+            with pytest.raises(ServiceError, match="no checkpoint has saved yet"):
+                await svc.add.route(1)  # and it stays dead: the run must stop
+        finally:
+            await svc.shutdown()
+
+        svc = await Counter.options(max_restores=1).as_service()
+        try:
+            await svc.add.route(7)
+            await svc.save.route(str(tmp_path / "ckpt"))
+            svc.set_restore_point(str(tmp_path / "ckpt"))
+            await svc.add.route(100)  # lost with the replica
+            with pytest.raises(ReplicaRestored) as e:
+                await kill_and_call(svc, 1)
+            assert e.value.restore_point == str(tmp_path / "ckpt") and "Killed" in str(e.value)
+            assert await svc.add.route(1) == 8  # the checkpoint's 7, not 0 and not 107
+            with pytest.raises(
+                ServiceError, match=r"after 1 restores \(max_restores\); its last restore point is .*ckpt"
+            ):
+                await kill_and_call(svc, 1)
+        finally:
+            await svc.shutdown()
+
+    run(main())

@@ -7,10 +7,11 @@ import torch
 def test_torchstore_works_on_monarch_07():
     """The adapter in forge.store makes torchstore 0.1.2 put/get/state_dict work, also
     from another process (without it Monarch 0.7 refuses the Controller actor)."""
-    import forge.store  # noqa: F401
     import torchstore
     from monarch.actor import this_host
     from store_actors import Fetcher
+
+    import forge.store  # noqa: F401
 
     async def main():
         volumes = this_host().spawn_procs(per_host={"procs": 1})

@@ -69,8 +69,22 @@ def test_cli_builds_offline(tmp_path):
     out = tmp_path / "m"
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     r = subprocess.run(
-        [sys.executable, "-m", "forge.cli", "make-tiny-model", "--out", str(out), "--task", "reverse", "--sft-steps", "3"],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "forge.cli",
+            "make-tiny-model",
+            "--out",
+            str(out),
+            "--task",
+            "reverse",
+            "--sft-steps",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr
     assert "parameters" in r.stdout and (out / "model.safetensors").is_file()
@@ -78,6 +92,9 @@ def test_cli_builds_offline(tmp_path):
 
     bad = subprocess.run(
         [sys.executable, "-m", "forge.cli", "make-tiny-model", "--out", str(out), "--task", "mul"],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert bad.returncode == 2 and "unknown task 'mul'" in bad.stderr and "Traceback" not in bad.stderr

@@ -6,16 +6,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from forge.losses import LossConfig
 from forge.store import WeightStore, start_store, stop_store
 from forge.types import Batch, Episode, collate
-from services.trainer import Trainer
+from services.trainer import Trainer, TrainerConfig
 
 
 def fixed_batch(rows: int = 4) -> Batch:
     g = torch.Generator().manual_seed(0)
     eps = [
-        Episode(tokens=torch.randint(6, 100, (12,), generator=g).tolist(), loss_mask=[0] * 4 + [1] * 8,
-                gen_logprobs=[0.0] * 12, advantage=1.0)
+        Episode(
+            tokens=torch.randint(6, 100, (12,), generator=g).tolist(),
+            loss_mask=[0] * 4 + [1] * 8,
+            gen_logprobs=[0.0] * 12,
+            advantage=1.0,
+        )
         for _ in range(rows)
     ]
     return collate(eps, pad_id=0)
@@ -34,17 +39,18 @@ def test_two_procs_fsdp_train_save_load_export_push(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     async def main():
-        store = await start_store()
-        trainer = await Trainer.options(procs=2).as_service(
-            model=str(tiny_model_dir), lr=1e-3, loss={"name": "reinforce"}, weights="t2"
-        )
+        procs = await start_store()
+        store = WeightStore("t2")
+        cfg = TrainerConfig(lr=1e-3, loss=LossConfig(name="reinforce"))
+        trainer = await Trainer.options(procs=2).as_service(str(tiny_model_dir), cfg, store)
         try:
             batch = fixed_batch()
-            start = await trainer.logprobs.route(batch)
-            assert all(r == pytest.approx(start) for r in [await trainer.logprobs.route(batch)])
-            for _ in range(20):
+            start, other = await trainer.logprobs.call(batch)  # rank 0 and rank 1 of the replica
+            assert torch.equal(start, other)  # the sharded model computes the same logprobs on every rank
+            for i in range(20):
                 batch = on_policy(batch, await trainer.logprobs.route(batch))
-                m = await trainer.train_step.route(batch)
+                version, m = await trainer.train_step.route(batch)
+                assert version == i + 1  # the trainer owns the policy version: one per step
                 assert m["is_ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy: ratio 1
             trained = await trainer.logprobs.route(batch)
 
@@ -52,24 +58,27 @@ def test_two_procs_fsdp_train_save_load_export_push(tmp_path, tiny_model_dir):
             batch = on_policy(batch, trained)
             cont = await trainer.train_step.route(batch)
             assert await trainer.load.route(str(tmp_path / "ckpt")) == 20
+            assert await trainer.policy_version.route() == 20
             again = await trainer.train_step.route(batch)
 
             await trainer.export_hf.route(str(tmp_path / "hf"))
             after = await trainer.logprobs.route(batch)
-            assert await trainer.push_weights.route(1) == 1
-            published = await WeightStore("t2").fetch(1)
+            assert await trainer.push_weights.route() == 21  # the current version
+            published = await store.fetch(21)
         finally:
             await trainer.shutdown()
-            await stop_store(store)
+            await stop_store(procs)
         return batch, start, trained, cont, again, after, published
 
     batch, start, trained, cont, again, after, published = asyncio.run(main())
     assert nll(trained, batch) < nll(start, batch) - 0.5  # 20 steps fit the fixed batch
-    assert cont == again  # same grad norm, loss, entropy...: bit-identical after the reload
+    assert cont == again  # same version, grad norm, loss, entropy...: bit-identical after the reload
     exported = load_file(tmp_path / "hf/model.safetensors")
     assert exported.keys() == published.keys() and all(torch.equal(exported[k], published[k]) for k in exported)
     original = load_file(tiny_model_dir / "model.safetensors")
-    assert exported.keys() == original.keys() and not torch.equal(exported["model.norm.weight"], original["model.norm.weight"])
+    assert exported.keys() == original.keys() and not torch.equal(
+        exported["model.norm.weight"], original["model.norm.weight"]
+    )
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(batch.input_ids).logits[:, :-1]
@@ -79,8 +88,9 @@ def test_two_procs_fsdp_train_save_load_export_push(tmp_path, tiny_model_dir):
 
 def test_one_proc_grad_accum_and_bad_batch(tiny_model_dir):
     async def main():
-        trainer = await Trainer.options(procs=1).as_service(model=str(tiny_model_dir), lr=1e-3, grad_accum=2,
-                                                            loss={"name": "dapo"})
+        trainer = await Trainer.options(procs=1).as_service(
+            str(tiny_model_dir), TrainerConfig(lr=1e-3, grad_accum=2, loss=LossConfig(name="dapo"))
+        )
         try:
             batch = fixed_batch()
             start = await trainer.logprobs.route(batch)
@@ -98,14 +108,14 @@ def test_one_proc_grad_accum_and_bad_batch(tiny_model_dir):
     assert nll(end, batch) < nll(start, batch)
 
 
-def test_unknown_option_and_loss_are_named(tiny_model_dir):
+def test_bad_config_and_model_are_named(tiny_model_dir):
     async def main():
-        with pytest.raises(TypeError, match=r"unknown option\(s\) \['lrr'\]"):
-            await Trainer.options().as_service(model=str(tiny_model_dir), lrr=1)
         with pytest.raises(ValueError, match="unknown loss 'ppo9'"):
-            await Trainer.options().as_service(model=str(tiny_model_dir), loss={"name": "ppo9"})
-        with pytest.raises(Exception, match="config key 'trainer.model': file not found: /nonexistent/config.json"):
-            await Trainer.options().as_service(model="/nonexistent")
+            await Trainer.options().as_service(str(tiny_model_dir), TrainerConfig(loss=LossConfig(name="ppo9")))
+        with pytest.raises(Exception, match="config key 'model.path': file not found: /nonexistent/config.json"):
+            await Trainer.options().as_service("/nonexistent", TrainerConfig())
+        with pytest.raises(TypeError, match="cfg must be a TrainerConfig, got dict"):
+            await Trainer.options().as_service(str(tiny_model_dir), {"lr": 1.0})
 
     asyncio.run(main())
 
@@ -114,19 +124,41 @@ def test_micro_batches_cut_to_length_give_the_same_step(tiny_model_dir):
     """grad_accum sorts rows by length and cuts each micro-batch to its longest row: the loss
     and gradient equal one full-width pass (Dr.GRPO keeps the batch's row length as its norm)."""
     g = torch.Generator().manual_seed(1)
-    eps = [Episode(tokens=torch.randint(6, 100, (n,), generator=g).tolist(), loss_mask=[0] * 3 + [1] * (n - 3),
-                   gen_logprobs=[-4.0] * n, advantage=float(i % 3) - 1.0)
-           for i, n in enumerate([5, 40, 7, 6, 9, 5, 33, 8])]
+    eps = [
+        Episode(
+            tokens=torch.randint(6, 100, (n,), generator=g).tolist(),
+            loss_mask=[0] * 3 + [1] * (n - 3),
+            gen_logprobs=[-4.0] * n,
+            advantage=float(i % 3) - 1.0,
+        )
+        for i, n in enumerate([5, 40, 7, 6, 9, 5, 33, 8])
+    ]
     batch = collate(eps, pad_id=0)
 
     async def step(grad_accum: int) -> dict:
-        trainer = await Trainer.options().as_service(model=str(tiny_model_dir), lr=0.0, grad_accum=grad_accum,
-                                                     loss={"name": "dr_grpo"})
+        cfg = TrainerConfig(lr=0.0, grad_accum=grad_accum, loss=LossConfig(name="dr_grpo"))
+        trainer = await Trainer.options().as_service(str(tiny_model_dir), cfg)
         try:
-            return await trainer.train_step.route(batch)
+            return (await trainer.train_step.route(batch))[1]
         finally:
             await trainer.shutdown()
 
     whole, cut = asyncio.run(step(1)), asyncio.run(step(4))
     for key in ("loss", "grad_norm", "entropy", "is_ratio_mean", "trained_tokens"):
         assert abs(whole[key] - cut[key]) <= 1e-5 * max(1.0, abs(whole[key])), (key, whole[key], cut[key])
+
+
+def test_flex_attention_path_matches_sdpa(tiny_model_dir, monkeypatch):
+    """Off CPU the model uses torchtitan's FlexAttention, which needs its causal block mask
+    passed in (without one it attends to every token). Its forward runs on CPU too: the same
+    logprobs as the CPU path's SDPA."""
+    from services import titan
+
+    ids = torch.randint(6, 100, (4, 20), generator=torch.Generator().manual_seed(0))
+    sdpa = titan.load_hf_model(tiny_model_dir)
+    cpu_choice = titan.attention_config
+    monkeypatch.setattr(titan, "attention_config", lambda device_type: cpu_choice("cuda"))
+    flex = titan.load_hf_model(tiny_model_dir)
+    assert isinstance(flex.config.first_attention.inner_attention, titan.FlexAttention.Config)
+    with torch.no_grad():
+        assert (titan.token_logprobs(sdpa, ids)[0] - titan.token_logprobs(flex, ids)[0]).abs().max() < 1e-5

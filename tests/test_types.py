@@ -1,11 +1,15 @@
 import pytest
 
-from forge.types import Completion, Episode, collate
+from forge.types import Completion, Episode, Score, collate
 
 
 def completion(prompt, tokens, version=0):
     return Completion(
-        prompt_ids=prompt, token_ids=tokens, logprobs=[-0.5] * len(tokens), text="x", finish_reason="stop",
+        prompt_ids=prompt,
+        token_ids=tokens,
+        logprobs=[-0.5] * len(tokens),
+        text="x",
+        finish_reason="stop",
         policy_version=version,
     )
 
@@ -20,11 +24,11 @@ def test_completion_checks_and_versions():
 
 
 def test_episode_from_completion():
-    ep = Episode.from_completion(completion([1, 2], [3, 4, 5], version=4), group_id="g", reward=1.0)
+    ep = Episode.from_completion(completion([1, 2], [3, 4, 5], version=4), score=Score(1.0, correct=1.0))
     assert ep.tokens == [1, 2, 3, 4, 5]
     assert ep.loss_mask == [0, 0, 1, 1, 1] and ep.num_response_tokens == 3
     assert ep.gen_logprobs == [0.0, 0.0, -0.5, -0.5, -0.5]
-    assert ep.policy_version == 4 and ep.group_id == "g" and ep.reward == 1.0
+    assert ep.policy_version == 4 and ep.reward == 1.0
     with pytest.raises(ValueError, match="loss_mask has 1 entries for 2 tokens"):
         Episode(tokens=[1, 2], loss_mask=[1], gen_logprobs=[0.0, 0.0])
 
@@ -44,25 +48,10 @@ def test_collate_padding():
     assert b.advantages[0].tolist() == [0.5] * 4 and b.advantages[1, 1].item() == -1.0
     assert b.gen_logprobs[1].tolist() == [0.0, -0.5, -0.5, -0.5]
     assert b.ref_logprobs is None and b.policy_versions.tolist() == [1, 2, 2]
-    assert b.position_ids[2].tolist() == [0, 1, 2, 3]
 
     padded = collate(episodes()[:1] + [Episode.from_completion(completion([1], [2]))], pad_id=0)
     assert padded.input_ids[1].tolist() == [1, 2, 0, 0] and padded.loss_mask[1].tolist() == [0, 1, 0, 0]
     assert padded.doc_ids[1].tolist() == [1, 1, -1, -1]
-
-
-def test_collate_packing():
-    eps = episodes()
-    b = collate(eps, pad_id=0, pack=True, max_len=8)
-    # first fit: a(4)+b(4) fill row 0; c(4) opens row 1
-    assert b.input_ids.shape == (2, 8)
-    assert b.input_ids[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert b.position_ids[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert b.doc_ids.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1], [2, 2, 2, 2, -1, -1, -1, -1]]
-    assert b.loss_mask.sum().item() == sum(e.num_response_tokens for e in eps)
-    assert b.advantages[0, 4].item() == -1.0 and b.advantages[1, 0].item() == 2.0
-    with pytest.raises(ValueError, match="more than max_len=3"):
-        collate(eps, pad_id=0, pack=True, max_len=3)
 
 
 def test_collate_ref_logprobs_and_device():
@@ -76,3 +65,15 @@ def test_collate_ref_logprobs_and_device():
         collate(eps, pad_id=0)
     with pytest.raises(ValueError, match="no episodes"):
         collate([], pad_id=0)
+
+
+def test_score_from_a_rollout_is_checked():
+    assert Score.coerce({"reward": 1, "correct": True}, "x") == Score(1.0, correct=1.0)
+    s = Score(0.5, {"a": 1.0})
+    assert Score.coerce(s, "x") is s and not s.failed and Score(0.0, error="boom").failed
+    with pytest.raises(TypeError, match=r"rollout: scores\[0\] has no field 'reward'"):
+        Score.coerce({"correct": 1.0}, "rollout: scores[0]")
+    with pytest.raises(TypeError, match=r"unknown field\(s\) \['reward_failed'\]"):
+        Score.coerce({"reward": 1.0, "reward_failed": 0.0}, "x")
+    with pytest.raises(TypeError, match="is a float, not a forge.types.Score"):
+        Score.coerce(1.0, "x")

@@ -16,7 +16,9 @@ def test_vllm_loads_tiny_model(tiny_model_dir):
     # CPU: vLLM's memory check cannot size the KV cache itself, so it is given explicitly.
     llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=256)
     try:
-        out = llm.generate(["12+7=", "rev abc="], SamplingParams(temperature=0, max_tokens=8, logprobs=0), use_tqdm=False)
+        out = llm.generate(
+            ["12+7=", "rev abc="], SamplingParams(temperature=0, max_tokens=8, logprobs=0), use_tqdm=False
+        )
         for req, prompt in zip(out, ["12+7=", "rev abc="]):
             assert list(req.prompt_token_ids) == tok(prompt)["input_ids"]
             c = req.outputs[0]

@@ -10,10 +10,10 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_generator import max_logprob_error, perturbed
 
 from forge.store import WeightStore, start_store, stop_store
-from services.generator import Generator
-from test_generator import max_logprob_error, perturbed
+from services.generator import Generator, GeneratorConfig
 
 
 async def wait_version(gen, version: int, timeout: float = 60.0) -> None:
@@ -52,7 +52,8 @@ def test_store_roundtrip_both_transports():
                             await ws.drop(4)
                 await ws.clear()  # the end of a run: no versions, no files of this writer left
                 assert await ws.versions() == [] and await ws.latest() is None
-                assert not list(Path(ws.shm_dir).glob(f"rt-{transport}-{ws._token}-*"))
+                if transport == "shm":
+                    assert not list(Path(ws.shm_dir).glob(f"rt-{transport}-{ws._token}-*"))
         finally:
             await stop_store(procs)
 
@@ -64,8 +65,8 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
 
     async def main():
         procs = await start_store()
-        gen = await Generator.options().as_service(model=str(tiny_model_dir), max_model_len=256, weights_from="policy")
         shm = WeightStore("policy", transport="shm")
+        gen = await Generator.options().as_service(str(tiny_model_dir), GeneratorConfig(max_model_len=256), shm)
         tstore = WeightStore("policy", transport="torchstore")
         try:
             assert await gen.policy_version.route() == 0
@@ -107,10 +108,14 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
             assert out[0].policy_version == 3 and sum(r.respawns for r in gen.replicas) == 1
             # The dead replica's vLLM processes went with it (they are not left orphaned).
             for _ in range(50):
-                if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engine_pids):
+                if not any(
+                    psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engine_pids
+                ):
                     break
                 await asyncio.sleep(0.2)
-            assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engine_pids)
+            assert not any(
+                psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engine_pids
+            )
         finally:
             await shm.clear()  # this test is the writer: its /dev/shm files go with it
             await gen.shutdown()
@@ -123,26 +128,30 @@ def test_trainer_to_generator_parity_and_reference(tiny_model_dir):
     """The trainer pushes a trained policy; the generator serves it; on the generator's own
     tokens, trainer logprobs match the generator's (k3 KL <= 1e-4, IS ratio 1 within 1e-5).
     The reference keeps the initial policy, chunked or not."""
+    from test_trainer import fixed_batch, on_policy
+
+    from forge.losses import LossConfig
     from forge.types import Episode, collate
     from services.reference import Reference
-    from services.trainer import Trainer
-    from test_trainer import fixed_batch, on_policy
+    from services.trainer import Trainer, TrainerConfig
 
     async def main():
         store = await start_store()
-        trainer = await Trainer.options(procs=1).as_service(model=str(tiny_model_dir), lr=1e-3,
-                                                            loss={"name": "reinforce"}, weights="parity")
-        gen = await Generator.options().as_service(model=str(tiny_model_dir), max_model_len=256, weights_from="parity")
-        ref = await Reference.options().as_service(model=str(tiny_model_dir), chunk_rows=3)
+        weights = WeightStore("parity")
+        cfg = TrainerConfig(lr=1e-3, loss=LossConfig(name="reinforce"))
+        trainer = await Trainer.options(procs=1).as_service(str(tiny_model_dir), cfg, weights)
+        gen = await Generator.options().as_service(str(tiny_model_dir), GeneratorConfig(max_model_len=256), weights)
+        ref = await Reference.options().as_service(str(tiny_model_dir), chunk_rows=3)
         try:
             initial = await trainer.logprobs.route(fixed_batch())
             for _ in range(3):
                 b = fixed_batch()
                 await trainer.train_step.route(on_policy(b, await trainer.logprobs.route(b)))
-            await trainer.push_weights.route(1)
-            await wait_version(gen, 1)
-            groups = await asyncio.gather(*(gen.generate.route(p, n=4, sampling={"max_tokens": 24})
-                                            for p in ("rev abc=", "12+7=", "sort cba=")))
+            assert await trainer.push_weights.route() == 3
+            await wait_version(gen, 3)
+            groups = await asyncio.gather(
+                *(gen.generate.route(p, n=4, sampling={"max_tokens": 24}) for p in ("rev abc=", "12+7=", "sort cba="))
+            )
             episodes = [Episode.from_completion(c) for g in groups for c in g]
             batch = collate(episodes, pad_id=0)
             trainer_lp = await trainer.logprobs.route(batch)
@@ -153,7 +162,7 @@ def test_trainer_to_generator_parity_and_reference(tiny_model_dir):
         return groups, batch, trainer_lp, initial, ref_fixed
 
     groups, batch, trainer_lp, initial, ref_fixed = asyncio.run(main())
-    assert all(c.policy_version == 1 for g in groups for c in g)
+    assert all(c.policy_version == 3 for g in groups for c in g)
     m = batch.loss_mask.bool()
     d = (trainer_lp - batch.gen_logprobs)[m]  # log(pi_trainer / pi_generator) per token
     k3 = (torch.exp(-d) + d - 1).mean().item()
@@ -167,7 +176,12 @@ def test_shm_file_format_mixed_dtypes(tmp_path):
 
     from forge.shm import read_safetensors, write_safetensors
 
-    sd = {"a": torch.randn(3, 4), "b": torch.arange(10), "c": torch.randn(5).to(torch.bfloat16), "d": torch.randn(2, 3).t()}
+    sd = {
+        "a": torch.randn(3, 4),
+        "b": torch.arange(10),
+        "c": torch.randn(5).to(torch.bfloat16),
+        "d": torch.randn(2, 3).t(),
+    }
     for _ in range(2):  # the second write reuses the file in place
         write_safetensors(sd, tmp_path / "w.safetensors")
         for got in (st_load(tmp_path / "w.safetensors"), read_safetensors(tmp_path / "w.safetensors")):
@@ -190,3 +204,18 @@ def test_shm_mappings_of_unlinked_files_are_dropped(tmp_path):
     assert not any(k[1] == ino_a for k in shm._MAPS)
     shm.forget_mapping(b)
     assert not any(k[1] == os.stat(b).st_ino for k in shm._MAPS)
+
+
+def test_run_directories_of_dead_processes_are_swept(tmp_path):
+    """Weight files live in a directory per controller process; a later run removes the
+    directories whose owner is gone (a reused pid has another start time), never a live one's."""
+    from forge import shm
+
+    mine = tmp_path / f"run-{os.getpid()}-{shm._start_time(os.getpid())}"
+    reused = tmp_path / f"run-{os.getpid()}-1"  # this pid, another process's start time
+    gone = tmp_path / "run-4000000-5"  # no such process
+    for d in (mine, reused, gone):
+        d.mkdir()
+        (d / "policy-abc-v3.safetensors").write_bytes(b"x" * 100)
+    assert sorted(shm.sweep_dead_runs(tmp_path)) == sorted([reused, gone])
+    assert mine.is_dir() and not reused.exists() and not gone.exists()

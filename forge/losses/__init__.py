@@ -12,8 +12,8 @@ To add a loss: write a function with this signature and register it in LOSSES.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -28,12 +28,18 @@ class LossConfig:
     kl_coef: float = 0.0  # k3 KL to the reference model (needs ref_logprobs)
     is_cap: float = 2.0  # truncated importance sampling cap
     norm_tokens: int = 0  # Dr.GRPO's constant normalizer (0: the batch's row length)
+    # Divide group advantages by the group's reward std; null: the loss's own choice (Dr.GRPO
+    # drops it, the others keep it).
+    std_normalize: bool | None = None
 
     def validate(self) -> None:
-        if self.name not in LOSSES:
-            raise ValueError(f"unknown loss {self.name!r} (config key 'loss.name'); known: {', '.join(LOSSES)}")
+        get_loss(self.name)
         if self.is_cap < 1:
             raise ValueError(f"config key 'loss.is_cap' must be >= 1, got {self.is_cap}")
+
+    @property
+    def normalize_std(self) -> bool:
+        return self.std_normalize if self.std_normalize is not None else self.name not in NO_STD_NORMALIZE
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -50,14 +56,22 @@ def _clipped_pg(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> torc
     return -torch.minimum(ratio * adv, ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
 
 
-def _doc_mean(x: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Mean over each episode's loss tokens, then over episodes (packing-aware via doc_ids)."""
-    n = batch.num_episodes
+def _per_doc(x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Sum of `x` over each episode's loss tokens, [episodes]; made on `x`'s device."""
     docs = batch.doc_ids.clamp(min=0).flatten()
-    m = batch.loss_mask.flatten()
-    sums = torch.zeros(n, dtype=x.dtype).index_add(0, docs, (x * batch.loss_mask).flatten())
-    counts = torch.zeros(n, dtype=x.dtype).index_add(0, docs, m)
-    return (sums / counts.clamp(min=1))[counts > 0].mean()
+    return x.new_zeros(batch.num_episodes).index_add(0, docs, (x * batch.loss_mask).flatten())
+
+
+def _mean_present(per_doc: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Mean over the episodes that have loss tokens (a mask, not indexing: no host sync)."""
+    present = (counts > 0).to(per_doc.dtype)
+    return (per_doc * present).sum() / present.sum().clamp(min=1)
+
+
+def _doc_mean(x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Mean over each episode's loss tokens, then over episodes."""
+    counts = _per_doc(torch.ones_like(x), batch)
+    return _mean_present(_per_doc(x, batch) / counts.clamp(min=1), counts)
 
 
 def _token_mean(x: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -94,16 +108,12 @@ def dapo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: Los
 
 def gspo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     """GSPO: one length-normalized sequence ratio per episode, clipped at sequence level."""
-    n = batch.num_episodes
-    docs = batch.doc_ids.clamp(min=0).flatten()
-    m = batch.loss_mask.flatten()
-    counts = torch.zeros(n).index_add(0, docs, m).clamp(min=1)
+    counts = _per_doc(torch.ones_like(logprobs), batch)
     # log of the sequence IS weight joins the ratio: s = (pi/pi_old)^(1/|y|) * w_seq
     log_w = torch.log(is_weight.clamp(min=1e-8)).detach()
-    log_s = torch.zeros(n).index_add(0, docs, ((logprobs - logprobs.detach() + log_w) * batch.loss_mask).flatten()) / counts
-    adv = torch.zeros(n).index_add(0, docs, (batch.advantages * batch.loss_mask).flatten()) / counts
-    present = torch.zeros(n).index_add(0, docs, m) > 0
-    seq = _clipped_pg(torch.exp(log_s), adv, cfg)[present].mean()
+    log_s = _per_doc(logprobs - logprobs.detach() + log_w, batch) / counts.clamp(min=1)
+    adv = _per_doc(batch.advantages, batch) / counts.clamp(min=1)
+    seq = _mean_present(_clipped_pg(torch.exp(log_s), adv, cfg), counts)
     if cfg.kl_coef:
         seq = seq + cfg.kl_coef * _doc_mean(k3_kl(logprobs, batch.ref_logprobs), batch)
     return seq
@@ -130,6 +140,13 @@ LOSSES: dict[str, LossFn] = {
     "cispo": cispo,
     "reinforce": reinforce,
 }
+NO_STD_NORMALIZE = {"dr_grpo"}  # Dr.GRPO: the std division biases towards easy and hard groups
+
+
+def get_loss(name: str) -> LossFn:
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r} (config key 'loss.name'); known: {', '.join(LOSSES)}")
+    return LOSSES[name]
 
 
 def importance_weight(logprobs: torch.Tensor, gen_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
