@@ -40,8 +40,8 @@ class RunStopped(RuntimeError):
     def __init__(self, run_dir: str | Path, step: int, why: str):
         last = latest(run_dir)
         hint = (
-            f"resume from its checkpoint of step {load_run_state(last)['step']} with: forge run --resume {run_dir}"
+            f"Resume it from its checkpoint of step {load_run_state(last)['step']}: forge run --resume {run_dir}"
             if last is not None
-            else "no checkpoint was saved yet (config key 'checkpoint_every')"
+            else "It saved no checkpoint to resume from (config key 'checkpoint_every')."
         )
         super().__init__(f"the run stopped at step {step}: {why}. {hint}")

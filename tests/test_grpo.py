@@ -176,9 +176,24 @@ def test_broken_rollouts_stop_the_run_with_a_clear_error(tmp_path):
                 start = time.monotonic()
                 with pytest.raises(RunStopped, match=cases[name]) as e:
                     await train(cfg, services)
-                assert "the run stopped at step 0" in str(e.value) and "no checkpoint was saved yet" in str(e.value)
+                assert "the run stopped at step 0" in str(e.value) and "It saved no checkpoint to resume" in str(
+                    e.value
+                )
                 assert time.monotonic() - start < 60, name
         finally:
             await services.shutdown()
 
     asyncio.run(main())
+
+
+def test_run_stopped_names_the_checkpoint_to_resume(tmp_path):
+    from forge.checkpoint import RunStopped
+
+    assert "It saved no checkpoint to resume from" in str(RunStopped(tmp_path, 3, "x"))
+    path = checkpoint.step_dir(tmp_path, 20)
+    path.mkdir(parents=True)
+    checkpoint.save_run_state(path, {"step": 20})
+    assert str(RunStopped(tmp_path, 23, "Trainer replica 0 died (Killed)")) == (
+        f"the run stopped at step 23: Trainer replica 0 died (Killed). Resume it from its checkpoint of step 20: "
+        f"forge run --resume {tmp_path}"
+    )
