@@ -86,6 +86,18 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("-n", type=int, default=10_000)
     d.add_argument("--seed", type=int, default=0)
 
+    v = sub.add_parser("serve", help="serve a model through the OpenAI API (a gateway over generator replicas)")
+    v.add_argument("model", help="an HF model directory, or a run directory (its exported model/)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--host", default="127.0.0.1", help="set it to listen beyond this machine")
+    v.add_argument("--replicas", type=int, default=1, help="generator replicas (vLLM engines)")
+    v.add_argument("--api-key", help="the key clients must send (default: none needed)")
+    v.add_argument("--max-model-len", type=int, help="default: the model's own context length")
+    v.add_argument("--dtype", default="float32")
+    v.add_argument("--chat-template", help="a Jinja file or string (default: the tokenizer's)")
+    v.add_argument("--tool-parser", help="a vLLM tool parser, e.g. hermes")
+    v.add_argument("--reasoning-parser", help="a vLLM reasoning parser, e.g. qwen3")
+
     b = sub.add_parser("bench", help="run a benchmark: prints a table, writes benchmarks/results/NAME.json")
     b.add_argument("name", choices=_benchmarks())
     b.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options, e.g. --quick")
@@ -97,6 +109,25 @@ def main(argv: list[str] | None = None) -> None:
         if a.config and "=" in a.config:  # `forge run --resume DIR key=value`: no config file given
             a.overrides, a.config = [a.config, *a.overrides], None
         run(a.config, a.overrides, resume=a.resume)
+    elif a.cmd == "serve":
+        import asyncio
+
+        from forge.gateway import GatewayConfig, serve
+        from services.generator import GeneratorConfig
+
+        cfg = GatewayConfig(
+            host=a.host,
+            port=a.port,
+            sessions=False,
+            api_key=a.api_key,
+            chat_template=a.chat_template,
+            tool_parser=a.tool_parser,
+            reasoning_parser=a.reasoning_parser,
+        )
+        try:
+            asyncio.run(serve(a.model, cfg, GeneratorConfig(max_model_len=a.max_model_len, dtype=a.dtype), a.replicas))
+        except (FileNotFoundError, ValueError) as e:
+            _fail(str(e))
     elif a.cmd == "make-tiny-model":
         import json
 

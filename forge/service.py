@@ -212,8 +212,12 @@ class Service:
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[Session]:
-        s = Session(self, self._pick())
-        yield s
+        yield self.pinned()
+
+    def pinned(self) -> Session:
+        """A Session without a with-block (one that lives as long as something else, e.g. a
+        gateway session): its calls go to the least-loaded replica of now."""
+        return Session(self, self._pick())
 
     @returns_future
     async def shutdown(self) -> None:

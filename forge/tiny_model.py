@@ -27,10 +27,45 @@ from forge.config import ConfigError
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>", "<|im_start|>", "<|im_end|>"]
 PAD, BOS, EOS, UNK = SPECIAL_TOKENS[:4]
 BUILD_FILE = "forge_build.json"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# A chat template in the shape of Qwen3's: tools listed in the system turn, tool calls as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call> (vLLM's `hermes` tool parser reads them),
+# tool results as <tool_response> user turns, and the reasoning (<think>...</think>) of assistant
+# turns before the last user turn left out when the history is rendered again.
+CHAT_TEMPLATE = """\
+{%- if tools -%}
+<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+{% endif %}# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call a tool as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call><|im_end|>
+{% elif messages[0]['role'] == 'system' -%}
+<|im_start|>system
+{{ messages[0]['content'] }}<|im_end|>
+{% endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor -%}
+{%- for m in messages -%}
+{%- if m['role'] == 'assistant' -%}
+{%- set content = m['content'] or '' -%}
+{%- if loop.index0 < ns.last_user and '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif -%}
+<|im_start|>assistant
+{{ content }}
+{%- for call in m['tool_calls'] or [] -%}
+<tool_call>{"name": "{{ call['function']['name'] }}", "arguments": {{ call['function']['arguments'] if call['function']['arguments'] is string else call['function']['arguments'] | tojson }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m['role'] == 'tool' -%}
+<|im_start|>user
+<tool_response>{{ m['content'] }}</tool_response><|im_end|>
+{% elif m['role'] != 'system' or not loop.first -%}
+<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}
+"""
 
 
 @dataclass
@@ -118,7 +153,10 @@ def build_model(spec: TinyModelSpec, tokenizer):
         torch_dtype="float32",
     )
     torch.manual_seed(spec.seed)
-    return Qwen3ForCausalLM(config)
+    model = Qwen3ForCausalLM(config)
+    # A chat turn ends at <|im_end|> as well as at EOS (Qwen3's generation config does the same).
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return model
 
 
 def sft(

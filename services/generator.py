@@ -56,7 +56,7 @@ class SamplingConfig:
 @dataclass
 class GeneratorConfig:
     dtype: str = "float32"
-    max_model_len: int = 512
+    max_model_len: int | None = 512  # None: the model's own (max_position_embeddings)
     # CPU: vLLM cannot size the KV cache from free memory there, so it is given explicitly.
     # null on GPU: vLLM sizes it from engine.gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = 64 * 2**20
@@ -121,7 +121,10 @@ class Generator(ForgeActor):
 
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(self.cfg.cache_dir).absolute()))
         os.environ["FORGE_GENERATOR_PID"] = str(os.getpid())  # vLLM's processes exit with this one
-        self.engine = AsyncLLM.from_engine_args(self.cfg.engine_args(self.model))
+        try:
+            self.engine = AsyncLLM.from_engine_args(self.cfg.engine_args(self.model))
+        except Exception as e:  # e.g. pydantic's ValidationError, which cannot be pickled back to the caller
+            raise ValueError(f"Generator: vLLM cannot start on {self.model}: {e}") from None
         self.vocab_size = self.engine.model_config.get_vocab_size()
         await self._warm_up()
         if self.store is not None:
@@ -210,35 +213,23 @@ class Generator(ForgeActor):
         self._in_flight += change
         self._busy_mark = now
 
-    @concurrent_endpoint
-    async def generate(
-        self,
-        prompt: str | list[int],
-        n: int = 1,
-        sampling: dict[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[Completion]:
-        """`n` samples for one prompt. Raises ValueError/TypeError for a bad prompt (this request
-        only), TimeoutError after `timeout_s` (default: config `request_timeout_s`)."""
+    async def _outputs(self, engine_prompt: Any, params: Any, request_id: str, timeout_s: float | None, prompt: Any):
+        """vLLM's outputs for one request, with forge's errors: a bad prompt is a ValueError for this
+        request only, a slow one a TimeoutError (and aborted), a dead engine ends this replica."""
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        sp = {**dataclasses.asdict(self.cfg.sampling), **(sampling or {})}
-        params = self._sampling_params(n, sp)
-        engine_prompt = self._engine_prompt(prompt)
-        request_id = uuid.uuid4().hex
-        admitted = self.version
-        final = None
+        timeout_s = timeout_s or self.cfg.request_timeout_s
         self._count_busy(+1)
         try:
-            async with asyncio.timeout(timeout_s or self.cfg.request_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 async for out in self.engine.generate(engine_prompt, params, request_id):
-                    final = out
+                    yield out
         except TimeoutError:
             await self.engine.abort(request_id)
             raise TimeoutError(
-                f"generate: no answer within {timeout_s or self.cfg.request_timeout_s}s (generator config key "
-                f"'request_timeout_s') for prompt {_preview(prompt)}"
+                f"generate: no answer within {timeout_s}s (generator config key 'request_timeout_s') for prompt "
+                f"{_preview(prompt)}"
             ) from None
         except EngineDeadError:
             # A dead engine never recovers in place: end this process, so the service sees the
@@ -250,6 +241,23 @@ class Generator(ForgeActor):
             raise ValueError(f"generate: prompt {_preview(prompt)}: {e}") from None
         finally:
             self._count_busy(-1)
+
+    @concurrent_endpoint
+    async def generate(
+        self,
+        prompt: str | list[int],
+        n: int = 1,
+        sampling: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Completion]:
+        """`n` samples for one prompt. Raises ValueError/TypeError for a bad prompt (this request
+        only), TimeoutError after `timeout_s` (default: config `request_timeout_s`)."""
+        sp = {**dataclasses.asdict(self.cfg.sampling), **(sampling or {})}
+        params = self._sampling_params(n, sp)
+        admitted = self.version
+        final = None
+        async for out in self._outputs(self._engine_prompt(prompt), params, uuid.uuid4().hex, timeout_s, prompt):
+            final = out
         finished = self.version
         return [
             Completion(
@@ -265,6 +273,31 @@ class Generator(ForgeActor):
             )
             for c in final.outputs
         ]
+
+    @concurrent_endpoint
+    async def stream(self, port: Any, prompt: dict[str, Any], params: Any, request_id: str) -> tuple[int, int]:
+        """Server mode (forge/gateway.py): one request as vLLM's own server makes it (a rendered
+        EngineInput and SamplingParams). Each RequestOutput vLLM yields is sent to `port`, then
+        None; returns the policy versions the request was admitted and finished under. The first
+        message is "start": a retry on another replica (this one died) starts again with it."""
+        admitted = self.version
+        port.send("start")
+        try:
+            async for out in self._outputs(prompt, params, request_id, None, prompt.get("prompt_token_ids")):
+                port.send(out)
+        finally:
+            port.send(None)
+        return admitted, self.version
+
+    @endpoint
+    async def abort(self, request_id: str) -> None:
+        """Stop a `stream` request (its client went away): vLLM frees its sequence."""
+        await self.engine.abort(request_id)
+
+    @endpoint
+    async def unfinished_requests(self) -> int:
+        """Requests vLLM still holds (running or waiting)."""
+        return self.engine.output_processor.get_num_unfinished_requests()
 
     # ---- weights -------------------------------------------------------------------
 

@@ -1,0 +1,155 @@
+"""Server mode's cost: the same chat requests through the OpenAI gateway (the `openai` client,
+HTTP, vLLM's serving layer, the recording) and straight through `gen.generate.route`.
+
+    python -m benchmarks.gateway [--quick]       # or: forge bench gateway
+
+- Throughput: SESSIONS concurrent sessions, each sending `turns` requests of MAX_TOKENS tokens
+  (EOS ignored, so both sides generate the same number of tokens); rounds of the two sides
+  alternate and their medians are compared. Goal: gateway >= 0.9 of direct.
+- Added latency per call: one request at a time, gateway and direct alternating; the
+  difference of each pair, p50 and p99; and the controller's CPU time per call on each side.
+Two models: the 2.4M-parameter tiny model, whose engine is so cheap that the gateway's Python
+(client, HTTP, vLLM's serving layer: a few ms a call) competes with it for this machine's 2
+cores, and a 60M-parameter one, where the engine's work dominates as it does on a GPU. The
+direct side sends the prompt ids the chat template renders, so the engine does the same work.
+Writes benchmarks/results/gateway.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+
+from benchmarks.common import parse_args, tiny_model, write_result
+
+SESSIONS, MAX_TOKENS = 64, 32
+MODELS = {  # name: (TinyModelSpec dims, turns per session)
+    "tiny_2.4M": ({}, 4),
+    "mid_60M": (
+        {
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 4,
+        },
+        1,
+    ),
+}
+MESSAGES = [{"role": "user", "content": "rev abcde="}]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def measure(model: str, turns: int, rounds: int, pairs: int) -> dict:
+    import openai
+    from transformers import AutoTokenizer
+
+    from forge.gateway import Gateway, GatewayConfig
+    from services.generator import Generator, GeneratorConfig
+
+    cfg = GeneratorConfig(max_model_len=256)
+    gen = await Generator.options().as_service(model, cfg)
+    gw = await Gateway.start(gen, model, GatewayConfig(max_sessions=SESSIONS * 2, served_model_name="m"), cfg)
+    ids = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        MESSAGES, add_generation_prompt=True, return_dict=False
+    )
+    sampling = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 1.0}
+
+    async def via_gateway(session: str, client: openai.AsyncOpenAI) -> int:
+        r = await client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=1.0, extra_body={"ignore_eos": True}
+        )
+        return r.usage.completion_tokens
+
+    async def direct(*_) -> int:
+        return len((await gen.generate.route(ids, sampling=sampling))[0].token_ids)
+
+    async def session_loop(call, session: str | None, client) -> int:
+        return sum([await call(session, client) for _ in range(turns)])
+
+    cpu: dict[str, list[float]] = {"gateway": [], "direct": []}  # this process's CPU ms per call
+
+    async def round_of(call) -> float:
+        sessions = [gw.open_session() for _ in range(SESSIONS)] if call is via_gateway else [None] * SESSIONS
+        clients = [openai.AsyncOpenAI(base_url=gw.base_url, api_key=s or "-", max_retries=0) for s in sessions]
+        start, cpu_start = time.perf_counter(), time.process_time()
+        tokens = sum(await asyncio.gather(*(session_loop(call, s, c) for s, c in zip(sessions, clients))))
+        seconds = time.perf_counter() - start
+        cpu["gateway" if call is via_gateway else "direct"].append(
+            1000 * (time.process_time() - cpu_start) / (SESSIONS * turns)
+        )
+        for s in sessions:
+            if s is not None:
+                await gw.finish(s)
+        return tokens / seconds
+
+    try:
+        await round_of(via_gateway)  # warm-up: HTTP connections, vLLM's serving caches
+        await round_of(direct)
+        gateway_rates, direct_rates = [], []
+        for _ in range(rounds):
+            gateway_rates.append(await round_of(via_gateway))
+            direct_rates.append(await round_of(direct))
+        session = gw.open_session()
+        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=session, max_retries=0)
+        added = []
+        for _ in range(pairs):
+            t = time.perf_counter()
+            await via_gateway(session, client)
+            g = time.perf_counter() - t
+            t = time.perf_counter()
+            await direct()
+            added.append(g - (time.perf_counter() - t))
+        await gw.finish(session)
+    finally:
+        await gw.shutdown()
+        await gen.shutdown()
+    g, d = statistics.median(gateway_rates), statistics.median(direct_rates)
+    return {
+        "gateway_tokens_per_s": g,
+        "direct_tokens_per_s": d,
+        "gateway_fraction_of_direct": g / d,
+        "added_latency_ms_p50": 1000 * percentile(added, 0.5),
+        "added_latency_ms_p99": 1000 * percentile(added, 0.99),
+        "controller_cpu_ms_per_call": {k: statistics.median(v) for k, v in cpu.items()},
+        "rounds": {"gateway": gateway_rates, "direct": direct_rates},
+        "workload": {"sessions": SESSIONS, "turns": turns, "max_tokens": MAX_TOKENS, "latency_pairs": pairs},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args("gateway", __doc__, "tiny model only, 1 round, 10 latency pairs (smoke run)", argv)
+    models = {"tiny_2.4M": MODELS["tiny_2.4M"]} if a.quick else MODELS
+    rows = {
+        name: asyncio.run(measure(tiny_model(**dims), turns, rounds=1 if a.quick else 3, pairs=10 if a.quick else 60))
+        for name, (dims, turns) in models.items()
+    }
+    print(
+        f"{'model':<12}{'gateway tok/s':>15}{'direct tok/s':>14}{'fraction':>10}{'added p50 ms':>14}"
+        f"{'added p99 ms':>14}{'cpu ms/call gw':>16}{'direct':>8}"
+    )
+    for name, r in rows.items():
+        c = r["controller_cpu_ms_per_call"]
+        print(
+            f"{name:<12}{r['gateway_tokens_per_s']:>15.0f}{r['direct_tokens_per_s']:>14.0f}"
+            f"{r['gateway_fraction_of_direct']:>10.2f}{r['added_latency_ms_p50']:>14.1f}"
+            f"{r['added_latency_ms_p99']:>14.1f}{c['gateway']:>16.2f}{c['direct']:>8.2f}"
+        )
+    last = rows[list(rows)[-1]]
+    result = {
+        "gateway_fraction_of_direct": last["gateway_fraction_of_direct"],
+        "added_latency_ms_p50": rows["tiny_2.4M"]["added_latency_ms_p50"],
+        "added_latency_ms_p99": rows["tiny_2.4M"]["added_latency_ms_p99"],
+        "models": rows,
+    }
+    return write_result(a.out, result)
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)

@@ -1,0 +1,516 @@
+"""Server mode: an OpenAI-compatible HTTP gateway over the generator service that records the
+exact tokens every session sampled.
+
+    gateway = await Gateway.start(gen, model_dir, GatewayConfig())
+    session = gateway.open_session()                        # the agent's API key
+    client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key=session)
+    ...                                                     # the agent calls the API as in production
+    record = await gateway.finish(session)                  # each call's prompt ids, sampled ids, logprobs, versions
+    episodes = record.samples()                             # the token sequences to train on
+
+vLLM's own OpenAI server does the HTTP work (request models and validation, chat templates,
+tool and reasoning parsers, `n`, logprobs, streaming, error responses). It runs here over
+`ServiceEngineClient`, an EngineClient whose `generate` sends vLLM's rendered prompt to one
+generator replica (the session's, for its prefix cache) and streams that replica's vLLM outputs
+back through a Monarch port. The gateway adds what a training system needs: sessions (the bearer
+token), the recording, bounds on sessions and requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forge.types import Episode
+
+log = logging.getLogger("forge")
+
+PUBLIC_PATHS = ("/health", "/ping", "/version")  # answered without a key
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")  # counted against max_inflight
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"  # set it explicitly to listen beyond this machine
+    port: int = 0  # 0: any free port (see Gateway.base_url)
+    # True: every call needs an open session's id as its API key (training); False: `forge serve`.
+    sessions: bool = True
+    api_key: str | None = None  # without sessions: the key clients must send (None: any)
+    max_sessions: int = 1024
+    session_timeout_s: float = 900.0  # a session idle this long is closed and its record dropped
+    max_inflight: int = 512  # generation requests in flight; more get 429
+    chat_template: str | None = None  # a file or a Jinja string; default: the tokenizer's
+    tool_parser: str | None = None  # a vLLM tool parser (e.g. "hermes"): tool calls come back as tool_calls
+    reasoning_parser: str | None = None  # a vLLM reasoning parser (e.g. "qwen3")
+    served_model_name: str | None = None  # default: the model directory's name
+
+    def validate(self) -> None:
+        if self.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("forge: the gateway listens on %s, beyond this machine", self.host)
+        for key in ("max_sessions", "max_inflight", "session_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"config key 'gateway.{key}' must be > 0, got {getattr(self, key)}")
+
+
+# ---- what a session recorded --------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    """One call of a session: the prompt the gateway sent, and for each choice the tokens
+    sampled, their logprobs and why it finished; the policy versions it was admitted and
+    finished under."""
+
+    prompt_ids: list[int]
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str | None]
+    versions: tuple[int, int]
+
+
+@dataclass
+class SessionRecord:
+    session: str
+    turns: list[Turn] = field(default_factory=list)
+
+    def samples(self) -> list[Episode]:
+        """The turns as token sequences to train on, the model's own tokens never re-tokenized:
+        a turn whose prompt extends a sequence (its earlier prompts and sampled tokens, token for
+        token) continues it; any other (the agent edited its history, the template rendered an
+        earlier turn differently) starts a sample of its own (`new_sample_at` lists them). Each
+        sequence is extended by one choice per turn; other choices become samples of their own."""
+        return [s.episode() for s in self._sequences()]
+
+    @property
+    def new_sample_at(self) -> list[int]:
+        """The turns (after the first) that did not extend a sequence: where a sample starts."""
+        return sorted({s.turns[0] for s in self._sequences()} - {0})
+
+    def _sequences(self) -> list[_Sequence]:
+        done: list[_Sequence] = []
+        for t, turn in enumerate(self.turns):
+            extended = set()
+            for c in range(len(turn.token_ids)):
+                tip = next(
+                    (s for s in reversed(done) if id(s) not in extended and s.continued_by(turn.prompt_ids)), None
+                )
+                if tip is None:
+                    tip = _Sequence()
+                    done.append(tip)
+                tip.add(t, turn, c)
+                extended.add(id(tip))
+        return done
+
+
+@dataclass
+class _Sequence:
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+
+    def continued_by(self, prompt: list[int]) -> bool:
+        return len(prompt) >= len(self.tokens) and prompt[: len(self.tokens)] == self.tokens
+
+    def add(self, t: int, turn: Turn, choice: int) -> None:
+        new_prompt = turn.prompt_ids[len(self.tokens) :]
+        sampled = turn.token_ids[choice]
+        self.tokens += new_prompt + sampled
+        self.mask += [0] * len(new_prompt) + [1] * len(sampled)
+        self.logprobs += [0.0] * len(new_prompt) + turn.logprobs[choice]
+        self.versions.append(turn.versions[0])
+        self.turns.append(t)
+
+    def episode(self) -> Episode:
+        # Staleness is judged by the oldest turn.
+        return Episode(
+            tokens=self.tokens, loss_mask=self.mask, gen_logprobs=self.logprobs, policy_version=min(self.versions)
+        )
+
+
+@dataclass
+class _Session:
+    id: str
+    target: Any  # forge.service.Session: every call on one generator replica
+    record: SessionRecord
+    last_used: float = field(default_factory=time.monotonic)
+    inflight: int = 0
+
+
+_SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("forge_gateway_session", default=None)
+
+
+# ---- vLLM's server over the generator service ---------------------------------------
+
+
+def _engine_client_class() -> type:
+    from vllm.engine.protocol import EngineClient
+
+    class ServiceEngineClient(EngineClient):
+        """vLLM's EngineClient, served by forge's generator service instead of an engine in
+        this process. Only what an OpenAI server uses is implemented; the rest belongs to
+        forge (weights, sleep, profiling) and says so."""
+
+        def __init__(self, gateway: Gateway, vllm_config: Any):
+            from vllm.renderers import renderer_from_config
+            from vllm.v1.engine.input_processor import InputProcessor
+
+            self.gateway, self.gen = gateway, gateway.gen
+            self.vllm_config = vllm_config
+            self.model_config = vllm_config.model_config
+            self.renderer = renderer_from_config(vllm_config)
+            self.input_processor = InputProcessor(vllm_config, self.renderer)
+            self._targets: dict[str, Any] = {}  # request id -> the replica session running it
+
+        async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **_: Any) -> AsyncIterator[Any]:
+            from monarch.actor import Channel
+            from vllm.sampling_params import RequestOutputKind
+
+            session = _SESSION.get()
+            target = session.target if session is not None else self.gen.pinned()
+            params = sampling_params.clone()
+            params.logprobs = max(params.logprobs or 0, 0)  # the sampled token's logprob, always recorded
+            delta = params.output_kind == RequestOutputKind.DELTA
+            port, receiver = Channel.open()
+            call = asyncio.ensure_future(target.stream.route(port, dict(prompt), params, request_id))
+            self._targets[request_id] = target
+            tokens: dict[int, list[int]] = {}
+            logprobs: dict[int, list[float]] = {}
+            finish: dict[int, str | None] = {}
+            ended = False
+            try:
+                yielded = False
+                while True:
+                    out = await _next(receiver, call)
+                    if out is None:
+                        break
+                    if out == "start":  # the first attempt, or a retry after its replica died
+                        if yielded and delta:
+                            raise RuntimeError("the generator replica died while streaming; retry the request")
+                        tokens, logprobs, finish = {}, {}, {}
+                        continue
+                    for c in out.outputs:
+                        lps = [lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids)]
+                        tokens[c.index] = tokens.get(c.index, []) + list(c.token_ids) if delta else list(c.token_ids)
+                        logprobs[c.index] = logprobs.get(c.index, []) + lps if delta else lps
+                        finish[c.index] = c.finish_reason
+                    yielded = True
+                    yield out
+                versions = await call
+                ended = True
+            finally:
+                self._targets.pop(request_id, None)
+                if not ended:  # the client went away (or the call failed): vLLM must stop too
+                    call.cancel()
+                    await asyncio.shield(_quietly(target.abort.route(request_id)))
+            if session is not None:
+                n = sorted(tokens)
+                session.record.turns.append(
+                    Turn(
+                        prompt_ids=list(prompt["prompt_token_ids"]),
+                        token_ids=[tokens[i] for i in n],
+                        logprobs=[logprobs[i] for i in n],
+                        finish_reasons=[finish[i] for i in n],
+                        versions=tuple(versions),
+                    )
+                )
+
+        async def abort(self, request_id: str | Any) -> None:
+            for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+                if rid in self._targets:
+                    await self._targets[rid].abort.route(rid)
+
+        async def check_health(self) -> None:
+            if not self.gen.healthy():
+                raise RuntimeError("no healthy generator replica")
+
+        @property
+        def is_running(self) -> bool:
+            return bool(self.gen.healthy())
+
+        @property
+        def is_stopped(self) -> bool:
+            return False
+
+        @property
+        def errored(self) -> bool:
+            return False
+
+        @property
+        def dead_error(self) -> BaseException:
+            return RuntimeError("the generator service has no healthy replica")
+
+        async def is_tracing_enabled(self) -> bool:
+            return False
+
+        async def do_log_stats(self) -> None:
+            pass
+
+        async def get_supported_tasks(self) -> tuple[str, ...]:
+            return ("generate",)
+
+        async def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+            return True  # each replica resets its own when its weights change
+
+        async def reset_mm_cache(self) -> None:
+            pass
+
+        async def reset_encoder_cache(self) -> None:
+            pass
+
+        async def is_sleeping(self) -> bool:
+            return False
+
+        async def is_paused(self) -> bool:
+            return False
+
+        def shutdown(self, timeout: float | None = None) -> None:
+            pass
+
+        def _not_here(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError(
+                "forge's gateway serves generation only: weights, sleep, LoRA and "
+                "profiling belong to the generator service"
+            )
+
+        encode = notify_kv_transfer_request_rejected = start_profile = stop_profile = _not_here
+        sleep = release_kv_cache_memory = wake_up = add_lora = pause_generation = resume_generation = _not_here
+
+    return ServiceEngineClient
+
+
+async def _next(receiver: Any, call: asyncio.Future) -> Any:
+    """The next message of the stream, or the call's error if it failed first."""
+    got = asyncio.ensure_future(receiver.recv())
+    done, _ = await asyncio.wait([got, call], return_when=asyncio.FIRST_COMPLETED)
+    if got in done:
+        return got.result()
+    if call.exception() is not None:
+        got.cancel()
+        raise call.exception()
+    return await got  # the call returned: its last messages are on the way
+
+
+async def _quietly(awaitable: Any) -> None:
+    try:
+        await awaitable
+    except Exception as e:  # the replica may be gone; nothing is left to stop then
+        log.debug("forge: abort failed: %s", e)
+
+
+def _error(status: int, message: str, kind: str) -> tuple[int, bytes]:
+    return status, json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+
+
+class _Gate:
+    """ASGI middleware in front of vLLM's app: the bearer token names the session (or is the API
+    key), and requests past `max_inflight` are refused (429) instead of queued without bound."""
+
+    def __init__(self, app: Any, gateway: Gateway):
+        self.app, self.gateway = app, gateway
+        self.inflight = 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization", b"").decode()
+        token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
+        session, refusal = self.gateway._admit(token)
+        generating = scope["path"] in GENERATION_PATHS
+        if refusal is None and generating and self.inflight >= self.gateway.cfg.max_inflight:
+            refusal = _error(
+                429,
+                f"more than {self.gateway.cfg.max_inflight} requests in flight (gateway max_inflight); retry later",
+                "rate_limit_error",
+            )
+        if refusal is None and generating and not self.gateway.gen.healthy():
+            refusal = _error(503, "no healthy generator replica", "service_unavailable")
+        if refusal is not None:
+            status, body = refusal
+            await send(
+                {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
+            )
+            return await send({"type": "http.response.body", "body": body})
+        token_ctx = _SESSION.set(session)
+        self.inflight += generating
+        if session is not None:
+            session.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.inflight -= generating
+            if session is not None:
+                session.inflight -= 1
+                session.last_used = time.monotonic()
+            _SESSION.reset(token_ctx)
+
+
+class Gateway:
+    """The OpenAI API (vLLM's server) over a Generator service, on `base_url`."""
+
+    def __init__(self, gen: Any, model: str, cfg: GatewayConfig, engine_args: Any):
+        self.gen, self.model, self.cfg = gen, str(model), cfg
+        self.engine_args = engine_args
+        self.sessions: dict[str, _Session] = {}
+        self.base_url = ""
+
+    @classmethod
+    async def start(
+        cls, gen: Any, model: str | Path, cfg: GatewayConfig | None = None, generator_cfg: Any = None
+    ) -> Gateway:
+        """Serve `gen` (a Generator service on `model`, made with `generator_cfg`) on
+        cfg.host:cfg.port; returns once it accepts connections."""
+        from services.generator import GeneratorConfig
+
+        cfg = cfg or GatewayConfig()
+        cfg.validate()
+        self = cls(gen, str(model), cfg, (generator_cfg or GeneratorConfig()).engine_args(str(model)))
+        await self._serve()
+        return self
+
+    async def _serve(self) -> None:
+        import uvicorn
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        # vLLM's server options; its engine options come from the generator's config (vllm_config).
+        name = self.cfg.served_model_name or Path(self.model).name
+        argv = [
+            "--model",
+            self.model,
+            "--served-model-name",
+            name,
+            "--disable-log-stats",
+            "--disable-uvicorn-access-log",
+        ]
+        if self.cfg.chat_template:
+            argv += ["--chat-template", self.cfg.chat_template]
+        if self.cfg.tool_parser:
+            argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.cfg.tool_parser]
+        if self.cfg.reasoning_parser:
+            argv += ["--reasoning-parser", self.cfg.reasoning_parser]
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+        vllm_config = await asyncio.to_thread(self.engine_args.create_engine_config)
+        self.engine_client = _engine_client_class()(self, vllm_config)
+        app = build_app(args, supported_tasks=("generate",), model_config=vllm_config.model_config)
+        await init_app_state(self.engine_client, app.state, args, supported_tasks=("generate",))
+        sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.cfg.host, self.cfg.port))
+        host, port = sock.getsockname()[:2]
+        self.base_url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"
+        self._server = uvicorn.Server(
+            uvicorn.Config(_Gate(app, self), log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        )
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        self._reaper = asyncio.create_task(self._reap())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+            await asyncio.sleep(0.02)
+
+    # ---- sessions --------------------------------------------------------------------
+
+    def open_session(self) -> str:
+        """A new session (its id is the API key its client sends), pinned to one generator
+        replica. Raises RuntimeError when `max_sessions` are open."""
+        if not self.cfg.sessions:
+            raise RuntimeError("this gateway runs without sessions (GatewayConfig.sessions=False)")
+        if len(self.sessions) >= self.cfg.max_sessions:
+            raise RuntimeError(f"{len(self.sessions)} sessions are open (gateway max_sessions); finish some first")
+        sid = f"forge-{uuid.uuid4().hex}"
+        self.sessions[sid] = _Session(sid, self.gen.pinned(), SessionRecord(sid))
+        return sid
+
+    async def finish(self, session: str, timeout_s: float = 30.0) -> SessionRecord:
+        """Close `session` and return what it recorded (after its calls in flight end)."""
+        s = self.sessions.get(session)
+        if s is None:
+            raise KeyError(f"no open session {session!r} (finished, timed out or never opened)")
+        deadline = time.monotonic() + timeout_s
+        while s.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        del self.sessions[session]
+        return s.record
+
+    def _admit(self, token: str | None) -> tuple[_Session | None, tuple[int, bytes] | None]:
+        if not self.cfg.sessions:
+            if self.cfg.api_key is not None and token != self.cfg.api_key:
+                return None, _error(401, "invalid API key", "authentication_error")
+            return None, None
+        s = self.sessions.get(token or "")
+        if s is None:
+            return None, _error(
+                401,
+                "unknown session: send an open session's id as the API key (Authorization: Bearer <session>)",
+                "authentication_error",
+            )
+        s.last_used = time.monotonic()
+        return s, None
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.cfg.session_timeout_s / 2))
+            now = time.monotonic()
+            for sid, s in list(self.sessions.items()):
+                if not s.inflight and now - s.last_used > self.cfg.session_timeout_s:
+                    log.warning(
+                        "forge: gateway session %s idle for %.0f s: closed, %d turns dropped",
+                        sid,
+                        now - s.last_used,
+                        len(s.record.turns),
+                    )
+                    del self.sessions[sid]
+
+    async def shutdown(self) -> None:
+        self._reaper.cancel()
+        self._server.should_exit = True
+        await asyncio.gather(self._task, self._reaper, return_exceptions=True)
+
+
+def model_dir(path: str | Path) -> Path:
+    """An HF model directory, or a run directory whose exported `model/` is one."""
+    path = Path(path)
+    for d in (path, path / "model"):
+        if (d / "config.json").is_file():
+            return d
+    raise FileNotFoundError(f"{path}: neither an HF model directory (config.json) nor a run directory with model/")
+
+
+async def serve(model: str | Path, cfg: GatewayConfig, generator_cfg: Any, replicas: int = 1) -> None:
+    """`forge serve`: a Generator service of `replicas` on `model` behind a gateway without
+    sessions, until SIGINT or SIGTERM."""
+    import signal
+
+    from services.generator import Generator
+
+    model = model_dir(model)
+    if cfg.served_model_name is None:  # a run's exported policy is served under the run's name
+        cfg.served_model_name = model.parent.name if model.name == "model" else model.name
+    gen = await Generator.options(replicas=replicas).as_service(str(model), generator_cfg)
+    try:
+        gw = await Gateway.start(gen, model, cfg, generator_cfg)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        print(
+            f"forge serve: model {cfg.served_model_name!r} ({replicas} replica(s)) on {gw.base_url}; Ctrl-C stops",
+            flush=True,
+        )
+        await stop.wait()
+        await gw.shutdown()
+    finally:
+        await gen.shutdown()

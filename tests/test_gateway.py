@@ -1,0 +1,443 @@
+"""The OpenAI-compatible gateway, used as agents use it: the `openai` async client against one
+live gateway over one generator (the tiny model), shared by the module."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from forge.gateway import Gateway, GatewayConfig
+from forge.store import WeightStore, start_store, stop_store
+from services.generator import Generator, GeneratorConfig
+
+MODEL_NAME = "tiny"
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "a + b",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def served(loop, tiny_model_dir):
+    """A store the generator follows, the generator, and a gateway with the hermes tool parser."""
+
+    async def start():
+        store = await start_store()
+        weights = WeightStore("gateway-test")
+        cfg = GeneratorConfig(max_model_len=512)
+        gen = await Generator.options().as_service(str(tiny_model_dir), cfg, weights)
+        gw = await Gateway.start(
+            gen, tiny_model_dir, GatewayConfig(tool_parser="hermes", served_model_name=MODEL_NAME), cfg
+        )
+        return store, weights, gen, gw
+
+    store, weights, gen, gw = loop.run_until_complete(start())
+    yield gw, gen, weights
+    loop.run_until_complete(gw.shutdown())
+    loop.run_until_complete(weights.clear())
+    loop.run_until_complete(gen.shutdown())
+    loop.run_until_complete(stop_store(store))
+
+
+@pytest.fixture(scope="module")
+def letters(tiny_model_dir):
+    """Token ids the tests let the model sample (so its text re-tokenizes to the same ids),
+    and <|im_end|>, which ends a chat turn."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return tok, [tok.convert_tokens_to_ids(c) for c in "abcdefghij"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def client(gw, key):
+    return openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+
+
+def chat(c, messages, **kw):
+    return c.chat.completions.create(model=MODEL_NAME, messages=messages, **kw)
+
+
+def test_chat_logprobs_n_models_and_completions(loop, served):
+    gw, _, _ = served
+
+    async def main():
+        sid = gw.open_session()
+        c = client(gw, sid)
+        r = await chat(
+            c,
+            [{"role": "user", "content": "rev abc="}],
+            n=3,
+            max_tokens=6,
+            logprobs=True,
+            top_logprobs=2,
+            temperature=1.0,
+            seed=1,
+            extra_body={"return_token_ids": True},
+        )
+        models = await c.models.list()
+        text = await c.completions.create(model=MODEL_NAME, prompt="rev abc=", max_tokens=4, logprobs=1)
+        ids = await c.completions.create(model=MODEL_NAME, prompt=[4, 5, 6], max_tokens=4)
+        return r, models, text, ids, await gw.finish(sid)
+
+    r, models, text, ids, record = loop.run_until_complete(main())
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert len(r.choices) == 3 and all(len(ch.logprobs.content) == len(ch.token_ids) for ch in r.choices)
+    assert all(len(t.top_logprobs) == 2 for ch in r.choices for t in ch.logprobs.content)
+    assert len(text.choices[0].logprobs.tokens) == 4 and ids.choices[0].text is not None
+    # Every call was recorded: the chat's prompt ids, each choice's sampled ids and their logprobs.
+    turn = record.turns[0]
+    assert turn.prompt_ids == r.prompt_token_ids and len(record.turns) == 3
+    for i, ch in enumerate(r.choices):
+        assert turn.token_ids[i] == ch.token_ids
+        assert turn.logprobs[i] == pytest.approx([t.logprob for t in ch.logprobs.content], abs=1e-6)
+    assert record.turns[2].prompt_ids == [4, 5, 6]
+
+
+def test_streaming_is_server_sent_events(loop, served):
+    gw, _, _ = served
+
+    async def main():
+        sid = gw.open_session()
+        stream = await chat(
+            client(gw, sid),
+            [{"role": "user", "content": "12+7="}],
+            max_tokens=8,
+            stream=True,
+            temperature=1.0,
+            stream_options={"include_usage": True},
+        )
+        chunks = [ch async for ch in stream]
+        return chunks, await gw.finish(sid)
+
+    chunks, record = loop.run_until_complete(main())
+    deltas = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
+    assert len(deltas) >= 2 and chunks[-1].usage.completion_tokens == len(record.turns[0].token_ids[0])
+
+
+def test_tool_call_round_trip(loop, served, tiny_model_dir):
+    """The template lists the tool, the model's call comes back parsed as `tool_calls`, and the
+    tool's answer goes back in; the call and the answer are in the next prompt, token for token."""
+    gw, _, _ = served
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    async def main():
+        sid = gw.open_session()
+        c = client(gw, sid)
+        messages = [{"role": "user", "content": "1+2="}]
+        # The tiny model cannot call tools yet: structured output makes it emit a call, ended by
+        # <|im_end|> as the template renders it (not the tiny model's other EOS, <|eos|> = 2).
+        first = await chat(
+            c,
+            messages,
+            tools=[ADD_TOOL],
+            max_tokens=80,
+            logit_bias={"2": -100},
+            extra_body={"structured_outputs": {"regex": CALL.replace("{", r"\{").replace("}", r"\}")}},
+        )
+        call = first.choices[0].message.tool_calls[0]
+        messages += [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "3"},
+        ]
+        second = await chat(c, messages, tools=[ADD_TOOL], max_tokens=4)
+        return first, second, await gw.finish(sid)
+
+    first, second, record = loop.run_until_complete(main())
+    call = first.choices[0].message.tool_calls[0]
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
+    assert first.choices[0].finish_reason == "tool_calls" and second.choices[0].message.content is not None
+    rendered = tok.decode(record.turns[0].prompt_ids)
+    assert '"name": "add"' in rendered and "<tools>" in rendered
+    again = tok.decode(record.turns[1].prompt_ids)
+    assert CALL in again and "<tool_response>3</tool_response>" in again
+    # The call re-rendered from tool_calls is the sampled text: one sequence for both turns.
+    assert record.new_sample_at == [] and len(record.samples()) == 1
+
+
+def test_three_turns_are_one_sample_with_the_generators_tokens_and_logprobs(loop, served, letters, tiny_model_dir):
+    """The recording of a 3-turn chat is what the generator sampled (ids and logprobs as the
+    responses report them); the turns extend each other, so they are one sequence whose
+    sampled-token logprobs equal an fp32 transformers forward of it (1e-4)."""
+    gw, _, _ = served
+    tok, allowed = letters
+
+    async def main():
+        sid = gw.open_session()
+        c = client(gw, sid)
+        messages, responses = [], []
+        for question in ("rev abc=", "sort dcba=", "rev xyz="):
+            messages.append({"role": "user", "content": question})
+            r = await chat(
+                c,
+                messages,
+                max_tokens=6,
+                logprobs=True,
+                temperature=1.0,
+                extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
+            )
+            responses.append(r)
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        return responses, await gw.finish(sid)
+
+    responses, record = loop.run_until_complete(main())
+    assert len(record.turns) == 3 and record.new_sample_at == []
+    for turn, r in zip(record.turns, responses):
+        assert turn.prompt_ids == r.prompt_token_ids and turn.token_ids[0] == r.choices[0].token_ids
+        assert turn.logprobs[0] == pytest.approx([t.logprob for t in r.choices[0].logprobs.content], abs=1e-6)
+    [episode] = record.samples()
+    assert episode.tokens[: len(record.turns[2].prompt_ids)] == record.turns[2].prompt_ids
+    assert sum(episode.loss_mask) == sum(len(t.token_ids[0]) for t in record.turns)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([episode.tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float()
+    # The tokens were sampled from the allowed ones only: that is the distribution to compare with.
+    masked = torch.full_like(logits, float("-inf"))
+    masked[:, allowed] = logits[:, allowed]
+    lp = torch.log_softmax(masked, -1).gather(-1, ids[0, 1:, None])[:, 0]
+    mask = torch.tensor(episode.loss_mask[1:], dtype=torch.bool)
+    assert (lp[mask] - torch.tensor(episode.gen_logprobs[1:])[mask]).abs().max().item() <= 1e-4
+
+
+def test_edited_history_falls_back_to_one_sample_per_turn(loop, served, letters):
+    """The template drops the reasoning of earlier turns, and an agent may rewrite its history:
+    either way the next prompt does not extend the last one, and the recording says so."""
+    gw, _, _ = served
+    _, allowed = letters
+
+    async def main():
+        sid = gw.open_session()
+        c = client(gw, sid)
+        messages = [{"role": "user", "content": "rev abc="}]
+        think = await chat(
+            c, messages, max_tokens=20, extra_body={"structured_outputs": {"regex": "<think>[a-c]{2}</think>[a-c]{2}"}}
+        )
+        messages += [
+            {"role": "assistant", "content": think.choices[0].message.content},
+            {"role": "user", "content": "and again"},
+        ]
+        plain = await chat(c, messages, max_tokens=4, extra_body={"allowed_token_ids": allowed})
+        messages += [{"role": "assistant", "content": "something it never said"}, {"role": "user", "content": "?"}]
+        await chat(c, messages, max_tokens=4, extra_body={"allowed_token_ids": allowed})
+        return think, plain, await gw.finish(sid)
+
+    think, plain, record = loop.run_until_complete(main())
+    assert "</think>" in think.choices[0].message.content
+    assert record.new_sample_at == [1, 2] and len(record.samples()) == 3
+    for episode, turn in zip(record.samples(), record.turns):  # each turn alone: its prompt, then its tokens
+        assert episode.tokens == turn.prompt_ids + turn.token_ids[0]
+
+
+def test_sessions_interleave_and_stay_apart(loop, served, letters):
+    gw, _, _ = served
+    _, allowed = letters
+
+    async def conversation(question: str) -> tuple[str, list]:
+        sid = gw.open_session()
+        c, messages = client(gw, sid), []
+        for _ in range(3):
+            messages.append({"role": "user", "content": question})
+            r = await chat(c, messages, max_tokens=4, extra_body={"allowed_token_ids": allowed})
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        return sid, await gw.finish(sid)
+
+    async def main():
+        return await asyncio.gather(conversation("rev abc="), conversation("sort hgf="))
+
+    (a, rec_a), (b, rec_b) = loop.run_until_complete(main())
+    assert a != b and len(rec_a.turns) == len(rec_b.turns) == 3
+    assert len(rec_a.samples()) == len(rec_b.samples()) == 1
+    assert rec_a.samples()[0].tokens != rec_b.samples()[0].tokens
+
+
+def test_refusals_name_what_is_wrong(loop, served):
+    gw, gen, _ = served
+
+    async def main():
+        sid = gw.open_session()
+        c = client(gw, sid)
+        errors = {}
+        for name, call in [
+            ("unknown session", chat(client(gw, "sk-nobody"), [{"role": "user", "content": "hi"}])),
+            ("field", chat(c, [{"role": "user", "content": "hi"}], temperature="hot")),
+            ("too long", chat(c, [{"role": "user", "content": "x" * 600}])),
+        ]:
+            try:
+                await call
+            except openai.APIStatusError as e:
+                errors[name] = e
+        async with httpx.AsyncClient() as h:
+            bad_json = await h.post(
+                f"{gw.base_url}/chat/completions",
+                content=b"{not json",
+                headers={"Authorization": f"Bearer {sid}", "Content-Type": "application/json"},
+            )
+            health = await h.get(gw.base_url.removesuffix("/v1") + "/health")
+        # Overload: past max_inflight a request is refused at once, not queued.
+        gw.cfg.max_inflight = 1
+        try:
+            slow = asyncio.ensure_future(
+                chat(c, [{"role": "user", "content": "hi"}], max_tokens=200, extra_body={"ignore_eos": True})
+            )
+            await asyncio.sleep(0.3)
+            try:
+                await chat(c, [{"role": "user", "content": "hi"}], max_tokens=2)
+            except openai.RateLimitError as e:
+                errors["overload"] = e
+            await slow
+        finally:
+            gw.cfg.max_inflight = 512
+        await gw.finish(sid)
+        return errors, bad_json, health
+
+    errors, bad_json, health = loop.run_until_complete(main())
+    assert errors["unknown session"].status_code == 401 and "unknown session" in str(errors["unknown session"])
+    assert errors["field"].status_code == 400 and "temperature" in str(errors["field"])
+    assert errors["too long"].status_code == 400 and "maximum context length is 512" in str(errors["too long"])
+    assert errors["overload"].status_code == 429 and "max_inflight" in str(errors["overload"])
+    assert bad_json.status_code == 400 and "JSON" in bad_json.text
+    assert health.status_code == 200
+
+
+def test_client_disconnect_mid_stream_aborts_in_vllm(loop, served):
+    gw, gen, _ = served
+
+    async def main():
+        sid = gw.open_session()
+        stream = await chat(
+            client(gw, sid),
+            [{"role": "user", "content": "hi"}],
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        running = await gen.unfinished_requests.route()
+        await stream.close()  # the client hangs up
+        deadline = time.monotonic() + 10
+        while await gen.unfinished_requests.route() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return running, await gen.unfinished_requests.route(), await gw.finish(sid)
+
+    running, after, record = loop.run_until_complete(main())
+    assert running == 1 and after == 0 and record.turns == []  # aborted: nothing to train on
+
+
+def test_sessions_are_bounded_and_time_out(loop, served):
+    gw, _, _ = served
+
+    async def main():
+        limit, timeout = gw.cfg.max_sessions, gw.cfg.session_timeout_s
+        gw.cfg.max_sessions = len(gw.sessions) + 1
+        try:
+            sid = gw.open_session()
+            with pytest.raises(RuntimeError, match="max_sessions"):
+                gw.open_session()
+            gw.cfg.session_timeout_s = 0.2
+            gw._reaper.cancel()
+            gw._reaper = asyncio.ensure_future(gw._reap())
+            await asyncio.sleep(0.6)
+            with pytest.raises(KeyError, match="no open session"):
+                await gw.finish(sid)
+        finally:
+            gw.cfg.max_sessions, gw.cfg.session_timeout_s = limit, timeout
+
+    loop.run_until_complete(main())
+
+
+def test_weights_move_under_the_gateway(loop, served, tiny_model_dir):
+    """The generator follows the store while the gateway serves: each recorded turn carries the
+    policy version it ran under."""
+    gw, gen, weights = served
+    from safetensors.torch import load_file
+
+    sd = load_file(tiny_model_dir / "model.safetensors")
+
+    async def main():
+        sid = gw.open_session()
+        c = client(gw, sid)
+        await chat(c, [{"role": "user", "content": "a"}], max_tokens=2)
+        await weights.publish(1, {k: v + 0.01 for k, v in sd.items()})
+        deadline = time.monotonic() + 60
+        while await gen.policy_version.route() < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await chat(c, [{"role": "user", "content": "b"}], max_tokens=2)
+        return await gw.finish(sid)
+
+    record = loop.run_until_complete(main())
+    assert [t.versions for t in record.turns] == [(0, 0), (1, 1)]
+
+
+def test_forge_serve_with_the_openai_client(tiny_model_dir):
+    """`forge serve` as the README shows it: an API key, the plain (sync) openai client, Ctrl-C."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "forge.cli",
+        "serve",
+        str(tiny_model_dir),
+        "--port",
+        str(port),
+        "--api-key",
+        "k1",
+        "--max-model-len",
+        "512",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("forge serve:"):
+                break
+        assert f"model 'test-tiny' (1 replica(s)) on http://127.0.0.1:{port}/v1" in line, line
+        children = psutil.Process(proc.pid).children(recursive=True)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0)
+        r = c.chat.completions.create(
+            model="test-tiny", messages=[{"role": "user", "content": "rev abc="}], max_tokens=4
+        )
+        assert r.choices[0].message.content is not None and r.usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError, match="invalid API key"):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k2", max_retries=0).models.list()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out[-2000:]
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive
