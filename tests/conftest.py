@@ -1,3 +1,4 @@
+import asyncio
 import os
 from pathlib import Path
 
@@ -17,3 +18,11 @@ def tiny_model_dir() -> Path:
     from forge.tiny_model import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(ROOT / ".cache/forge/models/test-tiny", TinyModelSpec(sft_steps=0))
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop for a module whose services outlive a test (one vLLM engine per module)."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()

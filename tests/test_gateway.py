@@ -27,13 +27,6 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def served(loop, tiny_model_dir):
     """A store the generator follows, the generator, and a gateway with the hermes tool parser."""
 

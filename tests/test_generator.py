@@ -16,13 +16,6 @@ PROMPTS = ["rev abc=", "12+7=", "sort dbca=", "rev jihgf=", "3+45=", "sort gfe="
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def gen(loop, tiny_model_dir):
     svc = loop.run_until_complete(
         Generator.options().as_service(str(tiny_model_dir), GeneratorConfig(max_model_len=256))
