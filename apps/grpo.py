@@ -11,6 +11,7 @@ rewards with `rewards`, the rollout (multi-turn, tools) with `rollout`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +20,12 @@ from typing import Any
 from tqdm import tqdm
 
 from forge import checkpoint
+from forge.agentic import AgenticConfig, AgenticRollouts
 from forge.buffer import ReplayBuffer
 from forge.checkpoint import RunStopped
 from forge.config import ConfigError, import_object, to_yaml
 from forge.data import DatasetConfig, FilePrompts, TaskPrompts
+from forge.gateway import Gateway
 from forge.metrics import DEFAULT_BACKENDS, MetricWriter, Reduce, discard_pending, plot_rewards, record_metric
 from forge.rollout import RolloutError, check_rollout, make_group
 from forge.service import ReplicaRestored, ServiceError
@@ -30,6 +33,7 @@ from forge.store import WeightStore, start_store, stop_store
 from forge.tasks import get_task
 from forge.tiny_model import ModelConfig
 from forge.types import collate
+from services.envs import EnvPool
 from services.generator import Generator, GeneratorConfig
 from services.reference import Reference
 from services.rewards import Rewards, check_rewards
@@ -51,6 +55,7 @@ class Config:
     max_staleness: int = 1
     rollout_tasks: int = 4  # concurrent rollout loops
     rollout: str = "forge.rollout:generate_and_score"  # one prompt -> (completions, scores)
+    agentic: AgenticConfig = field(default_factory=AgenticConfig)  # multi-turn agents or environments
     max_rollout_failures: int = 20  # rollouts failing in a row before the run stops
     sample_timeout_s: float = 600.0  # the longest wait for a batch before the run stops
     dynamic_sampling: bool = False  # drop zero-variance groups and refill (DAPO)
@@ -97,6 +102,10 @@ class Config:
         if self.trainer.total_steps is None:
             self.trainer.total_steps = self.steps
         import_object("rollout", self.rollout)
+        if self.agentic.enabled and self.rollout != Config.rollout:
+            raise ConfigError(
+                "config keys 'rollout' and 'agentic': an agent or environment makes the rollouts; set one of them"
+            )
         if not self.dataset.path:
             try:
                 get_task(self.task)
@@ -117,6 +126,8 @@ class Services:
     gen: Any
     rewards: Any
     ref: Any | None
+    gateway: Gateway | None = None  # the OpenAI API over `gen`, for agents and environments
+    envs: Any | None = None  # the environment pool
 
     @classmethod
     async def start(cls, cfg: Config) -> Services:
@@ -129,10 +140,20 @@ class Services:
         gen = await Generator.options(replicas=cfg.generator_replicas).as_service(model, cfg.generator, weights)
         rewards = await Rewards.options().as_service(cfg.task, dict(cfg.rewards))
         ref = await Reference.options().as_service(model) if cfg.trainer.loss.kl_coef > 0 else None
-        return cls(store, trainer, gen, rewards, ref)
+        s = cls(store, trainer, gen, rewards, ref)
+        if cfg.agentic.enabled:
+            s.gateway = await Gateway.start(gen, model, cfg.agentic.gateway, cfg.generator)
+        if cfg.agentic.env:
+            s.envs = await EnvPool.options(replicas=cfg.agentic.env_replicas).as_service(
+                cfg.agentic.env, cfg.agentic.envs_per_replica
+            )
+        return s
 
     async def shutdown(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.shutdown()
         await asyncio.gather(
+            *([self.envs.shutdown()] if self.envs else []),
             self.gen.shutdown(),
             self.trainer.shutdown(),
             self.rewards.shutdown(),
@@ -161,6 +182,11 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     rollout = import_object("rollout", cfg.rollout)
+    agentic = (
+        AgenticRollouts(cfg.agentic, s.gateway, s.envs, cfg.group_size, cfg.trainer.loss.normalize_std)
+        if cfg.agentic.enabled
+        else None
+    )
     trainer, gen, rewards, ref = s.trainer, s.gen, s.rewards, s.ref
     buffer = await ReplayBuffer.options().as_actor(
         capacity=cfg.batch_size * (cfg.max_staleness + 1),
@@ -218,6 +244,14 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
             while await gen.policy_version.route() < state["on_policy"]:
                 await asyncio.sleep(0.02)
         start = time.perf_counter()
+        if agentic is not None:  # multi-turn episodes through the gateway
+            episodes = await agentic.group(dataclasses.asdict(next(prompts)))
+            record_metric("time/rollout_s", time.perf_counter() - start)
+            for e in episodes:
+                record_metric("rollout_reward", e.reward)
+            if episodes:
+                await buffer.add.call_one(episodes)
+            return
         group, scores = check_rollout(await rollout(next(prompts), gen, rewards, cfg), f"rollout {cfg.rollout!r}")
         record_metric("time/rollout_s", time.perf_counter() - start)  # one group: generation + scoring
         episodes = make_group(group, scores, std_normalize=cfg.trainer.loss.normalize_std)

@@ -422,6 +422,11 @@ class Gateway:
                 self._task.result()
             await asyncio.sleep(0.02)
 
+    @property
+    def model_name(self) -> str:
+        """The name clients ask for (`model=`)."""
+        return self.cfg.served_model_name or Path(self.model).name
+
     # ---- sessions --------------------------------------------------------------------
 
     def open_session(self) -> str:

@@ -20,7 +20,7 @@ import math
 import shutil
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,8 @@ class Reduce(str, Enum):
     MAX = "max"
     MIN = "min"
     STD = "std"
+    P50 = "p50"  # percentiles keep the values of one flush interval
+    P99 = "p99"
 
 
 @dataclass
@@ -50,6 +52,7 @@ class _Acc:
     sumsq: float = 0.0
     max: float = -math.inf
     min: float = math.inf
+    values: list[float] = field(default_factory=list)  # percentile reducers only
 
     def add(self, v: float) -> None:
         self.n += 1
@@ -57,6 +60,8 @@ class _Acc:
         self.sumsq += v * v
         self.max = max(self.max, v)
         self.min = min(self.min, v)
+        if self.reduce in (Reduce.P50, Reduce.P99):
+            self.values.append(v)
 
     def merge(self, key: str, other: _Acc) -> None:
         if other.reduce != self.reduce:
@@ -66,6 +71,7 @@ class _Acc:
         self.sumsq += other.sumsq
         self.max = max(self.max, other.max)
         self.min = min(self.min, other.min)
+        self.values += other.values
 
     def value(self) -> float:
         if self.reduce is Reduce.SUM:
@@ -74,6 +80,9 @@ class _Acc:
             return self.max
         if self.reduce is Reduce.MIN:
             return self.min
+        if self.values:
+            ordered = sorted(self.values)
+            return ordered[min(len(ordered) - 1, int((0.5 if self.reduce is Reduce.P50 else 0.99) * len(ordered)))]
         mean = self.sum / self.n
         if self.reduce is Reduce.MEAN:
             return mean

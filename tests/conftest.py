@@ -20,9 +20,36 @@ def tiny_model_dir() -> Path:
     return make_tiny_model(ROOT / ".cache/forge/models/test-tiny", TinyModelSpec(sft_steps=0))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def loop():
-    """One event loop for a module whose services outlive a test (one vLLM engine per module)."""
+    """One event loop for services that outlive a test (one vLLM engine per module or session)."""
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
+
+
+@pytest.fixture(scope="session")
+def served(loop, tiny_model_dir):
+    """A store the generator follows, the generator, and a gateway with the hermes tool parser
+    (the tiny model), shared by the gateway and agentic tests."""
+
+    from forge.gateway import Gateway, GatewayConfig
+    from forge.store import WeightStore, start_store, stop_store
+    from services.generator import Generator, GeneratorConfig
+
+    async def start():
+        store = await start_store()
+        weights = WeightStore("gateway-test")
+        cfg = GeneratorConfig(max_model_len=512)
+        gen = await Generator.options().as_service(str(tiny_model_dir), cfg, weights)
+        gw = await Gateway.start(
+            gen, tiny_model_dir, GatewayConfig(tool_parser="hermes", served_model_name="tiny"), cfg
+        )
+        return store, weights, gen, gw
+
+    store, weights, gen, gw = loop.run_until_complete(start())
+    yield gw, gen, weights
+    loop.run_until_complete(gw.shutdown())
+    loop.run_until_complete(weights.clear())
+    loop.run_until_complete(gen.shutdown())
+    loop.run_until_complete(stop_store(store))

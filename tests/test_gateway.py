@@ -10,11 +10,7 @@ import openai
 import pytest
 import torch
 
-from forge.gateway import Gateway, GatewayConfig
-from forge.store import WeightStore, start_store, stop_store
-from services.generator import Generator, GeneratorConfig
-
-MODEL_NAME = "tiny"
+MODEL_NAME = "tiny"  # the session fixture `served` (conftest.py) serves the tiny model under this name
 ADD_TOOL = {
     "type": "function",
     "function": {
@@ -24,28 +20,6 @@ ADD_TOOL = {
     },
 }
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def served(loop, tiny_model_dir):
-    """A store the generator follows, the generator, and a gateway with the hermes tool parser."""
-
-    async def start():
-        store = await start_store()
-        weights = WeightStore("gateway-test")
-        cfg = GeneratorConfig(max_model_len=512)
-        gen = await Generator.options().as_service(str(tiny_model_dir), cfg, weights)
-        gw = await Gateway.start(
-            gen, tiny_model_dir, GatewayConfig(tool_parser="hermes", served_model_name=MODEL_NAME), cfg
-        )
-        return store, weights, gen, gw
-
-    store, weights, gen, gw = loop.run_until_complete(start())
-    yield gw, gen, weights
-    loop.run_until_complete(gw.shutdown())
-    loop.run_until_complete(weights.clear())
-    loop.run_until_complete(gen.shutdown())
-    loop.run_until_complete(stop_store(store))
 
 
 @pytest.fixture(scope="module")

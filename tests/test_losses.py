@@ -97,3 +97,27 @@ def test_loss_runs_on_the_device_of_its_inputs(name):
 def test_std_normalize_is_the_losses_choice():
     assert LossConfig(name="grpo").normalize_std and not LossConfig(name="dr_grpo").normalize_std
     assert LossConfig(name="dr_grpo", std_normalize=True).normalize_std
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_multi_turn_mask_trains_only_sampled_tokens(name):
+    """A multi-turn episode: prompt, the policy's turn, a tool reply, the policy again. Every loss
+    gives the prompt and the tool reply (mask 0) zero gradient, and the sampled tokens some."""
+    mask = [0, 0, 1, 1, 0, 0, 0, 1, 1]
+    ep = Episode(
+        tokens=list(range(1, 10)),
+        loss_mask=mask,
+        gen_logprobs=[-1.0 * m for m in mask],
+        advantage=0.7,
+        ref_logprobs=[-1.2] * 9,
+    )
+    other = Episode(
+        tokens=[1, 2, 3], loss_mask=[0, 1, 1], gen_logprobs=[0, -1, -1], advantage=-0.7, ref_logprobs=[-1.2] * 3
+    )
+    batch = collate([ep, other], pad_id=0)
+    lp = torch.full(batch.input_ids.shape, -1.1, requires_grad=True)
+    w = importance_weight(lp, batch.gen_logprobs, 2.0)
+    LOSSES[name](lp, batch, w, LossConfig(name=name, kl_coef=0.1)).backward()
+    grad = lp.grad[0]
+    assert all(grad[t] == 0 for t, m in enumerate(mask) if not m)
+    assert all(grad[t] != 0 for t, m in enumerate(mask) if m)

@@ -54,7 +54,15 @@ def test_record_metric_reduces_across_three_processes(tmp_path):
         return row
 
     row = asyncio.run(main())
-    expected = {"mean": np.mean(every), "sum": np.sum(every), "max": 10.0, "min": -4.0, "std": np.std(every)}
+    expected = {
+        "mean": np.mean(every),
+        "sum": np.sum(every),
+        "max": 10.0,
+        "min": -4.0,
+        "std": np.std(every),
+        "p50": 2.0,
+        "p99": 10.0,
+    }  # 7 values: the 4th and the 7th in order
     for name, value in expected.items():
         assert row[f"x_{name}"] == pytest.approx(value, rel=1e-9)
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])

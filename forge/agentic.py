@@ -1,0 +1,167 @@
+"""Agentic rollouts: GRPO groups of multi-turn episodes, each run on its own through the gateway.
+
+An episode is written one of two ways, and both end as the same Episodes:
+- an **agent** (the environment calls the framework): `async def run(client, task) -> float | dict`,
+  where `client` is an `openai.AsyncOpenAI` on the gateway with the episode's session as its
+  key and `task` the dataset row. It does whatever it does; what it returns is the reward (a
+  float, or a dict of a Score's fields).
+- an **environment** (the framework drives it): a MessageEnv (forge/env.py) made per episode in
+  the environment pool (services/envs.py), run by `run_env_episode` through the same gateway.
+The gateway's recording of the session becomes the episode's training samples (its exact
+tokens, loss mask, logprobs, versions). An agent or environment that raises or runs out of
+time costs its episode only: counted (`agent_errors`, `env_errors`), its message printed, and
+its group trains on the others (`on_failure: mask`) or is dropped (`drop`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from forge.config import ConfigError, import_object
+from forge.env import EpisodeStats, run_env_episode
+from forge.gateway import GatewayConfig
+from forge.losses import group_advantages
+from forge.metrics import Reduce, record_metric
+from forge.rollout import RolloutError
+from forge.types import Episode, Score
+
+log = logging.getLogger("forge")
+ON_FAILURE = ("mask", "drop")
+
+
+@dataclass
+class AgenticConfig:
+    """The `agentic` section of an app config: set `agent` or `env` to train through the gateway."""
+
+    agent: str | None = None  # "package.module:function": async def run(client, task) -> float | dict
+    env: str | None = None  # "package.module:name": makes a MessageEnv (a class, or a function)
+    env_replicas: int = 1  # environment actors
+    envs_per_replica: int = 64  # episodes one environment actor runs at once
+    max_turns: int = 8  # policy calls per environment episode
+    step_timeout_s: float = 60.0  # one environment step (reset, step, close)
+    episode_timeout_s: float = 600.0  # one whole episode, agent or environment
+    on_failure: str = "mask"  # a failed episode: its group trains on the rest (mask) or is dropped (drop)
+    # Chat completion parameters of the environment loop's calls (an agent sets its own).
+    sampling: dict[str, Any] = field(default_factory=dict)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.agent or self.env)
+
+    def validate(self) -> None:
+        if self.agent and self.env:
+            raise ConfigError("config keys 'agentic.agent' and 'agentic.env': set one, not both")
+        if self.on_failure not in ON_FAILURE:
+            raise ConfigError(
+                f"config key 'agentic.on_failure': {self.on_failure!r} is not one of {', '.join(ON_FAILURE)}"
+            )
+        for key in ("env_replicas", "envs_per_replica", "max_turns", "step_timeout_s", "episode_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"config key 'agentic.{key}' must be > 0, got {getattr(self, key)}")
+        if self.agent:
+            import_object("agentic.agent", self.agent)
+        if self.env:
+            import_object("agentic.env", self.env)
+
+
+@dataclass
+class EpisodeResult:
+    score: Score | None  # None: the episode failed
+    samples: list[Episode]
+    error: str | None = None
+
+
+class AgenticRollouts:
+    """Runs GRPO groups of agent or environment episodes through `gateway` (and `envs`, the
+    environment pool service, for environments)."""
+
+    def __init__(self, cfg: AgenticConfig, gateway: Any, envs: Any, group_size: int, std_normalize: bool):
+        self.cfg, self.gateway, self.envs = cfg, gateway, envs
+        self.group_size, self.std_normalize = group_size, std_normalize
+        self.agent = import_object("agentic.agent", cfg.agent) if cfg.agent else None
+
+    async def group(self, task: dict[str, Any]) -> list[Episode]:
+        """`group_size` episodes of `task`, each on its own; their samples with group-relative
+        advantages ([] when too few episodes of the group succeeded)."""
+        results = await asyncio.gather(*(self.episode(task) for _ in range(self.group_size)))
+        ok = [r for r in results if r.score is not None]
+        if len(ok) < 2 or (len(ok) < len(results) and self.cfg.on_failure == "drop"):
+            record_metric("groups_dropped", 1, Reduce.SUM)
+            return []
+        advantages = group_advantages(torch.tensor([r.score.reward for r in ok]), std_normalize=self.std_normalize)
+        out = []
+        for r, a in zip(ok, advantages.tolist()):
+            for sample in r.samples:
+                sample.score, sample.advantage = r.score, a
+                out.append(sample)
+        return out
+
+    async def episode(self, task: dict[str, Any]) -> EpisodeResult:
+        import openai
+
+        kind = "agent" if self.agent else "env"
+        session = self.gateway.open_session()
+        client = openai.AsyncOpenAI(base_url=self.gateway.base_url, api_key=session, max_retries=0)
+        start = time.monotonic()
+        score, error, stats = None, None, EpisodeStats()
+        try:
+            score, stats = await asyncio.wait_for(self._run(client, task), self.cfg.episode_timeout_s)
+        except RolloutError:
+            raise  # the agent broke its contract: every episode would
+        except Exception as e:  # this episode only: the run goes on
+            error = (
+                f"no end within {self.cfg.episode_timeout_s} s (config key 'agentic.episode_timeout_s')"
+                if isinstance(e, TimeoutError)
+                else f"{type(e).__name__}: {e}"
+            )
+            record_metric(f"{kind}_errors", 1, Reduce.SUM)
+            log.warning("forge: %s episode failed (task %s): %s", kind, _preview(task), error)
+        finally:
+            await client.close()
+            record = await self.gateway.finish(session)
+        wall = time.monotonic() - start
+        for reduce in (Reduce.MEAN, Reduce.P50, Reduce.P99):
+            record_metric(f"episode/wall_s_{reduce.value}", wall, reduce)
+        if score is None:
+            return EpisodeResult(None, [], error)
+        samples = record.samples()
+        record_metric("episode/turns", len(record.turns))
+        record_metric("episode/samples", len(samples))  # 1 when every turn extended the last
+        if self.envs is not None:
+            record_metric("episode/tool_calls", stats.tool_calls)
+            record_metric("episode/truncated", stats.truncated, Reduce.SUM)
+            for seconds in stats.env_s:
+                record_metric("env/step_s", seconds)
+        trained = sum(sum(s.loss_mask) for s in samples)
+        record_metric("tokens/trained", trained, Reduce.SUM)
+        record_metric("tokens/masked", sum(len(s.tokens) for s in samples) - trained, Reduce.SUM)
+        return EpisodeResult(score, samples)
+
+    async def _run(self, client: Any, task: dict[str, Any]) -> tuple[Score, EpisodeStats]:
+        if self.agent is not None:
+            out = await self.agent(client, task)
+            value = {"reward": out} if isinstance(out, (int, float)) else out
+            try:
+                return Score.coerce(value, f"agent {self.cfg.agent!r} returned {out!r}:"), EpisodeStats()
+            except TypeError as e:
+                raise RolloutError(f"{e} (an agent returns its reward: a float, or a dict with 'reward')") from None
+        from services.envs import RemoteEnv
+
+        env = RemoteEnv(self.envs.pinned(), uuid.uuid4().hex)
+        step, stats = await run_env_episode(
+            env, client, task, self.gateway.model_name, self.cfg.max_turns, self.cfg.step_timeout_s, self.cfg.sampling
+        )
+        return Score(step.reward, components=dict(step.info), correct=step.info.get("correct")), stats
+
+
+def _preview(task: dict[str, Any]) -> str:
+    text = repr(task.get("prompt", task))
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,199 @@
+"""Agentic rollouts: environments (in the environment pool) and unmodified agents drive
+multi-turn episodes through the gateway (the session fixture `served`); what the gateway
+recorded becomes the episodes; a failing or hanging environment or agent costs its episode."""
+
+import asyncio
+import time
+
+import pytest
+
+from forge.agentic import AgenticConfig, AgenticRollouts
+from forge.metrics import MetricWriter
+from forge.rollout import RolloutError
+from services.envs import EnvPool
+
+TASK = {"prompt": "rev abc=", "answer": "cba", "task": "reverse"}
+
+
+@pytest.fixture(scope="module")
+def pools(loop):
+    names = ("TwoStepEnv", "RaisingEnv", "HangingEnv", "FlakyEnv")
+    pools = {n: loop.run_until_complete(EnvPool.options().as_service(f"agentic_actors:{n}", 8)) for n in names}
+    yield pools
+    for p in pools.values():
+        loop.run_until_complete(p.shutdown())
+
+
+@pytest.fixture(scope="module")
+def allowed(tiny_model_dir):
+    """Letters and <|im_end|>: text that re-tokenizes to the ids sampled, so turns extend."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return tok, [tok.convert_tokens_to_ids(c) for c in "abcdefghij"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def rollouts(served, envs=None, group_size=4, **cfg):
+    gw, _, _ = served
+    return AgenticRollouts(AgenticConfig(**cfg), gw, envs, group_size, std_normalize=True)
+
+
+def metrics(loop, tmp_path) -> dict:
+    writer = MetricWriter(tmp_path, ["jsonl"])
+    try:
+        return loop.run_until_complete(writer.flush(1))
+    finally:
+        writer.close()
+
+
+def test_env_episodes_train_only_the_policys_tokens(loop, served, pools, allowed, tmp_path):
+    """Two policy turns around a tool reply, one sequence per episode: loss mask 1 exactly on
+    the tokens the generator sampled (their logprobs), 0 on the prompt and the environment's
+    reply; advantages relative to the group; the turn counts in the metrics."""
+    tok, ids = allowed
+    sampling = {"max_tokens": 5, "temperature": 1.0, "extra_body": {"allowed_token_ids": ids}}
+    r = rollouts(served, pools["TwoStepEnv"], env="agentic_actors:TwoStepEnv", max_turns=4, sampling=sampling)
+    metrics(loop, tmp_path)  # start from a clean slate
+    episodes = loop.run_until_complete(r.group(TASK))
+    row = metrics(loop, tmp_path)
+    assert len(episodes) == 4  # one sample each: the second prompt extends the first turn token for token
+    for e in episodes:
+        trained = [t for t, m in zip(e.tokens, e.loss_mask) if m]
+        assert set(trained) <= set(ids) and 2 <= len(trained) <= 10  # two turns of at most 5 sampled tokens
+        assert all((lp < 0) == bool(m) for lp, m in zip(e.gen_logprobs, e.loss_mask))  # logprobs only where sampled
+        masked = tok.decode([t for t, m in zip(e.tokens, e.loss_mask) if not m])
+        assert "rev abc=" in masked and "<tool_response>42</tool_response>" in masked  # prompt and tool: not trained
+        assert e.score.correct == 1.0 and e.reward in (0.0, 1.0)
+    rewards = [e.reward for e in episodes]
+    assert sum(e.advantage for e in episodes) == pytest.approx(0, abs=1e-5) or len(set(rewards)) == 1
+    assert row["episode/turns"] == 2 and row["episode/samples"] == 1 and row["env/step_s"] < 1
+    assert row["tokens/trained"] == sum(sum(e.loss_mask) for e in episodes)
+
+
+def test_an_unmodified_agent_trains(loop, served):
+    r = rollouts(served, agent="agentic_actors:two_call_agent")
+    episodes = loop.run_until_complete(r.group(TASK))
+    assert len(episodes) >= 4 and all(e.score.correct == 0.0 and e.reward in (0.0, 1.0) for e in episodes)
+    assert all(sum(e.loss_mask) >= 1 for e in episodes)
+
+
+def test_failures_cost_only_their_episode(loop, served, pools, tmp_path):
+    """A raising environment, a hanging one (step timeout) and a raising agent each end their
+    episodes, counted with their message, within bounded time; a group keeps its other
+    episodes (on_failure: mask) or is dropped (drop); the pool closes every environment."""
+    metrics(loop, tmp_path)
+    start = time.monotonic()
+    raising = rollouts(served, pools["RaisingEnv"], env="agentic_actors:RaisingEnv")
+    hanging = rollouts(served, pools["HangingEnv"], env="agentic_actors:HangingEnv", step_timeout_s=1.0)
+    agent = rollouts(served, agent="agentic_actors:raising_agent")
+
+    async def all_three():
+        return await asyncio.gather(raising.group(TASK), hanging.group(TASK), agent.group(TASK))
+
+    results = loop.run_until_complete(all_three())
+    assert results == [[], [], []] and time.monotonic() - start < 30
+    row = metrics(loop, tmp_path)
+    assert row["env_errors"] == 8 and row["agent_errors"] == 4 and row["groups_dropped"] == 3
+    for name in ("RaisingEnv", "HangingEnv"):
+        assert loop.run_until_complete(pools[name].open_episodes.route()) == 0
+
+    flaky = dict(env="agentic_actors:FlakyEnv", sampling={"max_tokens": 3})  # every other episode raises
+    kept = loop.run_until_complete(rollouts(served, pools["FlakyEnv"], **flaky).group(TASK))
+    dropped = loop.run_until_complete(rollouts(served, pools["FlakyEnv"], on_failure="drop", **flaky).group(TASK))
+    assert len({id(e.score) for e in kept}) == 2 and dropped == []
+    assert sum(e.advantage for e in kept) == pytest.approx(0, abs=1e-5)
+
+
+def test_an_agent_returning_no_reward_stops_the_run(loop, served):
+    with pytest.raises(RolloutError, match="agent 'agentic_actors:wrong_return_agent' returned 'done'"):
+        loop.run_until_complete(rollouts(served, agent="agentic_actors:wrong_return_agent").group(TASK))
+
+
+def test_an_openenv_environment_runs_through_the_adapter(loop, served):
+    """An environment written against OpenEnv's interfaces, served by openenv-core's own server
+    on 127.0.0.1 and reached through its websocket client, runs episodes via OpenEnvAdapter."""
+    import socket
+
+    import uvicorn
+    from openenv.core import EnvClient
+    from openenv.core.client_types import StepResult
+    from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
+
+    from forge.env import OpenEnvAdapter, run_env_episode
+
+    class Say(Action):
+        text: str
+
+    class Heard(Observation):
+        text: str = ""
+
+    class Echo(Environment):
+        """Two turns: the reward is 1 when the second message is as long as the first."""
+
+        SUPPORTS_CONCURRENT_SESSIONS = True
+
+        def __init__(self):
+            super().__init__()
+            self._state, self.said = State(episode_id="e", step_count=0), []
+
+        def reset(self, seed=None, episode_id=None, **kwargs) -> Heard:
+            self.said = []
+            return Heard(text=f"say something about {kwargs.get('topic', 'nothing')}")
+
+        def step(self, action: Say, timeout_s=None, **kwargs) -> Heard:
+            self.said.append(action.text)
+            self._state.step_count += 1
+            done = len(self.said) == 2
+            reward = float(done and len(self.said[0]) == len(self.said[1]))
+            return Heard(text="again", done=done, reward=reward)
+
+        @property
+        def state(self) -> State:
+            return self._state
+
+    class EchoClient(EnvClient):
+        def _step_payload(self, action):
+            return {"text": action.text}
+
+        def _parse_result(self, payload):
+            obs = Heard(**payload.get("observation", {}), done=payload.get("done", False), reward=payload.get("reward"))
+            return StepResult(observation=obs, reward=payload.get("reward"), done=payload.get("done", False))
+
+        def _parse_state(self, payload):
+            return State(**payload)
+
+    gw, _, _ = served
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main():
+        import openai
+
+        app = create_fastapi_app(Echo, Say, Heard, max_concurrent_envs=4)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        serving = asyncio.ensure_future(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.05)
+        try:
+            results = []
+            for _ in range(3):
+                env = OpenEnvAdapter(
+                    EchoClient(base_url=f"http://127.0.0.1:{port}"),
+                    to_action=lambda message: Say(text=message.get("content") or ""),
+                    to_messages=lambda obs: [{"role": "user", "content": obs.text}],
+                    reset_kwargs=lambda task: {"topic": task["task"]},
+                )
+                sid = gw.open_session()
+                client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=sid, max_retries=0)
+                step, stats = await run_env_episode(env, client, TASK, gw.model_name, 4, 10.0, {"max_tokens": 3})
+                results.append((step, stats, await gw.finish(sid)))
+            return results
+        finally:
+            server.should_exit = True
+            await serving
+
+    results = loop.run_until_complete(main())
+    for step, stats, record in results:
+        assert step.done and step.reward in (0.0, 1.0) and stats.turns == 2 and not stats.truncated
+        assert len(record.turns) == 2
