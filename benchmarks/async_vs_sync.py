@@ -13,8 +13,11 @@ costs have the heavy tails of agentic RL:
   takes that times a log-normal jitter (sigma 0.3).
 A step trains 8 prompts x 4 samples, with one rollout per prompt of a batch in flight
 (8 concurrent rollouts), the way a synchronous system generates a whole batch at once.
-The three runs share one set of services (warm engine, same model) and differ only in
-`max_staleness`; each trains the same number of steps. The ideal speedup comes from the
+The **agentic** variant runs the same steps through the gateway (server mode): each episode is
+a two-turn conversation with `SlowToolEnv` in the environment pool, the policy's first reply
+answered by a tool that takes the same latency distribution, the second reply ending it.
+The three runs of a variant share one set of services (warm engine, same model) and differ
+only in `max_staleness`; each trains the same number of steps. The ideal speedup comes from the
 on-policy run's own stage times: a perfect pipeline runs at the pace of its slower stage,
 rollouts (mean group time x groups per step / concurrent rollouts) or training (train +
 push per step). Writes benchmarks/results/async_vs_sync.json.
@@ -39,10 +42,14 @@ TASK_MEDIAN_S, TASK_SIGMA, TASK_CAP_S, JITTER_SIGMA = 0.098, 1.95, 6.0, 0.3  # P
 GROUP_SIZE, GROUPS, ROLLOUTS = 4, 8, 8  # one rollout per prompt of a batch, as a synchronous system generates
 
 
+def task_latency(rng: random.Random) -> float:
+    return min(TASK_CAP_S, TASK_MEDIAN_S * math.exp(TASK_SIGMA * rng.gauss(0, 1)))
+
+
 async def heavy_tail_rollout(sample: Any, gen: Any, rewards: Any, cfg: Any):
     """A rollout with heavy-tailed lengths and tool latency (the same draws for the same prompt)."""
     rng = random.Random(sample.prompt)
-    task_s = min(TASK_CAP_S, TASK_MEDIAN_S * math.exp(TASK_SIGMA * rng.gauss(0, 1)))
+    task_s = task_latency(rng)
 
     async def one(tokens: int, latency: float):
         [completion] = await gen.generate.route(sample.prompt, n=1, sampling={"max_tokens": tokens, "ignore_eos": True})
@@ -58,12 +65,45 @@ async def heavy_tail_rollout(sample: Any, gen: Any, rewards: Any, cfg: Any):
     return list(group), scores
 
 
-def config(max_staleness: int, steps: int, runs_dir: Path, model: str):
+class SlowToolEnv:
+    """A two-turn environment whose tool takes a task's latency (drawn from its prompt) times
+    a jitter of the episode's own; the second reply is scored."""
+
+    def reset(self, task: dict[str, Any]) -> tuple[list[dict[str, Any]], None]:
+        self.task, self.turn = task, 0
+        self.tool_s = task_latency(random.Random(task["prompt"])) * math.exp(JITTER_SIGMA * random.gauss(0, 1))
+        return [{"role": "user", "content": task["prompt"]}], None
+
+    async def step(self, message: dict[str, Any]) -> Any:
+        from forge.env import EnvStep
+        from forge.tasks import get_task
+
+        self.turn += 1
+        if self.turn == 1:
+            await asyncio.sleep(self.tool_s)  # the tool call
+            return EnvStep([{"role": "tool", "content": "42", "tool_call_id": "t"}])
+        return EnvStep(
+            done=True, reward=get_task(self.task["task"]).score(message.get("content") or "", self.task["answer"])
+        )
+
+    def close(self) -> None:
+        pass
+
+
+AGENTIC = {
+    "agentic.env": "benchmarks.async_vs_sync:SlowToolEnv",
+    "agentic.max_turns": 2,
+    "agentic.sampling": "{max_tokens: 6, temperature: 1.0, extra_body: {ignore_eos: true}}",
+    "generator.max_model_len": 128,
+}
+
+
+def config(max_staleness: int, steps: int, runs_dir: Path, model: str, agentic: bool = False):
     from apps.grpo import Config
     from forge.config import load_config
 
     overrides = {
-        "run_name": f"staleness_{max_staleness}",
+        "run_name": f"{'agentic_' if agentic else ''}staleness_{max_staleness}",
         "runs_dir": str(runs_dir),
         "max_staleness": max_staleness,
         "steps": steps,
@@ -79,6 +119,9 @@ def config(max_staleness: int, steps: int, runs_dir: Path, model: str):
         "trainer.lr": 1e-5,
         "trainer.grad_accum": 4,  # micro-batches of similar lengths: the long tail is not everyone's padding
     }
+    if agentic:
+        del overrides["rollout"]
+        overrides.update(AGENTIC)
     return load_config(str(ROOT / "configs/grpo_tiny.yaml"), [f"{k}={v}" for k, v in overrides.items()], Config)
 
 
@@ -98,10 +141,10 @@ def summary(run_dir: Path, steps: int) -> dict[str, float]:
     }
 
 
-async def measure(steps: int, runs_dir: Path, model: str) -> dict[int, dict[str, float]]:
+async def measure(steps: int, runs_dir: Path, model: str, agentic: bool) -> dict[int, dict[str, float]]:
     from apps.grpo import Services, train
 
-    cfgs = {k: config(k, steps, runs_dir, model) for k in (0, 1, 4)}
+    cfgs = {k: config(k, steps, runs_dir, model, agentic) for k in (0, 1, 4)}
     services = await Services.start(cfgs[0])
     modes = {}
     try:
@@ -114,44 +157,57 @@ async def measure(steps: int, runs_dir: Path, model: str) -> dict[int, dict[str,
     return modes
 
 
-def main(argv: list[str] | None = None) -> dict:
-    a = parse_args("async_vs_sync", __doc__, "4 steps per mode (smoke run)", argv)
-    steps = 4 if a.quick else 20
-    modes = asyncio.run(measure(steps, ROOT / "runs/bench_async_vs_sync", tiny_model()))
+def compare(modes: dict[int, dict[str, float]], steps: int) -> dict[str, Any]:
+    """Async and one-step off-policy against on-policy, and the ideal from the on-policy run's
+    stage times: GROUPS groups per step through ROLLOUTS concurrent rollouts, overlapped with training."""
     sync = modes[0]
-    # A perfect pipeline: GROUPS groups per step through ROLLOUTS concurrent rollouts, overlapped with training.
     ideal_step = max(sync["rollout_s_per_group"] * GROUPS / ROLLOUTS, sync["train_push_s_per_step"])
     ideal = sync["wall_s"] / steps / ideal_step
-    result = {
+    return {
         "speedup_async_vs_sync": sync["wall_s"] / modes[4]["wall_s"],
         "speedup_one_step_vs_sync": sync["wall_s"] / modes[1]["wall_s"],
         "ideal_speedup": ideal,
         "async_fraction_of_ideal": sync["wall_s"] / modes[4]["wall_s"] / ideal,
         "modes": {f"max_staleness={k}": v for k, v in modes.items()},
-        "steps": steps,
-        "workload": {
-            "group_size": GROUP_SIZE,
-            "groups_per_step": GROUPS,
-            "rollout_tasks": ROLLOUTS,
-            "short_tokens": SHORT,
-            "cap_tokens": CAP,
-            "cap_frac": 0.1,
-            "task_latency_median_s": TASK_MEDIAN_S,
-            "task_latency_sigma": TASK_SIGMA,
-            "task_latency_cap_s": TASK_CAP_S,
-            "sample_jitter_sigma": JITTER_SIGMA,
-        },
     }
-    print(f"{'max_staleness':<15}{'wall s':>9}{'speedup':>9}{'gen busy':>10}{'train busy':>12}{'staleness max':>15}")
-    for k, m in modes.items():
-        print(
-            f"{k:<15}{m['wall_s']:>9.1f}{sync['wall_s'] / m['wall_s']:>9.2f}{m['generator_busy_frac']:>10.2f}"
-            f"{m['trainer_busy_frac']:>12.2f}{m['staleness_max']:>15.0f}"
-        )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args("async_vs_sync", __doc__, "4 steps per mode (smoke run)", argv)
+    steps = 4 if a.quick else 20
+    runs, model = ROOT / "runs/bench_async_vs_sync", tiny_model()
+    result = compare(asyncio.run(measure(steps, runs, model, agentic=False)), steps)
+    result["agentic"] = compare(asyncio.run(measure(steps, runs, model, agentic=True)), steps)
+    result["steps"] = steps
+    result["workload"] = {
+        "group_size": GROUP_SIZE,
+        "groups_per_step": GROUPS,
+        "rollout_tasks": ROLLOUTS,
+        "short_tokens": SHORT,
+        "cap_tokens": CAP,
+        "cap_frac": 0.1,
+        "task_latency_median_s": TASK_MEDIAN_S,
+        "task_latency_sigma": TASK_SIGMA,
+        "task_latency_cap_s": TASK_CAP_S,
+        "sample_jitter_sigma": JITTER_SIGMA,
+        "agentic": AGENTIC,
+    }
     print(
-        f"ideal speedup {ideal:.2f} (from the on-policy run's stage times); async reaches "
-        f"{result['async_fraction_of_ideal'] * 100:.0f}% of it"
+        f"{'variant':<13}{'max_staleness':>14}{'wall s':>9}{'speedup':>9}{'gen busy':>10}{'train busy':>12}"
+        f"{'staleness max':>15}"
     )
+    for variant, r in (("single-turn", result), ("agentic", result["agentic"])):
+        sync = r["modes"]["max_staleness=0"]["wall_s"]
+        for mode, m in r["modes"].items():
+            print(
+                f"{variant:<13}{mode.split('=')[1]:>14}{m['wall_s']:>9.1f}{sync / m['wall_s']:>9.2f}"
+                f"{m['generator_busy_frac']:>10.2f}{m['trainer_busy_frac']:>12.2f}{m['staleness_max']:>15.0f}"
+            )
+    for variant, r in (("single-turn", result), ("agentic", result["agentic"])):
+        print(
+            f"{variant}: ideal speedup {r['ideal_speedup']:.2f} (from the on-policy run's stage times); "
+            f"async reaches {r['async_fraction_of_ideal'] * 100:.0f}% of it"
+        )
     return write_result(a.out, result)
 
 

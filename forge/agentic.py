@@ -6,7 +6,7 @@ An episode is written one of two ways, and both end as the same Episodes:
   key and `task` the dataset row. It does whatever it does; what it returns is the reward (a
   float, or a dict of a Score's fields).
 - an **environment** (the framework drives it): a MessageEnv (forge/env.py) made per episode in
-  the environment pool (services/envs.py), run by `run_env_episode` through the same gateway.
+  the environment pool (services/envs/), run by `run_env_episode` through the same gateway.
 The gateway's recording of the session becomes the episode's training samples (its exact
 tokens, loss mask, logprobs, versions). An agent or environment that raises or runs out of
 time costs its episode only: counted (`agent_errors`, `env_errors`), its message printed, and
@@ -45,6 +45,7 @@ class AgenticConfig:
     env_replicas: int = 1  # environment actors
     envs_per_replica: int = 64  # episodes one environment actor runs at once
     max_turns: int = 8  # policy calls per environment episode
+    max_episode_tokens: int | None = None  # an environment episode ends once its conversation is this long
     step_timeout_s: float = 60.0  # one environment step (reset, step, close)
     episode_timeout_s: float = 600.0  # one whole episode, agent or environment
     on_failure: str = "mask"  # a failed episode: its group trains on the rest (mask) or is dropped (drop)
@@ -66,6 +67,8 @@ class AgenticConfig:
         for key in ("env_replicas", "envs_per_replica", "max_turns", "step_timeout_s", "episode_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"config key 'agentic.{key}' must be > 0, got {getattr(self, key)}")
+        if self.max_episode_tokens is not None and self.max_episode_tokens <= 0:
+            raise ConfigError(f"config key 'agentic.max_episode_tokens' must be > 0, got {self.max_episode_tokens}")
         if self.agent:
             import_object("agentic.agent", self.agent)
         if self.env:
@@ -157,7 +160,14 @@ class AgenticRollouts:
 
         env = RemoteEnv(self.envs.pinned(), uuid.uuid4().hex)
         step, stats = await run_env_episode(
-            env, client, task, self.gateway.model_name, self.cfg.max_turns, self.cfg.step_timeout_s, self.cfg.sampling
+            env,
+            client,
+            task,
+            self.gateway.model_name,
+            self.cfg.max_turns,
+            self.cfg.step_timeout_s,
+            self.cfg.sampling,
+            self.cfg.max_episode_tokens,
         )
         return Score(step.reward, components=dict(step.info), correct=step.info.get("correct")), stats
 

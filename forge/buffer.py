@@ -8,7 +8,9 @@ An episode generated under policy version p may train the policy at version v on
 v - p <= max_staleness (0: on-policy). `sample` drops the stale ones first and checks the
 bound on what it returns. Places are counted per kept episode: a group whose episodes are
 all filtered out (too long; zero reward variance with `dynamic_sampling`) takes no place and blocks
-nobody. When full, `add` waits for room (back-pressure on the rollout loops).
+nobody. When full, `add` waits for room (back-pressure on the rollout loops). A group enters
+whenever the buffer is not full, so it may overshoot `capacity` by up to a group: groups of
+multi-turn episodes vary in size, and a buffer short of a batch must always take the next one.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class ReplayBuffer(ForgeActor):
         """Add one group; returns how many of its episodes were kept."""
         kept = self._keep(group)
         async with self.changed:
-            await self.changed.wait_for(lambda: len(self.episodes) + len(kept) <= max(self.capacity, len(kept)))
+            await self.changed.wait_for(lambda: len(self.episodes) < self.capacity)
             self.episodes.extend(kept)
             self.stats["added"] += len(kept)
             self.changed.notify_all()

@@ -53,7 +53,8 @@ class EpisodeStats:
     turns: int = 0  # policy calls
     tool_calls: int = 0  # calls in the assistant messages
     env_s: list[float] = field(default_factory=list)  # seconds of each environment step
-    truncated: bool = False  # ended by max_turns or the context length, not by the environment
+    tokens: int = 0  # the conversation's length in tokens after the last call (prompt + completion)
+    truncated: bool = False  # ended by max_turns, max_tokens or the context length, not by the environment
 
 
 # OpenAI response fields an assistant message sent back in the history needs (the rest are
@@ -69,9 +70,12 @@ async def run_env_episode(
     max_turns: int,
     step_timeout_s: float,
     sampling: dict[str, Any],
+    max_tokens: int | None = None,
 ) -> tuple[EnvStep, EpisodeStats]:
     """One episode of `env` with the policy behind `client` (an openai.AsyncOpenAI): returns
-    the environment's last step (its reward) and the episode's counts. The environment is
+    the environment's last step (its reward) and the episode's counts. The episode ends when the
+    environment says done, after `max_turns` policy calls, or once the conversation holds
+    `max_tokens` tokens (each reply still goes to the environment first). The environment is
     closed however the episode ends."""
     import openai
 
@@ -91,6 +95,8 @@ async def run_env_episode(
                 stats.truncated = True  # the conversation outgrew the context: the episode ends here
                 break
             stats.turns += 1
+            if r.usage is not None:
+                stats.tokens = r.usage.prompt_tokens + r.usage.completion_tokens
             message = r.choices[0].message.model_dump(exclude_none=True, include=_MESSAGE_FIELDS)
             stats.tool_calls += len(message.get("tool_calls") or [])
             messages.append(message)
@@ -99,6 +105,9 @@ async def run_env_episode(
             stats.env_s.append(time.monotonic() - start)
             messages += last.messages
             if last.done:
+                break
+            if max_tokens is not None and stats.tokens >= max_tokens:
+                stats.truncated = True
                 break
         else:
             stats.truncated = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -103,7 +104,70 @@ class Sort(Task):
         return f"sort {s}=", "".join(sorted(s))
 
 
-TASKS: dict[str, Task] = {t.name: t for t in (Reverse(), Add(), Sort())}
+class CalcTool(Task):
+    """`345+678=` -> `1023`, with a calculator tool (services/envs/calculator.py): the model
+    calls `calc 345+678`, reads the tool's answer and gives it. Three-digit sums are beyond the
+    tiny model alone; with the tool it only copies. Exact answers only."""
+
+    name = "calc"
+    CALL = re.compile(r"^calc (\d{1,4})\+(\d{1,4})$")
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        return f"{a}+{b}=", str(a + b)
+
+    def score(self, response: str, answer: str) -> float:
+        return float(response.strip() == answer)
+
+    def tool(self, call: str) -> str | None:
+        """The calculator: the sum a well-formed call asks for, else None."""
+        m = self.CALL.match(call.strip())
+        return str(int(m[1]) + int(m[2])) if m else None
+
+    def conversation(self, sample: Sample, noise: float, rng: random.Random) -> list[dict[str, str]]:
+        """A demonstration with copying mistakes: each digit the model writes (the call, then the
+        answer read from the tool) is wrong with probability `noise`; the tool answers the call made."""
+
+        def slip(text: str) -> str:
+            return "".join(rng.choice(string.digits) if c.isdigit() and rng.random() < noise else c for c in text)
+
+        call = "calc " + slip(sample.prompt[:-1])
+        result = self.tool(call) or ""
+        return [
+            {"role": "user", "content": sample.prompt},
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": result, "tool_call_id": "calc"},
+            {"role": "assistant", "content": slip(result)},
+        ]
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (Reverse(), Add(), Sort(), CalcTool())}
+
+
+def chat_tokens(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """A conversation as the chat template renders it: its token ids, and the labels to train
+    on (the assistant turns' tokens, up to and with their end-of-turn token; -100 elsewhere)."""
+    ids: list[int] = []
+    labels: list[int] = []
+    rendered = ""
+
+    def add(text: str, train: bool) -> None:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids.extend(piece)
+        labels.extend(piece if train else [-100] * len(piece))
+
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+        turn = full[len(prompt) :]
+        end = turn.rindex("<|im_end|>") + len("<|im_end|>")  # what follows it is the template's, not the model's
+        add(prompt[len(rendered) :], False)
+        add(turn[:end], True)
+        add(turn[end:], False)
+        rendered = full
+    return ids, labels
 
 
 def get_task(name: str) -> Task:

@@ -177,15 +177,19 @@ def sft(
     losses = []
     for _ in range(steps):
         samples = [t.sample(rng) for _ in range(batch_size)]
-        prompts = [tokenizer(s.prompt)["input_ids"] for s in samples]
-        texts = [tasks.corrupt(s.answer, noise, rng) if noise else s.answer for s in samples]
-        answers = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in texts]
-        width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+        if hasattr(t, "conversation"):  # a multi-turn task: whole conversations, loss on the assistant's turns
+            rows = [tasks.chat_tokens(tokenizer, t.conversation(s, noise, rng)) for s in samples]
+        else:
+            prompts = [tokenizer(s.prompt)["input_ids"] for s in samples]
+            texts = [tasks.corrupt(s.answer, noise, rng) if noise else s.answer for s in samples]
+            answers = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in texts]
+            rows = [(p + a, [-100] * len(p) + a) for p, a in zip(prompts, answers)]
+        width = max(len(r) for r, _ in rows)
         ids = torch.full((batch_size, width), tokenizer.pad_token_id)
         labels = torch.full((batch_size, width), -100)
-        for i, (p, a) in enumerate(zip(prompts, answers)):
-            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+        for i, (row, label) in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+            labels[i, : len(label)] = torch.tensor(label)
         loss = model(
             input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id), labels=labels
         ).loss

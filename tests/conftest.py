@@ -28,10 +28,11 @@ def loop():
     loop.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def served(loop, tiny_model_dir):
     """A store the generator follows, the generator, and a gateway with the hermes tool parser
-    (the tiny model), shared by the gateway and agentic tests."""
+    (the tiny model), shared by a module's tests. Per module, not per session: TorchStore is
+    one per process, and tests elsewhere start their own."""
 
     from forge.gateway import Gateway, GatewayConfig
     from forge.store import WeightStore, start_store, stop_store

@@ -1,5 +1,5 @@
 """Agentic rollouts: environments (in the environment pool) and unmodified agents drive
-multi-turn episodes through the gateway (the session fixture `served`); what the gateway
+multi-turn episodes through the gateway (the fixture `served`); what the gateway
 recorded becomes the episodes; a failing or hanging environment or agent costs its episode."""
 
 import asyncio
@@ -68,6 +68,16 @@ def test_env_episodes_train_only_the_policys_tokens(loop, served, pools, allowed
     assert sum(e.advantage for e in episodes) == pytest.approx(0, abs=1e-5) or len(set(rewards)) == 1
     assert row["episode/turns"] == 2 and row["episode/samples"] == 1 and row["env/step_s"] < 1
     assert row["tokens/trained"] == sum(sum(e.loss_mask) for e in episodes)
+
+
+def test_max_episode_tokens_ends_an_episode(loop, served, pools, tmp_path):
+    metrics(loop, tmp_path)
+    r = rollouts(
+        served, pools["TwoStepEnv"], env="agentic_actors:TwoStepEnv", max_episode_tokens=1, sampling={"max_tokens": 3}
+    )
+    episodes = loop.run_until_complete(r.group(TASK))
+    row = metrics(loop, tmp_path)
+    assert len(episodes) == 4 and row["episode/turns"] == 1 and row["episode/truncated"] == 4
 
 
 def test_an_unmodified_agent_trains(loop, served):
@@ -197,3 +207,22 @@ def test_an_openenv_environment_runs_through_the_adapter(loop, served):
     for step, stats, record in results:
         assert step.done and step.reward in (0.0, 1.0) and stats.turns == 2 and not stats.truncated
         assert len(record.turns) == 2
+
+
+def test_the_calculator_environment():
+    """The `calc` task's tool as a MessageEnv: a call gets the sum in a tool message, the next
+    reply is scored; a malformed call ends the episode at 0."""
+    from services.envs.calculator import Calculator
+
+    env = Calculator()
+    messages, tools = env.reset({"prompt": "345+678=", "answer": "1023", "task": "calc"})
+    assert messages == [{"role": "user", "content": "345+678="}] and tools is None
+    step = env.step({"role": "assistant", "content": "calc 345+678"})
+    assert not step.done and step.messages[0]["role"] == "tool" and step.messages[0]["content"] == "1023"
+    assert env.step({"role": "assistant", "content": "1023"}).reward == 1.0
+    env.reset({"prompt": "345+678=", "answer": "1023", "task": "calc"})
+    assert env.step({"role": "assistant", "content": "calc 345+687"}).messages[0]["content"] == "1032"
+    assert env.step({"role": "assistant", "content": "1032"}).reward == 0.0  # the sum of a wrong call: wrong
+    env.reset({"prompt": "345+678=", "answer": "1023", "task": "calc"})
+    bad = env.step({"role": "assistant", "content": "1023"})  # no call
+    assert bad.done and bad.reward == 0.0 and bad.info["malformed_call"] == 1.0

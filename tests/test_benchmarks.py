@@ -46,9 +46,11 @@ def test_quick_benchmark_writes_json(tmp_path, name, keys):
 
 
 def test_async_vs_sync_quick_through_forge_bench(tmp_path):
+    """Both variants: single-turn rollouts, and two-turn environment episodes through the gateway."""
     _, data = bench(tmp_path, "async_vs_sync", through_cli=True)
-    for key in ("speedup_async_vs_sync", "speedup_one_step_vs_sync", "ideal_speedup"):
-        assert data[key] > 0
-    for mode, bound in (("max_staleness=0", 0), ("max_staleness=1", 1), ("max_staleness=4", 4)):
-        assert data["modes"][mode]["staleness_max"] <= bound
-        assert data["modes"][mode]["generator_busy_frac"] > 0 and data["modes"][mode]["trainer_busy_frac"] > 0
+    for variant in (data, data["agentic"]):
+        for key in ("speedup_async_vs_sync", "speedup_one_step_vs_sync", "ideal_speedup"):
+            assert variant[key] > 0
+        for mode, bound in (("max_staleness=0", 0), ("max_staleness=1", 1), ("max_staleness=4", 4)):
+            assert variant["modes"][mode]["staleness_max"] <= bound
+            assert variant["modes"][mode]["generator_busy_frac"] > 0 and variant["modes"][mode]["trainer_busy_frac"] > 0

@@ -83,3 +83,22 @@ def test_sample_that_drops_stale_wakes_blocked_adds():
             await buf.shutdown()
 
     asyncio.run(main())
+
+
+def test_groups_of_any_size_never_wedge_a_batch():
+    """Agentic groups vary in size (an episode whose turns do not extend is several samples):
+    a buffer short of a batch takes the next group even when it overshoots capacity."""
+
+    async def main():
+        buf = await ReplayBuffer.options().as_actor(capacity=4, max_staleness=0)
+        try:
+            assert await buf.add.call_one(group(0, rewards=(0.0, 1.0, 0.5))) == 3
+            assert await asyncio.wait_for(buf.add.call_one(group(0, rewards=(0.0, 1.0, 0.5))), 5) == 3
+            blocked = asyncio.ensure_future(buf.add.call_one(group(0)))  # 6 held: full until a sample
+            await asyncio.sleep(0.3)
+            assert not blocked.done()
+            assert len(await buf.sample.call_one(4, 0, timeout_s=5)) == 4 and await blocked == 2
+        finally:
+            await buf.shutdown()
+
+    asyncio.run(main())

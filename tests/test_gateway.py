@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-MODEL_NAME = "tiny"  # the session fixture `served` (conftest.py) serves the tiny model under this name
+MODEL_NAME = "tiny"  # the fixture `served` (conftest.py) serves the tiny model under this name
 ADD_TOOL = {
     "type": "function",
     "function": {

@@ -110,6 +110,33 @@ def test_gpu_gsm8k_config_is_valid(tmp_path, tiny_model_dir):
     assert cfg.trainer.param_dtype == "bfloat16" and cfg.batch_size == 128
 
 
+def test_gpu_tool_config_is_valid(tmp_path, tiny_model_dir):
+    """The documented multi-turn tool config loads with its paths replaced; its environment
+    answers a calculator call and scores the final answer."""
+    from test_data import gsm8k_like
+
+    from forge.config import import_object
+
+    data = gsm8k_like(tmp_path / "train.jsonl")
+    cfg = load_config(
+        "configs/grpo_qwen3_1.7b_gsm8k_tools.yaml", [f"model.path={tiny_model_dir}", f"dataset.path={data}"], Config
+    )
+    assert cfg.agentic.enabled and cfg.agentic.gateway.tool_parser == "hermes" and cfg.batch_size == 128
+    assert cfg.agentic.sampling["extra_body"]["chat_template_kwargs"] == {"enable_thinking": False}
+    env = import_object("agentic.env", cfg.agentic.env)()
+    messages, tools = env.reset({"prompt": "2 boxes of 36?", "answer": "... #### 72"})
+    assert tools[0]["function"]["name"] == "calculator"
+    call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2*36"}'}}
+    step = env.step({"role": "assistant", "content": "", "tool_calls": [call]})
+    assert step.messages == [{"role": "tool", "tool_call_id": "c1", "content": "72"}] and not step.done
+    bad = {**call, "function": {"name": "calculator", "arguments": '{"expression": "__import__(1)"}'}}
+    assert (
+        env.step({"role": "assistant", "tool_calls": [bad]}).messages[0]["content"].startswith("error: not arithmetic")
+    )
+    done = env.step({"role": "assistant", "content": "So #### 72"})
+    assert done.done and done.reward == 1.0 and done.info["tool_calls"] == 2
+
+
 def test_ctrl_c_saves_and_leaves_no_processes(tmp_path):
     """SIGINT mid-run: a checkpoint of the step reached, exit, and no process left behind."""
     import os

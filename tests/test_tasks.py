@@ -76,3 +76,33 @@ def test_corrupt_keeps_kind_and_rate():
     assert 0.2 < changed < 0.33  # p = 0.3, minus replacements that drew the same character
     assert all(a.isdigit() == b.isdigit() for a, b in zip(text, noisy)) and set(noisy) <= set(text)
     assert tasks.corrupt(text, 0.0, rng) == text
+
+
+def test_calc_tool_and_its_demonstrations(tiny_model_dir):
+    """The calculator answers well-formed calls only; a clean demonstration calls it with the
+    prompt's sum and gives the tool's answer; chat_tokens trains exactly the assistant turns
+    (each through its <|im_end|>), never the prompt or the tool's reply."""
+    from transformers import AutoTokenizer
+
+    calc = tasks.get_task("calc")
+    assert calc.tool("calc 345+678") == "1023" and calc.tool(" calc 1+2 ") == "3"
+    assert calc.tool("345+678") is None and calc.tool("calc 3x5+6") is None and calc.tool("calc 1+2 then") is None
+    for s in tasks.generate("calc", 100, seed=2):
+        a, b = s.prompt[:-1].split("+")
+        assert s.answer == str(int(a) + int(b)) and calc.score(s.answer, s.answer) == 1.0
+        assert calc.score(s.answer[:-1], s.answer) == 0.0  # exact answers only
+
+    s = tasks.generate("calc", 1, seed=4)[0]
+    clean = calc.conversation(s, 0.0, random.Random(0))
+    assert [m["role"] for m in clean] == ["user", "assistant", "tool", "assistant"]
+    assert clean[1]["content"] == "calc " + s.prompt[:-1] and clean[2]["content"] == clean[3]["content"] == s.answer
+    noisy = [calc.conversation(s, 0.5, random.Random(k)) for k in range(20)]
+    assert any(c[1]["content"] != clean[1]["content"] for c in noisy)
+    assert all(c[2]["content"] == (calc.tool(c[1]["content"]) or "") for c in noisy)  # the tool answers the call made
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids, labels = tasks.chat_tokens(tok, clean)
+    assert ids == tok.apply_chat_template(clean, tokenize=True, return_dict=False)
+    trained = [i for i, label in zip(ids, labels) if label != -100]
+    assert trained == [i for i, label in zip(ids, labels) if label == i] and len(labels) == len(ids)
+    assert tok.decode(trained) == f"calc {s.prompt[:-1]}<|im_end|>{s.answer}<|im_end|>"

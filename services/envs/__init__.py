@@ -1,6 +1,6 @@
 """Environment pool: N environment actors, each running up to `capacity` episodes at once.
 
-    pool = await EnvPool.options(replicas=4).as_service("forge.toy_env:Calculator", capacity=64)
+    pool = await EnvPool.options(replicas=4).as_service("services.envs.calculator:Calculator", capacity=64)
     env = RemoteEnv(pool.pinned(), episode_id)       # a MessageEnv; every call on one actor
     messages, tools = await env.reset(task)
 
