@@ -11,7 +11,6 @@ rewards with `rewards`, the rollout (multi-turn, tools) with `rollout`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,7 +244,7 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
                 await asyncio.sleep(0.02)
         start = time.perf_counter()
         if agentic is not None:  # multi-turn episodes through the gateway
-            episodes = await agentic.group(dataclasses.asdict(next(prompts)))
+            episodes = await agentic.group(next(prompts).row())
             record_metric("time/rollout_s", time.perf_counter() - start)
             for e in episodes:
                 record_metric("rollout_reward", e.reward)

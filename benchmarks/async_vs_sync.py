@@ -61,7 +61,9 @@ async def heavy_tail_rollout(sample: Any, gen: Any, rewards: Any, cfg: Any):
         for _ in range(cfg.group_size)
     ]
     group = await asyncio.gather(*(one(*d) for d in draws))
-    scores = await rewards.score.route([(sample.answer, c.text, c.finish_reason) for c in group])
+    from forge.types import RewardInput
+
+    scores = await rewards.score.route([RewardInput(sample.row(), c.text, c.finish_reason) for c in group])
     return list(group), scores
 
 

@@ -7,6 +7,8 @@ wrong and where it came from, so `forge run` can print one line instead of a tra
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -132,6 +134,10 @@ def import_object(key: str, path: str) -> Any:
     module, _, name = path.partition(":")
     if not module or not name:
         raise ConfigError(f"config key {key!r}: expected 'package.module:name', got {path!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        # `python -m` puts the working directory on sys.path, the `forge` console script does not:
+        # a user's module beside their config imports the same either way.
+        sys.path.insert(0, os.getcwd())
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:

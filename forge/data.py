@@ -92,5 +92,8 @@ class FilePrompts(IndexedPrompts):
             self._order = (epoch, order)
         row = self.rows[self._order[1][i]]
         return Sample(
-            prompt=self.cfg.template.format(**row), answer=str(row[self.cfg.answer_key]), task=Path(self.cfg.path).stem
+            prompt=self.cfg.template.format(**row),
+            answer=str(row[self.cfg.answer_key]),
+            task=Path(self.cfg.path).stem,
+            meta=dict(row),
         )

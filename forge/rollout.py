@@ -12,7 +12,7 @@ import torch
 
 from forge.losses import group_advantages
 from forge.tasks import Sample
-from forge.types import Completion, Episode, Score
+from forge.types import Completion, Episode, RewardInput, Score
 
 
 class RolloutError(TypeError):
@@ -25,7 +25,7 @@ async def generate_and_score(sample: Sample, gen: Any, rewards: Any, cfg: Any) -
     the reward service. A custom rollout has this signature (`cfg` is the app's config) and
     returns Scores, or dicts of a Score's fields."""
     group = await gen.generate.route(sample.prompt, n=cfg.group_size)
-    scores = await rewards.score.route([(sample.answer, c.text, c.finish_reason) for c in group])
+    scores = await rewards.score.route([RewardInput(sample.row(), c.text, c.finish_reason) for c in group])
     return group, scores
 
 

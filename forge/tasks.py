@@ -12,8 +12,9 @@ import json
 import random
 import re
 import string
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 LETTERS = string.ascii_lowercase[:10]  # the letter tasks' alphabet
 
@@ -23,6 +24,11 @@ class Sample:
     prompt: str
     answer: str
     task: str
+    meta: dict[str, Any] = field(default_factory=dict)  # a dataset file's other columns
+
+    def row(self) -> dict[str, Any]:
+        """The task as rewards and agents see it: the file's columns, then prompt, answer, task."""
+        return {**self.meta, "prompt": self.prompt, "answer": self.answer, "task": self.task}
 
 
 def char_overlap(response: str, answer: str) -> float:

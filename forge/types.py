@@ -42,6 +42,24 @@ class Completion:
 
 
 @dataclass
+class RewardInput:
+    """What a reward function sees of one sample."""
+
+    task: dict[str, Any]  # the dataset row: prompt, answer, task, and a dataset file's other columns
+    completion: str  # the policy's text (in a multi-turn episode, its last message)
+    finish_reason: str = "stop"
+    messages: list[dict[str, Any]] | None = None  # a multi-turn episode's whole conversation
+
+    @property
+    def prompt(self) -> str:
+        return self.task["prompt"]
+
+    @property
+    def answer(self) -> str:
+        return self.task["answer"]
+
+
+@dataclass
 class Score:
     """What the reward service, or a custom rollout, says of one sample."""
 

@@ -1,24 +1,34 @@
-"""Reward service: rule/verifier rewards (toy tasks, math final answers), plus a format reward.
+"""Reward service: built-in rule/verifier rewards (toy tasks, math final answers, format) and
+users' own reward functions, by import path.
 
-    rewards = await Rewards.options().as_service(task="reverse", rewards={"task": 1.0, "format": 0.1})
-    scores = await rewards.score.route([(answer, completion_text, finish_reason), ...])  # [Score]
+    rewards = await Rewards.options().as_service(task="reverse", rewards={"task": 1.0, "my.module:fn": 0.5})
+    scores = await rewards.score.route([RewardInput(task_row, completion_text, finish_reason), ...])  # [Score]
 
-Each reward is a function (answer, text, finish_reason) -> float (see `make_rewards`). One
-that raises scores 0 for that sample and marks its Score failed: it never ends the run.
+A built-in reward is a function (answer, text, finish_reason) -> float (see `make_rewards`). A
+user's reward function ("package.module:function") receives the whole sample, a
+`forge.types.RewardInput` (the task row with its columns, prompt, completion, finish reason,
+the messages of a multi-turn episode), and returns a float or a dict of named components (its
+reward is the dict's `reward`, else the sum of the rest); it may be sync (run in a thread) or
+async. A reward that raises scores 0 for that sample and marks its Score failed: it never ends
+the run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import string
 from collections.abc import Callable
+from typing import Any
 
 from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
+from forge.config import ConfigError, import_object
+from forge.env import call
 from forge.tasks import TASKS, get_task
-from forge.types import Score
+from forge.types import RewardInput, Score
 
 log = logging.getLogger("forge")
 RewardFn = Callable[[str, str, str], float]
@@ -71,13 +81,40 @@ def make_rewards(task: str) -> dict[str, RewardFn]:
     return rewards
 
 
+def user_reward(name: str) -> Callable[[RewardInput], Any]:
+    """The reward function a "package.module:function" name imports, checked callable."""
+    fn = import_object(f"rewards.{name}", name)
+    if not callable(fn):
+        raise ConfigError(f"config key 'rewards.{name}': {type(fn).__name__} is not a function")
+    return fn
+
+
 def check_rewards(task: str, weights: dict[str, float]) -> None:
+    """Every name is a built-in reward or an importable function (imported here, before anything spawns)."""
     known = make_rewards(task)
-    unknown = sorted(set(weights) - set(known))
+    unknown = sorted(n for n in weights if n not in known and ":" not in n)
     if unknown:
-        raise ValueError(f"unknown reward(s) {unknown} (config key 'rewards'); known: {', '.join(known)}")
+        raise ValueError(
+            f"unknown reward(s) {unknown} (config key 'rewards'); known: {', '.join(known)}, "
+            "or a function 'package.module:function'"
+        )
     if not weights:
         raise ValueError("config key 'rewards' is empty: name at least one reward")
+    for name in weights:
+        if ":" in name:
+            user_reward(name)
+
+
+def _parts(name: str, value: Any) -> tuple[float, dict[str, float]]:
+    """A user reward's value: a number, or a dict of named components (`reward`: the value,
+    else their sum; `correct` feeds `accuracy`)."""
+    if isinstance(value, dict):
+        parts = {k: float(v) for k, v in value.items()}
+        total = parts.pop("reward") if "reward" in parts else sum(v for k, v in parts.items() if k != "correct")
+        return total, parts
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"returned {value!r}: a reward function returns a float or a dict of floats")
+    return float(value), {}
 
 
 class Rewards(ForgeActor):
@@ -89,29 +126,41 @@ class Rewards(ForgeActor):
 
     def __init__(self, task: str, rewards: dict[str, float]):
         self.task, self.weights = task, dict(rewards)
-        self.fns = {name: fn for name, fn in make_rewards(task).items() if name in rewards}
+        builtin = make_rewards(task)
+        self.builtin = {name: fn for name, fn in builtin.items() if name in rewards}
+        self.user = {name: user_reward(name) for name in rewards if name not in builtin}
 
     @endpoint
-    async def score(self, samples: list[tuple[str, str, str]]) -> list[Score]:
-        """For each (answer, text, finish_reason): the weighted total, each component, and
-        `correct` (the `math` reward when configured, else exact match)."""
-        out = []
-        for answer, text, finish in samples:
-            parts, errors = {}, []
-            for name, fn in self.fns.items():
-                try:
-                    parts[name] = float(fn(answer, text, finish))
-                except Exception as e:  # a broken reward scores 0 and is counted, the run goes on
-                    log.warning("forge: reward %r failed on %r: %s", name, text[:40], e)
-                    parts[name] = 0.0
-                    errors.append(f"{name}: {type(e).__name__}: {e}")
-            correct = parts["math"] if "math" in parts else exact_reward(answer, text, finish)
-            out.append(
-                Score(
-                    reward=sum(self.weights[n] * parts[n] for n in self.fns),
-                    components=parts,
-                    correct=correct,
-                    error="; ".join(errors) or None,
-                )
-            )
-        return out
+    async def score(self, samples: list[RewardInput]) -> list[Score]:
+        """For each sample: the weighted total, each component, and `correct` (a user reward's
+        `correct`, else the `math` reward when configured, else exact match)."""
+        return list(await asyncio.gather(*(self._score(s) for s in samples)))
+
+    async def _score(self, s: RewardInput) -> Score:
+        parts, errors, correct = {}, [], None
+        for name, fn in self.builtin.items():
+            try:
+                parts[name] = float(fn(s.answer, s.completion, s.finish_reason))
+            except Exception as e:  # a broken reward scores 0 and is counted, the run goes on
+                parts[name] = self._failed(name, s, e, errors)
+        for name, fn in self.user.items():
+            try:
+                parts[name], named = _parts(name, await call(fn, s))
+            except Exception as e:
+                parts[name], named = self._failed(name, s, e, errors), {}
+            correct = named.pop("correct", correct)
+            parts.update({f"{name}/{k}": v for k, v in named.items()})
+        if correct is None:
+            correct = parts["math"] if "math" in parts else exact_reward(s.answer, s.completion, s.finish_reason)
+        return Score(
+            reward=sum(w * parts[n] for n, w in self.weights.items()),
+            components=parts,
+            correct=correct,
+            error="; ".join(errors) or None,
+        )
+
+    @staticmethod
+    def _failed(name: str, s: RewardInput, e: Exception, errors: list[str]) -> float:
+        log.warning("forge: reward %r failed on %r: %s", name, s.completion[:40], e)
+        errors.append(f"{name}: {type(e).__name__}: {e}")
+        return 0.0

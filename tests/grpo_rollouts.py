@@ -1,4 +1,5 @@
-"""Custom GRPO rollouts that break the contract, for tests/test_grpo.py (imported by name)."""
+"""Custom GRPO rollouts that break the contract, and user reward functions, for
+tests/test_grpo.py and tests/test_rewards.py (imported by name)."""
 
 import asyncio
 
@@ -16,3 +17,33 @@ async def always_raises(sample, gen, rewards, cfg):
 
 async def never_returns(sample, gen, rewards, cfg):
     await asyncio.Event().wait()
+
+
+CUTOFF = 3  # not a function: a config naming it fails before anything spawns
+
+
+def length_reward(sample):
+    """A sync user reward: 1 when the completion is no longer than the row's `max_len` column."""
+    return float(len(sample.completion) <= sample.task["max_len"])
+
+
+async def graded_reward(sample):
+    """An async user reward with named components; its `correct` feeds `accuracy`."""
+    await asyncio.sleep(0)
+    stopped = 0.5 * (sample.finish_reason == "stop")
+    digits = 0.25 * sample.completion.isdigit()
+    return {
+        "reward": stopped + digits,
+        "stopped": stopped,
+        "digits": digits,
+        "correct": float(sample.completion == sample.answer),
+    }
+
+
+def knows_its_task(sample):
+    """1 when the sample is the reverse task's, with its prompt, answer and row; raises otherwise
+    (a raising reward scores 0: a GRPO run using it shows every reward went through it)."""
+    row = sample.task
+    if not (row["task"] == "reverse" and sample.prompt.startswith("rev ") and row["answer"] == sample.answer):
+        raise ValueError(f"unexpected sample {row}")
+    return 1.0

@@ -56,10 +56,13 @@ def rows(run_dir):
 
 
 def test_grpo_steps_then_resume(tmp_path):
-    run(CONFIG, small(tmp_path))
+    """Steps, a checkpoint, resume; with a user's reward function by import path beside the
+    built-in partial credit (it adds 1 to every reward, or 0 had it failed)."""
+    run(CONFIG, small(tmp_path, rewards="{task: 1.0, grpo_rollouts:knows_its_task: 1.0}"))
     run_dir = tmp_path / "e2e"
     first = rows(run_dir)
     assert [r["step"] for r in first] == [1, 2, 3]
+    assert all(r["reward_mean"] >= 1.0 and r.get("reward_failures", 0) == 0 for r in first)
     assert all(FIELDS <= r.keys() for r in first), FIELDS - first[0].keys()
     assert all(r["staleness_max"] <= 1 for r in first)  # every trained episode within max_staleness
     trained = load_file(run_dir / "model/model.safetensors")

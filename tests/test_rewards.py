@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from forge.types import Score
+from forge.config import ConfigError
+from forge.types import RewardInput, Score
 from services.rewards import Rewards, check_rewards, final_number, math_reward
 
 
@@ -33,13 +34,18 @@ def test_math_reward():
 def test_unknown_reward_names_what_is_known():
     with pytest.raises(ValueError, match=r"unknown reward\(s\) \['task'\].*known: exact, math, format"):
         check_rewards("gsm8k", {"task": 1.0})  # partial credit exists only for toy tasks
+    with pytest.raises(ConfigError, match="config key 'rewards.grpo_rollouts:nope': cannot import"):
+        check_rewards("gsm8k", {"grpo_rollouts:nope": 1.0})  # a user's function is imported before anything spawns
+    with pytest.raises(ConfigError, match="'rewards.grpo_rollouts:CUTOFF': int is not a function"):
+        check_rewards("gsm8k", {"grpo_rollouts:CUTOFF": 1.0})
 
 
 def test_reward_service_weights_and_failures():
     async def main():
         svc = await Rewards.options().as_service("gsm8k", {"math": 1.0, "format": 0.5})
         try:
-            return await svc.score.route([("#### 7", "7", "stop"), ("#### 7", "8", "length"), ("seven", "7", "stop")])
+            rows = [("#### 7", "7", "stop"), ("#### 7", "8", "length"), ("seven", "7", "stop")]
+            return await svc.score.route([RewardInput({"prompt": "3+4?", "answer": a}, t, f) for a, t, f in rows])
         finally:
             await svc.shutdown()
 
@@ -49,3 +55,35 @@ def test_reward_service_weights_and_failures():
     # the reference has no number: the math reward raises, scores 0 and is marked; the run goes on
     assert broken.components["math"] == 0.0 and broken.reward == 0.5
     assert broken.failed and "math: ValueError: reference answer 'seven' has no number" in broken.error
+
+
+def test_user_reward_functions_see_the_whole_sample():
+    """Reward functions by import path, sync and async, next to a built-in: each sees the task
+    row (with a dataset's extra columns) and returns a float or named components; one that
+    raises or returns nonsense scores 0 for its sample, marked failed."""
+
+    async def main():
+        svc = await Rewards.options().as_service(
+            "gsm8k", {"exact": 1.0, "grpo_rollouts:length_reward": 0.5, "grpo_rollouts:graded_reward": 2.0}
+        )
+        try:
+            task = {"prompt": "3+4?", "answer": "7", "task": "sums", "max_len": 2}
+            good = RewardInput(task, "7", "stop")
+            long = RewardInput(task, "7777", "length")
+            broken = RewardInput({**task, "max_len": "two"}, "7", "stop")
+            return await svc.score.route([good, long, broken])
+        finally:
+            await svc.shutdown()
+
+    good, long, broken = asyncio.run(main())
+    assert good.components == {
+        "exact": 1.0,
+        "grpo_rollouts:length_reward": 1.0,
+        "grpo_rollouts:graded_reward": 0.75,
+        "grpo_rollouts:graded_reward/stopped": 0.5,
+        "grpo_rollouts:graded_reward/digits": 0.25,
+    }
+    assert good.reward == pytest.approx(1.0 + 0.5 + 2 * 0.75) and good.correct == 1.0 and not good.failed
+    assert long.components["grpo_rollouts:length_reward"] == 0.0 and long.correct == 0.0  # graded's `correct`
+    assert broken.failed and "grpo_rollouts:length_reward: TypeError" in broken.error
+    assert broken.components["grpo_rollouts:length_reward"] == 0.0 and broken.components["exact"] == 1.0
