@@ -12,7 +12,7 @@ import json
 import random
 import re
 import string
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +196,6 @@ def write_dataset(path: str | Path, task: str, n: int = 10_000, seed: int = 0) -
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w") as f:
         for s in generate(task, n, seed):
-            f.write(json.dumps(asdict(s)) + "\n")
+            f.write(json.dumps(s.row()) + "\n")
     tmp.replace(path)
     return path
