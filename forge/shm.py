@@ -73,10 +73,18 @@ def run_dir() -> Path:
     first use). Pass it to the processes that write for this run (a WeightStore carries it)."""
     global _RUN_DIR
     if _RUN_DIR is None or not _RUN_DIR.is_dir():
-        sweep_dead_runs()
-        _RUN_DIR = ROOT / f"run-{os.getpid()}-{_start_time(os.getpid())}"
-        _RUN_DIR.mkdir(parents=True, exist_ok=True)
+        _RUN_DIR = owned_dir(ROOT)
     return _RUN_DIR
+
+
+def owned_dir(root: Path, mode: int = 0o755) -> Path:
+    """root/run-<pid>-<start time>: a directory of this process's, made after removing those
+    of processes that are gone (the sandbox keeps its working directories this way too)."""
+    sweep_dead_runs(root)
+    d = root / f"run-{os.getpid()}-{_start_time(os.getpid())}"
+    d.mkdir(parents=True, exist_ok=True)
+    d.chmod(mode)
+    return d
 
 
 def remove_run_dir() -> None:

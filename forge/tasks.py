@@ -57,6 +57,10 @@ class Task:
         prompt, answer = self.make(rng)
         return Sample(prompt=prompt, answer=answer, task=self.name)
 
+    def corrupt(self, answer: str, noise: float, rng: random.Random) -> str:
+        """A noisy demonstration of `answer` (the SFT warm start's)."""
+        return corrupt(answer, noise, rng)
+
     def score(self, response: str, answer: str) -> float:
         """1.0 for an exact answer; otherwise half the positional overlap (so that a
         near miss still gives a learning signal but never looks like a solve)."""
@@ -147,7 +151,23 @@ class CalcTool(Task):
         ]
 
 
-TASKS: dict[str, Task] = {t.name: t for t in (Reverse(), Add(), Sort(), CalcTool())}
+class PrintReverse(Reverse):
+    """`py rev abc=` -> `print('cba')`: a Python line that prints the reversed string. Its
+    `expected_output` column lets the `code_tests` reward run the program in the sandbox and
+    check what it prints; `score` (partial credit on the program's text) serves evaluation
+    without a sandbox. Noisy demonstrations misspell the printed letters only."""
+
+    name = "pyrev"
+
+    def sample(self, rng: random.Random) -> Sample:
+        prompt, reversed_ = self.make(rng)
+        return Sample(f"py {prompt}", f"print('{reversed_}')", self.name, {"expected_output": reversed_})
+
+    def corrupt(self, answer: str, noise: float, rng: random.Random) -> str:
+        return f"print('{corrupt(answer[7:-2], noise, rng)}')"
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (Reverse(), Add(), Sort(), CalcTool(), PrintReverse())}
 
 
 def chat_tokens(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:

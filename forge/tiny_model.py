@@ -181,7 +181,7 @@ def sft(
             rows = [tasks.chat_tokens(tokenizer, t.conversation(s, noise, rng)) for s in samples]
         else:
             prompts = [tokenizer(s.prompt)["input_ids"] for s in samples]
-            texts = [tasks.corrupt(s.answer, noise, rng) if noise else s.answer for s in samples]
+            texts = [t.corrupt(s.answer, noise, rng) if noise else s.answer for s in samples]
             answers = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in texts]
             rows = [(p + a, [-100] * len(p) + a) for p, a in zip(prompts, answers)]
         width = max(len(r) for r, _ in rows)

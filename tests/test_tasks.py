@@ -106,3 +106,14 @@ def test_calc_tool_and_its_demonstrations(tiny_model_dir):
     trained = [i for i, label in zip(ids, labels) if label != -100]
     assert trained == [i for i, label in zip(ids, labels) if label == i] and len(labels) == len(ids)
     assert tok.decode(trained) == f"calc {s.prompt[:-1]}<|im_end|>{s.answer}<|im_end|>"
+
+
+def test_pyrev_asks_for_a_program_and_keeps_what_it_must_print():
+    t = tasks.get_task("pyrev")
+    for s in tasks.generate("pyrev", 100, seed=2):
+        letters = s.prompt[len("py rev ") : -1]
+        assert s.answer == f"print('{letters[::-1]}')" and s.row()["expected_output"] == letters[::-1]
+    rng = random.Random(0)
+    noisy = [t.corrupt("print('abcde')", 0.5, rng) for _ in range(50)]
+    assert all(n.startswith("print('") and n.endswith("')") and len(n) == 14 for n in noisy)  # only letters change
+    assert any(n != "print('abcde')" for n in noisy)

@@ -1,0 +1,489 @@
+"""Sandbox service: runs untrusted code (a policy's program, its unit tests) in isolated,
+resource-limited processes, many at once.
+
+    sandbox = await Sandbox.options(replicas=2).as_service(SandboxConfig(workers=8))
+    r = await sandbox.run.route("print(input()[::-1])", stdin="abc")   # SandboxFusion's fields
+    r.status, r.stdout                                                # "ok", "cba\\n"
+
+Each run gets:
+- its own user id: one per worker slot, held through a lock file, so RLIMIT_NPROC counts only
+  that slot's processes (root, which runs everything on these machines, ignores the limit);
+- rlimits: address space (`memory_limit_MB`), CPU seconds, processes, file size, open files;
+- a scrubbed environment and a fresh working directory;
+- where the kernel allows it (root or CAP_SYS_ADMIN), new network, pid, mount and IPC
+  namespaces (util-linux `unshare`): no network (its own loopback, down), a /proc that shows
+  only its own processes, and private size-limited tmpfs on /tmp (the working directory),
+  /var/tmp and /dev/shm. A shell is pid 1 of the namespace; when the program exits, or the
+  timeout kills that shell, the kernel kills every process left in it, daemons and setsid()
+  escapes included. Without namespaces only the uid, the rlimits and a sweep of the slot's
+  uid hold (or, not root, the rlimits and the process group), and the service logs a warning.
+
+The result's status: `ok`, `error` (non-zero exit), `timeout` (wall or CPU limit), `oom` (the
+memory limit), `killed` (a signal). Bad input (an unknown language, a file outside the working
+directory, bad base64) raises ValueError; a sandbox that cannot start a run raises SandboxError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import fcntl
+import json
+import logging
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from monarch.actor import concurrent_endpoint, endpoint
+
+from forge.actor import ForgeActor
+from forge.config import ConfigError
+from forge.shm import owned_dir
+
+log = logging.getLogger("forge")
+
+STATUSES = ("ok", "error", "timeout", "oom", "killed")
+LANGUAGES = {"python": "main.py", "bash": "main.sh"}
+# What a program prints when the address-space limit stops an allocation (Python, libc, C++).
+_OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+
+# Runs the program's code, then each test in its namespace (MBPP/HumanEval asserts), and
+# reports the counts through the file descriptor in argv[1]. The tests run in the program's
+# process, as those datasets' own evaluators run them.
+_HARNESS = """\
+import json, os, sys
+_fd = int(sys.argv.pop(1))
+_tests = json.load(open(".forge_tests.json"))
+os.remove(".forge_tests.json")
+def _report(passed):
+    os.write(_fd, json.dumps({"passed": passed}).encode())
+    os.close(_fd)
+_ns = {"__name__": "__main__", "__file__": "main.py"}
+try:
+    exec(compile(open("main.py").read(), "main.py", "exec"), _ns)
+except BaseException:
+    _report(0)
+    raise
+_passed = 0
+for _i, _t in enumerate(_tests):
+    try:
+        exec(compile(_t, f"<test {_i}>", "exec"), _ns)
+        _passed += 1
+    except Exception as _e:
+        print(f"test {_i} failed: {type(_e).__name__}: {_e}", file=sys.stderr)
+_report(_passed)
+sys.exit(0 if _passed == len(_tests) else 1)
+"""
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not run the program (not the program's fault): an infrastructure failure."""
+
+
+@dataclass
+class SandboxConfig:
+    """The `sandbox` section: the pool, and the limits a request does not set itself."""
+
+    workers: int = 8  # runs at once per replica (each slot its own uid); more wait for a slot
+    run_timeout: float = 10.0  # seconds of wall time, when a request gives none
+    memory_limit_MB: int = 512  # address space, when a request gives none
+    max_output_bytes: int = 1 << 20  # of stdout, and of stderr, kept; the rest is read and dropped
+    max_processes: int = 64
+    max_file_MB: int = 64  # the largest file a run may write
+    max_open_files: int = 256
+    tmpfs_MB: int = 256  # the private /tmp, the working directory (namespaces only)
+    isolation: str = "auto"  # auto: namespaces where the kernel allows, else rlimits; namespaces: required
+    uid_base: int = 60000  # slot uids are taken from uid_base up
+    python: str = ""  # the interpreter of language "python" ("": the one forge runs on)
+
+    def validate(self) -> None:
+        for key in ("workers", "run_timeout", "memory_limit_MB", "max_output_bytes", "max_processes"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"config key 'sandbox.{key}' must be > 0, got {getattr(self, key)}")
+        if self.isolation not in ("auto", "namespaces"):
+            raise ConfigError(f"config key 'sandbox.isolation' must be auto or namespaces, got {self.isolation!r}")
+
+
+@dataclass
+class RunResult:
+    """What one run did. `exit_code` is None when a signal ended it (`signal` names it)."""
+
+    status: str  # ok | error | timeout | oom | killed
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+    signal: str | None = None
+    truncated: bool = False  # stdout or stderr passed max_output_bytes
+    tests_passed: int = 0
+    tests_total: int = 0
+
+    @property
+    def pass_fraction(self) -> float:
+        return self.tests_passed / self.tests_total if self.tests_total else float(self.status == "ok")
+
+
+@dataclass
+class _Request:
+    code: str
+    language: str
+    stdin: bytes
+    files: dict[str, bytes] = field(default_factory=dict)
+    tests: list[str] = field(default_factory=list)
+    timeout: float = 10.0
+    memory_mb: int = 512
+
+
+class Sandbox(ForgeActor):
+    """Runs programs in isolated, limited processes: `run(code, language, stdin, files, tests,
+    run_timeout, memory_limit_MB)` -> RunResult. Up to `workers` runs at once per replica."""
+
+    @classmethod
+    def check_args(cls, cfg: SandboxConfig | None = None) -> None:
+        (cfg or SandboxConfig()).validate()
+
+    def __init__(self, cfg: SandboxConfig | None = None):
+        self.pool = SandboxPool(cfg)
+
+    @endpoint
+    async def setup(self) -> None:
+        await self.pool.start()
+
+    @endpoint
+    async def isolation(self) -> dict[str, bool]:
+        return {"namespaces": self.pool.namespaces, "own_uid": self.pool.root}
+
+    @concurrent_endpoint
+    async def run(
+        self,
+        code: str,
+        language: str = "python",
+        stdin: str = "",
+        files: dict[str, str] | None = None,
+        tests: list[str] | None = None,
+        run_timeout: float | None = None,
+        memory_limit_MB: int | None = None,
+    ) -> RunResult:
+        """Run `code` (SandboxFusion's request fields; `files`: path -> base64 content) and, for
+        Python, each of `tests` after it. Returns when every process of the run is gone."""
+        return await self.pool.run(code, language, stdin, files, tests, run_timeout, memory_limit_MB)
+
+
+class SandboxPool:
+    """The runs, from this process: a Sandbox replica holds one, and so does the reward service
+    when a reward runs code (no hop to another service per sample)."""
+
+    def __init__(self, cfg: SandboxConfig | None = None):
+        self.cfg = cfg or SandboxConfig()
+        self.cfg.validate()
+        self.python = self.cfg.python or sys.executable
+        self.root = os.geteuid() == 0
+        base = Path("/run/forge-sandbox") if self.root else Path(f"/tmp/forge-sandbox-{os.geteuid()}")
+        self.dir = owned_dir(base, mode=0o711)  # slots' directories below are 0700, each its own uid
+        self.slots: asyncio.Queue[int] = asyncio.Queue()
+        self.locks: list[int] = []
+        self.namespaces = False
+        self.runs = 0
+
+    async def start(self) -> None:
+        for uid in self._take_uids(self.cfg.workers):
+            if self.root:  # the private /tmp belongs to the slot's uid
+                (self.dir / f"fstab-{uid}").write_text(
+                    f"tmpfs /tmp tmpfs size={self.cfg.tmpfs_MB}m,mode=0700,uid={uid},gid={uid} 0 0\n"
+                    "tmpfs /var/tmp tmpfs size=16m,mode=1777 0 0\ntmpfs /dev/shm tmpfs size=16m,mode=1777 0 0\n"
+                )
+            self.slots.put_nowait(uid)
+        self.namespaces = self.root and await self._probe_namespaces()
+        if not self.namespaces:
+            if self.cfg.isolation == "namespaces":
+                raise SandboxError("sandbox.isolation=namespaces, but this process cannot create namespaces")
+            log.warning(
+                "forge: sandbox without namespaces (%s): programs can reach the network and see other processes",
+                "not root" if not self.root else "unshare failed",
+            )
+
+    async def run(
+        self,
+        code: str,
+        language: str = "python",
+        stdin: str = "",
+        files: dict[str, str] | None = None,
+        tests: list[str] | None = None,
+        run_timeout: float | None = None,
+        memory_limit_MB: int | None = None,
+    ) -> RunResult:
+        """Sandbox.run, in this process."""
+        req = self._request(code, language, stdin, files, tests, run_timeout, memory_limit_MB)
+        uid = await self.slots.get()
+        try:
+            return await self._run(req, uid)
+        finally:
+            self.slots.put_nowait(uid)
+
+    # ---- a request ------------------------------------------------------------------
+
+    def _request(self, code, language, stdin, files, tests, run_timeout, memory_limit_MB) -> _Request:
+        if not isinstance(code, str):
+            raise ValueError(f"sandbox: 'code' must be a string, got {type(code).__name__}")
+        if language not in LANGUAGES:
+            raise ValueError(f"sandbox: unknown 'language' {language!r}; known: {', '.join(LANGUAGES)}")
+        if tests and language != "python":
+            raise ValueError(f"sandbox: 'tests' are Python statements; language is {language!r}")
+        timeout = self.cfg.run_timeout if run_timeout is None else float(run_timeout)
+        memory = self.cfg.memory_limit_MB if memory_limit_MB is None else int(memory_limit_MB)
+        if timeout <= 0 or memory <= 0:
+            raise ValueError(f"sandbox: 'run_timeout' and 'memory_limit_MB' must be > 0, got {timeout}, {memory}")
+        decoded = {}
+        for name, content in (files or {}).items():
+            path = PurePosixPath(name)
+            if path.is_absolute() or ".." in path.parts or not path.parts or name.startswith(".forge_"):
+                raise ValueError(f"sandbox: file {name!r} is not a relative path inside the working directory")
+            try:
+                decoded[str(path)] = base64.b64decode(content or "", validate=True)
+            except (binascii.Error, TypeError) as e:
+                raise ValueError(f"sandbox: file {name!r}: content is not base64 ({e})") from None
+        return _Request(code, language, (stdin or "").encode(), decoded, list(tests or []), timeout, memory)
+
+    # ---- a run ----------------------------------------------------------------------
+
+    async def _run(self, req: _Request, uid: int) -> RunResult:
+        self.runs += 1
+        work = self.dir / f"{uid}-{self.runs}"
+        report_r, report_w = os.pipe()
+        try:
+            argv = self._write_files(work, req, uid, report_w)
+            start = time.perf_counter()
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *self._launcher(work, req, uid),
+                    *argv,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env={**_ENV, "HOME": "/tmp" if self.namespaces else str(work), "TMPDIR": "/tmp"},
+                    cwd=work,
+                    start_new_session=True,  # its own process group, for the fallback's killpg
+                    pass_fds=(report_w,),
+                )
+            except OSError as e:
+                raise SandboxError(f"sandbox: could not start a run: {e}") from e
+            os.close(report_w)
+            report_w = -1
+            out, err, timed_out, truncated = await self._wait(proc, req, uid)
+            wall = time.perf_counter() - start
+            report = _read_report(report_r) if req.tests else None
+        finally:
+            for fd in (report_r, report_w):
+                if fd >= 0:
+                    os.close(fd)
+            shutil.rmtree(work, ignore_errors=True)
+        return self._result(proc.returncode, out, err, wall, timed_out, truncated, req, report)
+
+    def _write_files(self, work: Path, req: _Request, uid: int, report_fd: int) -> list[str]:
+        """The working directory: the program, its files, the tests; owned by the slot's uid
+        (the namespace copies it, owners included, to the private /tmp). Returns the argv."""
+        try:
+            work.mkdir(mode=0o700)
+            main = work / LANGUAGES[req.language]
+            main.write_text(req.code)
+            for name, content in req.files.items():
+                (work / name).parent.mkdir(parents=True, exist_ok=True)
+                (work / name).write_bytes(content)
+            if req.tests:
+                (work / ".forge_tests.json").write_text(json.dumps(req.tests))
+                (work / ".forge_harness.py").write_text(_HARNESS)
+            if self.root:
+                for p in [work, *work.rglob("*")]:
+                    os.chown(p, uid, uid)
+        except OSError as e:
+            raise SandboxError(f"sandbox: could not write the working directory {work}: {e}") from e
+        if req.language == "bash":
+            return ["/bin/bash", main.name]
+        if req.tests:
+            return [self.python, "-I", ".forge_harness.py", str(report_fd)]
+        return [self.python, "-I", main.name]
+
+    def _launcher(self, work: Path, req: _Request, uid: int) -> list[str]:
+        """The command in front of the program's argv: namespaces, the private /tmp, rlimits,
+        the slot's uid. A shell (not exec'd away) stays pid 1, so the program is a plain process."""
+        c = self.cfg
+        cpu = math.ceil(req.timeout) + 1  # a backstop: the wall-time timeout normally comes first
+        limits = (
+            f"ulimit -v {req.memory_mb * 1024} && ulimit -t {cpu} && ulimit -p {c.max_processes} && "
+            f"ulimit -n {c.max_open_files} && ulimit -f {c.max_file_MB * 2048}"
+        )
+        drop = f"setpriv --reuid={uid} --regid={uid} --clear-groups --no-new-privs " if self.root else ""
+        if self.namespaces:
+            script = (
+                f"mount -a -T {shlex.quote(str(self.dir / f'fstab-{uid}'))} && "
+                f"cp -a {shlex.quote(str(work))}/. /tmp && cd /tmp && {limits} && {drop}\"$@\""
+            )
+            return ["unshare", "--net", "--pid", "--ipc", "--fork", "--mount-proc", "sh", "-c", script, "sh"]
+        return ["sh", "-c", f'{limits} && {drop}"$@"', "sh"]
+
+    async def _wait(self, proc: asyncio.subprocess.Process, req: _Request, uid: int) -> tuple[bytes, bytes, bool, bool]:
+        """Feed stdin, read both outputs (capped), wait for the exit or kill at the timeout."""
+        cap = self.cfg.max_output_bytes
+        io = asyncio.gather(_feed(proc.stdin, req.stdin), _read(proc.stdout, cap), _read(proc.stderr, cap))
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.wait(), req.timeout)
+        except asyncio.TimeoutError:
+            timed_out = True
+        finally:  # also when the caller gave up (cancelled): nothing of the run survives it
+            if proc.returncode is None or not self.namespaces:
+                self._kill(proc.pid, uid)
+            await proc.wait()
+        try:  # with namespaces every pipe is closed by now; without, a leftover may hold one
+            _, (out, t_out), (err, t_err) = await asyncio.wait_for(io, 5.0)
+        except asyncio.TimeoutError:
+            io.cancel()
+            (out, t_out), (err, t_err) = (b"", False), (b"", False)
+        return out, err, timed_out, t_out or t_err
+
+    def _kill(self, pid: int, uid: int) -> None:
+        """Kill the run's processes. With namespaces, killing pid 1 of the namespace (the shell,
+        the launcher's child) makes the kernel kill the rest; without, kill the process group
+        and every process of the slot's uid (setsid() leaves the group, not the uid)."""
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            children = []
+        for p in [*map(int, children), pid]:
+            _signal(p, signal.SIGKILL)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        if self.root and not self.namespaces:
+            for p in _pids_of_uid(uid):
+                _signal(p, signal.SIGKILL)
+
+    def _result(
+        self,
+        rc: int,
+        out: bytes,
+        err: bytes,
+        wall: float,
+        timed_out: bool,
+        truncated: bool,
+        req: _Request,
+        report: dict | None,
+    ) -> RunResult:
+        # The shell reports a program a signal ended as 128 + the signal; a negative code is the
+        # launcher itself, killed at the timeout.
+        sig = -rc if rc < 0 else rc - 128 if rc > 128 else None
+        if timed_out or sig == signal.SIGXCPU:
+            status = "timeout"
+        elif rc != 0 and any(m in err for m in _OOM_MARKERS):
+            status = "oom"
+        elif sig is not None:
+            status = "killed"
+        else:
+            status = "ok" if rc == 0 else "error"
+        return RunResult(
+            status=status,
+            exit_code=None if sig is not None else rc,
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+            wall_s=wall,
+            signal=_signal_name(sig),
+            truncated=truncated,
+            tests_passed=int((report or {}).get("passed", 0)),
+            tests_total=len(req.tests),
+        )
+
+    # ---- set-up -----------------------------------------------------------------------
+
+    def _take_uids(self, n: int) -> list[int]:
+        """`n` uids no other sandbox on this host holds, each held by a lock file while this
+        process lives (an exit or a crash releases them)."""
+        locks = self.dir.parent / "uids"
+        locks.mkdir(exist_ok=True)
+        uids = []
+        for uid in range(self.cfg.uid_base, self.cfg.uid_base + 65536):
+            if len(uids) == n:
+                break
+            fd = os.open(locks / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.locks.append(fd)
+            uids.append(uid)
+        return uids
+
+    async def _probe_namespaces(self) -> bool:
+        uid = await self.slots.get()
+        try:
+            result = await self._run(_Request("", "bash", b"", timeout=30, memory_mb=256), uid)
+        except SandboxError:
+            return False
+        finally:
+            self.slots.put_nowait(uid)
+        if result.status != "ok":
+            log.warning("forge: sandbox: unshare failed: %s", result.stderr.strip()[-300:])
+        return result.status == "ok"
+
+
+async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
+    try:
+        if data:
+            stream.write(data)
+            await stream.drain()
+        stream.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the program exited without reading it all
+
+
+async def _read(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
+    """Up to `cap` bytes of a stream; the rest is read (so the writer never blocks) and dropped."""
+    kept, dropped = bytearray(), False
+    while chunk := await stream.read(1 << 16):
+        room = cap - len(kept)
+        kept += chunk[:room]
+        dropped |= len(chunk) > room
+    return bytes(kept), dropped
+
+
+def _read_report(fd: int) -> dict | None:
+    os.set_blocking(fd, False)
+    try:
+        return json.loads(os.read(fd, 4096) or b"null")
+    except (OSError, ValueError):
+        return None  # the program ended the process before the harness could report
+
+
+def _signal_name(sig: int | None) -> str | None:
+    try:
+        return signal.Signals(sig).name if sig is not None else None
+    except ValueError:
+        return f"signal {sig}"
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
+
+
+def _pids_of_uid(uid: int) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and d.stat().st_uid == uid:
+                pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids

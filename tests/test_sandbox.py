@@ -1,0 +1,240 @@
+"""The sandbox service: results, limits, and an adversarial suite. Every hostile program runs
+through the service; after each, no process of the sandbox's uids is left, the host's files
+are untouched, and the pool still serves. Network tests target only a listener this test
+opens on 127.0.0.1."""
+
+import asyncio
+import base64
+import os
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from services.sandbox import Sandbox, SandboxConfig
+
+WORKERS = 4
+CFG = SandboxConfig(workers=WORKERS, run_timeout=5.0, max_output_bytes=4096, uid_base=61000)
+SECRET = f"forge-secret-{uuid.uuid4().hex}"
+
+
+@pytest.fixture(scope="module")
+def sandbox(loop):
+    os.environ["FORGE_TEST_SECRET"] = SECRET  # in the sandbox actor's environment: no run may read it
+    try:
+        sb = loop.run_until_complete(Sandbox.options().as_service(CFG))
+    finally:
+        del os.environ["FORGE_TEST_SECRET"]
+    assert loop.run_until_complete(sb.isolation.route()) == {"namespaces": True, "own_uid": True}
+    yield sb
+    loop.run_until_complete(sb.shutdown())
+
+
+@pytest.fixture
+def host_dir():
+    """A directory of the host outside /tmp (the sandbox has its own /tmp), world-readable."""
+    d = Path(__file__).resolve().parent.parent / ".cache" / f"sandbox-test-{uuid.uuid4().hex}"
+    d.mkdir(parents=True)
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d)
+
+
+def sandbox_pids() -> list[int]:
+    """Processes of the sandbox's slot uids, anywhere on the host."""
+    uids = range(CFG.uid_base, CFG.uid_base + 64)
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and d.stat().st_uid in uids:
+                pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids
+
+
+def run(loop, sandbox, code, **kw):
+    result = loop.run_until_complete(sandbox.run.route(code, **kw))
+    assert sandbox_pids() == [], f"processes of the run outlived its result: {result}"
+    return result
+
+
+def test_results_stdin_files_and_exit_codes(loop, sandbox):
+    r = run(loop, sandbox, "print(input()[::-1])", stdin="abc")
+    assert (r.status, r.exit_code, r.stdout, r.stderr) == ("ok", 0, "cba\n", "")
+    assert 0 < r.wall_s < 5
+    files = {"data/in.txt": base64.b64encode(b"42").decode()}
+    r = run(loop, sandbox, "import os; print(open('data/in.txt').read(), os.getuid() != 0, os.getcwd())", files=files)
+    assert r.stdout == "42 True /tmp\n"
+    r = run(loop, sandbox, "import sys; print('x', file=sys.stderr); sys.exit(3)")
+    assert (r.status, r.exit_code, r.stderr) == ("error", 3, "x\n")
+    r = run(loop, sandbox, "echo $((6*7)); exit 2", language="bash")
+    assert (r.status, r.exit_code, r.stdout) == ("error", 2, "42\n")
+    r = run(loop, sandbox, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert (r.status, r.exit_code, r.signal) == ("killed", None, "SIGSEGV")
+
+
+def test_unit_tests_count_passes(loop, sandbox):
+    r = run(loop, sandbox, "def f(x):\n    return 2 * x\n", tests=["assert f(2) == 4", "assert f(3) == 7", "f(1)"])
+    assert (r.status, r.tests_passed, r.tests_total) == ("error", 2, 3)
+    assert "test 1 failed: AssertionError" in r.stderr
+    r = run(loop, sandbox, "def f(x):\n    return 2 * x\n", tests=["assert f(2) == 4"])
+    assert (r.status, r.pass_fraction) == ("ok", 1.0)
+    r = run(loop, sandbox, "raise SystemExit(0)\ndef f(): pass", tests=["assert f() is None"])
+    assert r.tests_passed == 0  # the program ended before its tests ran: none passed
+
+
+@pytest.mark.parametrize(
+    "request_, error",
+    [
+        (dict(code="x", language="cobol"), "unknown 'language' 'cobol'; known: python, bash"),
+        (dict(code="x", files={"../x": ""}), "file '../x' is not a relative path"),
+        (dict(code="x", files={"/etc/x": ""}), "file '/etc/x' is not a relative path"),
+        (dict(code="x", files={"a": "not base64!"}), "file 'a': content is not base64"),
+        (dict(code="x", run_timeout=0), "'run_timeout' and 'memory_limit_MB' must be > 0"),
+        (dict(code="x", language="bash", tests=["true"]), "'tests' are Python statements"),
+    ],
+)
+def test_bad_requests_are_errors_naming_the_field(loop, sandbox, request_, error):
+    with pytest.raises(ValueError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        loop.run_until_complete(sandbox.run.route(**request_))
+
+
+FORK_BOMB = """\
+import os
+while True:
+    try:
+        os.fork()
+    except OSError:
+        pass
+"""
+MEMORY_BOMB = "x = []\nwhile True:\n    x.append(bytearray(1 << 24))\n"
+BIG_STDOUT = "import sys\nchunk = b'x' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.buffer.write(chunk)\n"
+DAEMON = """\
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(60)
+    os._exit(0)
+print('parent done')
+"""
+SETSID_ESCAPE = """\
+import os, time
+os.setsid()
+if os.fork() == 0:
+    os.setsid()
+    time.sleep(60)
+time.sleep(60)
+"""
+CLOSE_STDOUT = "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)\n"
+
+
+@pytest.mark.parametrize(
+    "name, code, timeout, statuses",
+    [
+        ("infinite loop", "while True: pass", 1.0, {"timeout"}),
+        ("fork bomb", FORK_BOMB, 2.0, {"timeout"}),
+        ("memory bomb", MEMORY_BOMB, 5.0, {"oom"}),
+        ("setsid escape", SETSID_ESCAPE, 1.0, {"timeout"}),
+        ("closes stdout and sleeps", CLOSE_STDOUT, 1.0, {"timeout"}),
+        ("daemon outliving the program", DAEMON, 5.0, {"ok"}),
+    ],
+)
+def test_hostile_programs_end_with_their_status_and_leave_nothing(loop, sandbox, name, code, timeout, statuses):
+    start = time.perf_counter()
+    r = run(loop, sandbox, code, run_timeout=timeout)
+    assert r.status in statuses, (name, r)
+    assert time.perf_counter() - start < timeout + 5, f"{name}: the result came {time.perf_counter() - start:.1f} s late"
+    assert run(loop, sandbox, "print(1)").stdout == "1\n"  # the pool keeps serving
+
+
+def test_a_gigabyte_of_stdout_is_capped(loop, sandbox):
+    r = run(loop, sandbox, BIG_STDOUT, run_timeout=30)
+    assert r.status == "ok" and r.truncated
+    assert r.stdout == "x" * CFG.max_output_bytes
+
+
+def test_no_network_even_to_loopback(loop, sandbox):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    code = f"""\
+import socket
+s = socket.socket()
+s.settimeout(2)
+try:
+    s.connect(("127.0.0.1", {port}))
+    print("connected")
+except OSError as e:
+    print("refused", type(e).__name__)
+"""
+    try:
+        r = run(loop, sandbox, code)
+        assert r.stdout.startswith("refused"), r
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing ever reached the listener
+    finally:
+        listener.close()
+
+
+def test_no_reading_other_processes_or_host_files(loop, sandbox, host_dir):
+    secret_file = host_dir / "secret.txt"
+    secret_file.write_text(SECRET)
+    secret_file.chmod(0o600)
+    code = f"""\
+import os
+found = [k for k, v in os.environ.items() if "{SECRET}" in v]
+for pid in os.listdir("/proc"):
+    try:
+        if pid.isdigit() and b"{SECRET}" in open(f"/proc/{{pid}}/environ", "rb").read():
+            found.append(pid)
+    except OSError:
+        pass
+try:
+    found.append(open("{secret_file}").read())
+except OSError as e:
+    print(type(e).__name__)
+print("pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
+print("found", found)
+"""
+    r = run(loop, sandbox, code)
+    assert "PermissionError" in r.stdout and "found []" in r.stdout, r
+    pids = eval(r.stdout.split("pids ")[1].splitlines()[0])
+    assert max(pids) < 20  # its own pid namespace: none of the host's processes
+
+
+def test_no_writing_outside_the_working_directory(loop, sandbox, host_dir):
+    host_tmp = Path("/tmp") / f"forge-escape-{uuid.uuid4().hex}"
+    code = f"""\
+for path in ("{host_dir}/planted", "/etc/planted", "/tmp/../etc/planted2"):
+    try:
+        open(path, "w").write("x")
+        print("wrote", path)
+    except OSError as e:
+        print("denied", path, type(e).__name__)  # PermissionError, not a missing directory
+open("{host_tmp}", "w").write("x")  # the sandbox's own /tmp
+print("tmp ok")
+"""
+    r = run(loop, sandbox, code)
+    assert r.stdout.count("PermissionError") == 3 and "tmp ok" in r.stdout, r
+    assert not (host_dir / "planted").exists() and not Path("/etc/planted").exists()
+    assert not host_tmp.exists()  # its /tmp was private
+
+
+def test_more_runs_than_workers_wait_for_a_slot(loop, sandbox):
+    async def many():
+        return await asyncio.gather(
+            *(sandbox.run.route("import time; time.sleep(0.3); print(%d)" % i) for i in range(3 * WORKERS))
+        )
+
+    start = time.perf_counter()
+    results = loop.run_until_complete(many())
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(3 * WORKERS)]
+    assert time.perf_counter() - start >= 0.9  # three waves of 0.3 s: at most WORKERS at once
+    assert sandbox_pids() == []
