@@ -26,7 +26,7 @@ from forge.config import ConfigError, import_object, to_yaml
 from forge.data import DatasetConfig, FilePrompts, TaskPrompts
 from forge.gateway import Gateway
 from forge.metrics import DEFAULT_BACKENDS, MetricWriter, Reduce, discard_pending, plot_rewards, record_metric
-from forge.rollout import RolloutError, check_rollout, make_group
+from forge.rollout import REWARD_UNAVAILABLE, RolloutError, check_rollout, make_group, masked
 from forge.service import ReplicaRestored, ServiceError
 from forge.store import WeightStore, start_store, stop_store
 from forge.tasks import get_task
@@ -34,6 +34,7 @@ from forge.tiny_model import ModelConfig
 from forge.types import collate
 from services.envs import EnvPool
 from services.generator import Generator, GeneratorConfig
+from services.judge import JudgeConfig
 from services.reference import Reference
 from services.rewards import Rewards, check_rewards
 from services.trainer import Trainer, TrainerConfig
@@ -62,6 +63,10 @@ class Config:
     # name: weight (services/rewards.py). Empty here so a config's dict replaces it instead of
     # merging into it (OmegaConf merges dicts); empty after loading means {"exact": 1.0}.
     rewards: dict[str, float] = field(default_factory=dict)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the `judge` reward's model and rubric
+    # A group with a reward whose infrastructure failed (RewardUnavailable): dropped, or trained
+    # with that reward at 0.
+    reward_unavailable: str = "mask"
     generator_replicas: int = 1
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     trainer_procs: int = 1
@@ -98,6 +103,11 @@ class Config:
             )
         if not self.rewards:
             self.rewards = {"exact": 1.0}
+        if self.reward_unavailable not in REWARD_UNAVAILABLE:
+            raise ConfigError(
+                f"config key 'reward_unavailable': {self.reward_unavailable!r} is not one of "
+                f"{', '.join(REWARD_UNAVAILABLE)}"
+            )
         if self.trainer.total_steps is None:
             self.trainer.total_steps = self.steps
         import_object("rollout", self.rollout)
@@ -111,9 +121,11 @@ class Config:
             except ValueError as e:
                 raise ConfigError(f"config key 'task': {e} (or give a file in 'dataset.path')") from None
         try:
-            check_rewards(self.task, self.rewards)
+            check_rewards(self.task, self.rewards, self.judge)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if "judge" in self.rewards and not self.dataset.path:  # a dataset file's columns: checked once read
+            self.judge.check(columns=())
 
 
 @dataclass
@@ -137,7 +149,7 @@ class Services:
             model, cfg.trainer, weights
         )
         gen = await Generator.options(replicas=cfg.generator_replicas).as_service(model, cfg.generator, weights)
-        rewards = await Rewards.options().as_service(cfg.task, dict(cfg.rewards))
+        rewards = await Rewards.options().as_service(cfg.task, dict(cfg.rewards), cfg.judge)
         ref = await Reference.options().as_service(model) if cfg.trainer.loss.kl_coef > 0 else None
         s = cls(store, trainer, gen, rewards, ref)
         if cfg.agentic.enabled:
@@ -194,6 +206,8 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
         dynamic_sampling=cfg.dynamic_sampling,
     )
     prompts = FilePrompts(cfg.dataset, cfg.seed) if cfg.dataset.path else TaskPrompts(cfg.task, cfg.seed)
+    if "judge" in cfg.rewards and cfg.dataset.path:  # the rubric's fields, now that the file's columns are known
+        cfg.judge.check(prompts.rows.column_names)
     prompts.reset()
     version = await trainer.policy_version.route()  # 0, unless these services already trained
     state = {"step": 0, "version": version, "on_policy": version}
@@ -253,12 +267,16 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
             return
         group, scores = check_rollout(await rollout(next(prompts), gen, rewards, cfg), f"rollout {cfg.rollout!r}")
         record_metric("time/rollout_s", time.perf_counter() - start)  # one group: generation + scoring
-        episodes = make_group(group, scores, std_normalize=cfg.trainer.loss.normalize_std)
         record_metric("generated_tokens", sum(len(c.token_ids) for c in group), Reduce.SUM)
         for sc in scores:
             record_metric("rollout_reward", sc.reward)
             record_metric("reward_failures", sc.failed, Reduce.SUM)
-        await buffer.add.call_one(episodes)
+            if sc.unavailable:
+                record_metric(f"reward_failures/{sc.unavailable}", 1, Reduce.SUM)
+        if masked(scores, cfg.reward_unavailable):
+            record_metric("groups_masked", 1, Reduce.SUM)
+            return
+        await buffer.add.call_one(make_group(group, scores, std_normalize=cfg.trainer.loss.normalize_std))
 
     async def sample_batch() -> list:
         """The next batch, or the reason none will come: a rollout loop that stopped, or a timeout."""

@@ -4,7 +4,7 @@ An episode is written one of two ways, and both end as the same Episodes:
 - an **agent** (the environment calls the framework): `async def run(client, task) -> float | dict`,
   where `client` is an `openai.AsyncOpenAI` on the gateway with the episode's session as its
   key and `task` the dataset row. It does whatever it does; what it returns is the reward (a
-  float, or a dict of a Score's fields).
+  float, or a dict like a reward function's: `reward`, `correct` and named components).
 - an **environment** (the framework drives it): a MessageEnv (forge/env.py) made per episode in
   the environment pool (services/envs/), run by `run_env_episode` through the same gateway.
 The gateway's recording of the session becomes the episode's training samples (its exact
@@ -151,11 +151,12 @@ class AgenticRollouts:
     async def _run(self, client: Any, task: dict[str, Any]) -> tuple[Score, EpisodeStats]:
         if self.agent is not None:
             out = await self.agent(client, task)
-            value = {"reward": out} if isinstance(out, (int, float)) else out
             try:
-                return Score.coerce(value, f"agent {self.cfg.agent!r} returned {out!r}:"), EpisodeStats()
+                return Score.coerce(out, f"agent {self.cfg.agent!r} returned {out!r}:", loose=True), EpisodeStats()
             except TypeError as e:
-                raise RolloutError(f"{e} (an agent returns its reward: a float, or a dict with 'reward')") from None
+                raise RolloutError(
+                    f"{e} (an agent returns its reward: a float, or a dict of named components)"
+                ) from None
         from services.envs import RemoteEnv
 
         env = RemoteEnv(self.envs.pinned(), uuid.uuid4().hex)

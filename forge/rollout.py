@@ -47,6 +47,15 @@ def check_rollout(result: Any, where: str) -> tuple[list[Completion], list[Score
         raise RolloutError(str(e)) from None
 
 
+REWARD_UNAVAILABLE = ("mask", "zero")  # the GRPO config key `reward_unavailable`
+
+
+def masked(scores: list[Score], reward_unavailable: str) -> bool:
+    """Whether a group stays out of training: with `mask`, when a sample's reward is unknown
+    (its infrastructure failed); with `zero` it trains, that reward scored 0."""
+    return reward_unavailable == "mask" and any(s.unavailable for s in scores)
+
+
 def make_group(completions: list[Completion], scores: list[Score], std_normalize: bool = True) -> list[Episode]:
     """Episodes with their scores and group-relative advantages."""
     advantages = group_advantages(torch.tensor([s.reward for s in scores]), std_normalize=std_normalize)

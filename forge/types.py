@@ -59,6 +59,20 @@ class RewardInput:
         return self.task["answer"]
 
 
+class RewardUnavailable(RuntimeError):
+    """Raised by a reward (built-in or a user's) whose infrastructure failed: a sandbox crashed, a
+    judge is unreachable or answered nothing parseable. The sample's reward is unknown, not wrong:
+    its Score says `unavailable` (`kind`), and GRPO masks its group or scores it 0
+    (`reward_unavailable`)."""
+
+    def __init__(self, kind: str, message: str = ""):
+        super().__init__(message or f"{kind} unavailable")
+        self.kind = kind
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles with its kind (across processes)
+        return type(self), (self.kind, str(self))
+
+
 @dataclass
 class Score:
     """What the reward service, or a custom rollout, says of one sample."""
@@ -67,33 +81,40 @@ class Score:
     components: dict[str, float] = field(default_factory=dict)  # each named reward, unweighted
     correct: float | None = None  # 1/0 for a verified answer (the `accuracy` metric); None: not known
     error: str | None = None  # why a reward function failed (it then scored 0 for this sample)
+    unavailable: str | None = None  # the kind of a RewardUnavailable (then `error` says why)
 
     @property
     def failed(self) -> bool:
         return self.error is not None
 
     @classmethod
-    def coerce(cls, value: Any, where: str) -> Score:
+    def coerce(cls, value: Any, where: str, loose: bool = False) -> Score:
         """`value` as a Score: a Score, or a mapping of its fields (`reward` required). Anything
-        else is a TypeError that says what `where` returned and which field is wrong."""
+        else is a TypeError that says what `where` returned and which field is wrong.
+
+        `loose` is for what a reward function or an agent returns: also a number (the reward),
+        and a mapping's other keys are named components, its `reward` defaulting to their sum."""
         if isinstance(value, cls):
             return value
         names = [f.name for f in fields(cls)]
+        if loose and isinstance(value, (int, float)):
+            return cls(float(value))
         if not isinstance(value, Mapping):
-            raise TypeError(
-                f"{where} is a {type(value).__name__}, not a forge.types.Score (fields: {', '.join(names)})"
-            )
-        if "reward" not in value:
+            wanted = "a number, a dict or a forge.types.Score" if loose else "a forge.types.Score"
+            raise TypeError(f"{where} is a {type(value).__name__}, not {wanted} (fields: {', '.join(names)})")
+        named = {k: v for k, v in value.items() if k not in names}
+        if not loose and "reward" not in value:
             raise TypeError(f"{where} has no field 'reward' (a Score needs it; got {sorted(value)})")
-        unknown = sorted(set(value) - set(names))
-        if unknown:
-            raise TypeError(f"{where} has unknown field(s) {unknown}; a Score has {', '.join(names)}")
+        if not loose and named:
+            raise TypeError(f"{where} has unknown field(s) {sorted(named)}; a Score has {', '.join(names)}")
         try:
+            components = {k: float(v) for k, v in {**dict(value.get("components") or {}), **named}.items()}
             return cls(
-                reward=float(value["reward"]),
-                components={k: float(v) for k, v in dict(value.get("components") or {}).items()},
+                reward=float(value["reward"]) if "reward" in value else sum(components.values()),
+                components=components,
                 correct=None if value.get("correct") is None else float(value["correct"]),
                 error=value.get("error"),
+                unavailable=value.get("unavailable"),
             )
         except (TypeError, ValueError) as e:
             raise TypeError(f"{where}: {e}") from None

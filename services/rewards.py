@@ -1,16 +1,17 @@
-"""Reward service: built-in rule/verifier rewards (toy tasks, math final answers, format) and
-users' own reward functions, by import path.
+"""Reward service: built-in rule/verifier rewards (toy tasks, math final answers, format), a
+model judge, and users' own reward functions, by import path.
 
     rewards = await Rewards.options().as_service(task="reverse", rewards={"task": 1.0, "my.module:fn": 0.5})
     scores = await rewards.score.route([RewardInput(task_row, completion_text, finish_reason), ...])  # [Score]
 
-A built-in reward is a function (answer, text, finish_reason) -> float (see `make_rewards`). A
-user's reward function ("package.module:function") receives the whole sample, a
-`forge.types.RewardInput` (the task row with its columns, prompt, completion, finish reason,
-the messages of a multi-turn episode), and returns a float or a dict of named components (its
-reward is the dict's `reward`, else the sum of the rest); it may be sync (run in a thread) or
-async. A reward that raises scores 0 for that sample and marks its Score failed: it never ends
-the run.
+A built-in reward is a function (answer, text, finish_reason) -> float (see `make_rewards`);
+`judge` asks a model served through the OpenAI API (services/judge.py). A user's reward
+function ("package.module:function") receives the whole sample, a `forge.types.RewardInput`
+(the task row with its columns, prompt, completion, finish reason, the messages of a multi-turn
+episode), and returns a float or a dict of named components (its reward is the dict's `reward`,
+else the sum of the rest); it may be sync (run in a thread) or async. A reward that raises
+scores 0 for that sample and marks its Score failed: it never ends the run. One that raises
+`RewardUnavailable` (its infrastructure failed) also marks the Score `unavailable`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from forge.actor import ForgeActor
 from forge.config import ConfigError, import_object
 from forge.env import call
 from forge.tasks import TASKS, get_task
-from forge.types import RewardInput, Score
+from forge.types import RewardInput, RewardUnavailable, Score
+from services.judge import Judge, JudgeConfig
 
 log = logging.getLogger("forge")
 RewardFn = Callable[[str, str, str], float]
@@ -89,9 +91,10 @@ def user_reward(name: str) -> Callable[[RewardInput], Any]:
     return fn
 
 
-def check_rewards(task: str, weights: dict[str, float]) -> None:
-    """Every name is a built-in reward or an importable function (imported here, before anything spawns)."""
-    known = make_rewards(task)
+def check_rewards(task: str, weights: dict[str, float], judge: JudgeConfig | None = None) -> None:
+    """Every name is a built-in reward or an importable function (imported here, before anything
+    spawns); with `judge`, its section is complete."""
+    known = [*make_rewards(task), "judge"]
     unknown = sorted(n for n in weights if n not in known and ":" not in n)
     if unknown:
         raise ValueError(
@@ -103,32 +106,27 @@ def check_rewards(task: str, weights: dict[str, float]) -> None:
     for name in weights:
         if ":" in name:
             user_reward(name)
-
-
-def _parts(name: str, value: Any) -> tuple[float, dict[str, float]]:
-    """A user reward's value: a number, or a dict of named components (`reward`: the value,
-    else their sum; `correct` feeds `accuracy`)."""
-    if isinstance(value, dict):
-        parts = {k: float(v) for k, v in value.items()}
-        total = parts.pop("reward") if "reward" in parts else sum(v for k, v in parts.items() if k != "correct")
-        return total, parts
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"returned {value!r}: a reward function returns a float or a dict of floats")
-    return float(value), {}
+    if "judge" in weights:
+        (judge or JudgeConfig()).check()
 
 
 class Rewards(ForgeActor):
     """Scores completions: the weighted sum of the configured rewards, and each component."""
 
     @classmethod
-    def check_args(cls, task: str, rewards: dict[str, float]) -> None:
-        check_rewards(task, rewards)
+    def check_args(cls, task: str, rewards: dict[str, float], judge: JudgeConfig | None = None) -> None:
+        check_rewards(task, rewards, judge)
 
-    def __init__(self, task: str, rewards: dict[str, float]):
+    def __init__(self, task: str, rewards: dict[str, float], judge: JudgeConfig | None = None):
         self.task, self.weights = task, dict(rewards)
         builtin = make_rewards(task)
         self.builtin = {name: fn for name, fn in builtin.items() if name in rewards}
-        self.user = {name: user_reward(name) for name in rewards if name not in builtin}
+        # The others see the whole sample: the judge, and users' functions.
+        self.on_sample = {
+            name: Judge(judge or JudgeConfig()) if name == "judge" else user_reward(name)
+            for name in rewards
+            if name not in builtin
+        }
 
     @endpoint
     async def score(self, samples: list[RewardInput]) -> list[Score]:
@@ -137,19 +135,23 @@ class Rewards(ForgeActor):
         return list(await asyncio.gather(*(self._score(s) for s in samples)))
 
     async def _score(self, s: RewardInput) -> Score:
-        parts, errors, correct = {}, [], None
-        for name, fn in self.builtin.items():
+        parts, errors, correct, unavailable = {}, [], None, None
+        for name in self.weights:
             try:
-                parts[name] = float(fn(s.answer, s.completion, s.finish_reason))
+                if name in self.builtin:
+                    one = Score(float(self.builtin[name](s.answer, s.completion, s.finish_reason)))
+                else:
+                    out = await call(self.on_sample[name], s)
+                    one = Score.coerce(out, f"returned {out!r}", loose=True)
             except Exception as e:  # a broken reward scores 0 and is counted, the run goes on
-                parts[name] = self._failed(name, s, e, errors)
-        for name, fn in self.user.items():
-            try:
-                parts[name], named = _parts(name, await call(fn, s))
-            except Exception as e:
-                parts[name], named = self._failed(name, s, e, errors), {}
-            correct = named.pop("correct", correct)
-            parts.update({f"{name}/{k}": v for k, v in named.items()})
+                log.warning("forge: reward %r failed on %r: %s", name, s.completion[:40], e)
+                errors.append(f"{name}: {type(e).__name__}: {e}")
+                if isinstance(e, RewardUnavailable):  # unknown, not wrong: the app masks it or scores 0
+                    unavailable = unavailable or e.kind
+                one = Score(0.0)
+            parts[name] = one.reward
+            parts.update({f"{name}/{k}": v for k, v in one.components.items()})
+            correct = correct if one.correct is None else one.correct
         if correct is None:
             correct = parts["math"] if "math" in parts else exact_reward(s.answer, s.completion, s.finish_reason)
         return Score(
@@ -157,10 +159,5 @@ class Rewards(ForgeActor):
             components=parts,
             correct=correct,
             error="; ".join(errors) or None,
+            unavailable=unavailable,
         )
-
-    @staticmethod
-    def _failed(name: str, s: RewardInput, e: Exception, errors: list[str]) -> float:
-        log.warning("forge: reward %r failed on %r: %s", name, s.completion[:40], e)
-        errors.append(f"{name}: {type(e).__name__}: {e}")
-        return 0.0

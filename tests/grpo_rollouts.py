@@ -2,8 +2,10 @@
 tests/test_grpo.py and tests/test_rewards.py (imported by name)."""
 
 import asyncio
+import zlib
 
 from forge.rollout import generate_and_score
+from forge.types import RewardUnavailable
 
 
 async def score_without_reward(sample, gen, rewards, cfg):
@@ -46,4 +48,12 @@ def knows_its_task(sample):
     row = sample.task
     if not (row["task"] == "reverse" and sample.prompt.startswith("rev ") and row["answer"] == sample.answer):
         raise ValueError(f"unexpected sample {row}")
+    return 1.0
+
+
+def sandboxed(sample):
+    """1 when its sandbox runs; the sandbox "crashes" for about half the prompts (always the
+    same ones), making the reward unavailable, not 0."""
+    if zlib.crc32(sample.prompt.encode()) % 2:
+        raise RewardUnavailable("sandbox", f"sandbox crashed on {sample.prompt!r}")
     return 1.0

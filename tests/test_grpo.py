@@ -227,3 +227,44 @@ def test_run_stopped_names_the_checkpoint_to_resume(tmp_path):
         f"the run stopped at step 23: Trainer replica 0 died (Killed). Resume it from its checkpoint of step 20: "
         f"forge run --resume {tmp_path}"
     )
+
+
+def test_unavailable_rewards_mask_their_group_or_score_zero(tmp_path):
+    """A reward whose sandbox crashes for some prompts (RewardUnavailable): `mask` keeps their
+    groups out of training (`groups_masked`), `zero` trains on them with that reward at 0;
+    both count `reward_failures/sandbox`."""
+    import asyncio
+
+    from apps.grpo import Services, train
+
+    cfgs = {
+        mode: load_config(
+            CONFIG,
+            small(
+                tmp_path,
+                steps=2,
+                checkpoint_every=0,
+                run_name=mode,
+                reward_unavailable=mode,
+                rewards="{task: 1.0, grpo_rollouts:sandboxed: 1.0}",
+            ),
+            Config,
+        )
+        for mode in ("mask", "zero")
+    }
+
+    async def main():
+        services = await Services.start(cfgs["mask"])
+        try:
+            for cfg in cfgs.values():
+                await train(cfg, services)
+        finally:
+            await services.shutdown()
+
+    asyncio.run(main())
+    masked, zero = rows(tmp_path / "mask"), rows(tmp_path / "zero")
+    for r in (masked, zero):
+        assert [x["step"] for x in r] == [1, 2]
+        assert sum(x.get("reward_failures/sandbox", 0) for x in r) > 0
+    assert sum(x.get("groups_masked", 0) for x in masked) > 0 and all(x["reward_mean"] >= 1.0 for x in masked)
+    assert sum(x.get("groups_masked", 0) for x in zero) == 0

@@ -5,7 +5,9 @@ import asyncio
 import pytest
 
 from forge.config import ConfigError
+from forge.rollout import masked
 from forge.types import RewardInput, Score
+from services.judge import JudgeConfig
 from services.rewards import Rewards, check_rewards, final_number, math_reward
 
 
@@ -87,3 +89,55 @@ def test_user_reward_functions_see_the_whole_sample():
     assert long.components["grpo_rollouts:length_reward"] == 0.0 and long.correct == 0.0  # graded's `correct`
     assert broken.failed and "grpo_rollouts:length_reward: TypeError" in broken.error
     assert broken.components["grpo_rollouts:length_reward"] == 0.0 and broken.components["exact"] == 1.0
+
+
+def test_unavailable_rewards_are_unknown_not_wrong():
+    """A reward raising RewardUnavailable (its sandbox crashed) marks the Score `unavailable`
+    with its kind, beside the error; an ordinary failure does not. GRPO masks such groups
+    unless `reward_unavailable: zero`."""
+
+    async def main():
+        svc = await Rewards.options().as_service("reverse", {"exact": 1.0, "grpo_rollouts:sandboxed": 1.0})
+        try:
+            rows = ["rev abd=", "rev abc="]  # the sandbox runs for the first, crashes for the second
+            return await svc.score.route([RewardInput({"prompt": p, "answer": "x"}, "x") for p in rows])
+        finally:
+            await svc.shutdown()
+
+    ran, crashed = asyncio.run(main())
+    assert ran == Score(2.0, {"exact": 1.0, "grpo_rollouts:sandboxed": 1.0}, correct=1.0)
+    assert crashed.unavailable == "sandbox" and crashed.reward == 1.0
+    assert "grpo_rollouts:sandboxed: RewardUnavailable: sandbox crashed on 'rev abc='" in crashed.error
+    assert crashed.components["grpo_rollouts:sandboxed"] == 0.0
+    assert not masked([ran, Score(0.0, error="ValueError: x")], "mask")
+    assert masked([ran, crashed], "mask") and not masked([ran, crashed], "zero")
+
+
+def test_judge_config_errors_name_their_key():
+    with pytest.raises(ConfigError, match="config key 'judge.base_url' is not set"):
+        check_rewards("reverse", {"judge": 1.0}, JudgeConfig())
+    with pytest.raises(ConfigError, match=r"config key 'judge.rubric': unknown field\(s\) \['reply'\]"):
+        JudgeConfig(base_url="http://x/v1", rubric="{prompt} {reply}").check(columns=())
+    with pytest.raises(ConfigError, match="config key 'judge.rubric': Single '}'"):
+        JudgeConfig(rubric="{prompt}}").validate()
+    with pytest.raises(ConfigError, match="config key 'judge.pattern' must have one group"):
+        JudgeConfig(pattern=r"\d+").validate()
+    check_rewards("reverse", {"exact": 1.0}, JudgeConfig())  # no judge, no endpoint needed
+    JudgeConfig(base_url="http://x/v1", rubric="{prompt} {question}").check(["question"])  # a dataset's column
+
+
+def test_grpo_config_checks_the_judge_and_reward_unavailable(tmp_path):
+    from apps.grpo import Config
+    from forge.config import load_config
+
+    def load(*over):
+        return load_config("configs/grpo_tiny.yaml", [f"model.path={tmp_path}", *over], Config)
+
+    with pytest.raises(ConfigError, match="config key 'reward_unavailable': 'skip' is not one of mask, zero"):
+        load("reward_unavailable=skip")
+    with pytest.raises(ConfigError, match="config key 'judge.base_url' is not set"):
+        load("rewards={judge: 1.0}")
+    with pytest.raises(ConfigError, match="config key 'judge.rubric': unknown field"):
+        load("rewards={judge: 1.0}", "judge.base_url=http://127.0.0.1:1/v1", "judge.rubric='Grade {reply}'")
+    cfg = load("rewards={judge: 1.0}", "judge.base_url=http://127.0.0.1:1/v1", "reward_unavailable=zero")
+    assert cfg.judge.base_url == "http://127.0.0.1:1/v1" and cfg.reward_unavailable == "zero"

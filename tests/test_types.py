@@ -77,3 +77,15 @@ def test_score_from_a_rollout_is_checked():
         Score.coerce({"reward": 1.0, "reward_failed": 0.0}, "x")
     with pytest.raises(TypeError, match="is a float, not a forge.types.Score"):
         Score.coerce(1.0, "x")
+
+
+def test_what_a_reward_function_or_agent_returns_is_loosely_a_score():
+    """`loose`: a number, or a dict whose other keys are named components (reward: their sum
+    unless given); the same TypeError for anything else."""
+    assert Score.coerce(0.5, "x", loose=True) == Score(0.5) and Score.coerce(True, "x", loose=True) == Score(1.0)
+    assert Score.coerce({"a": 1, "b": 0.5, "correct": 1}, "x", loose=True) == Score(1.5, {"a": 1.0, "b": 0.5}, 1.0)
+    assert Score.coerce({"reward": 2, "a": 1}, "x", loose=True) == Score(2.0, {"a": 1.0})
+    with pytest.raises(TypeError, match="returned 'done': is a str, not a number, a dict or a forge.types.Score"):
+        Score.coerce("done", "returned 'done':", loose=True)
+    with pytest.raises(TypeError, match="x: could not convert string to float: 'two'"):
+        Score.coerce({"a": "two"}, "x", loose=True)

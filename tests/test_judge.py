@@ -1,0 +1,74 @@
+"""The `judge` reward against a live judge: the tiny model behind forge's gateway (the module's
+`served` fixture), and an endpoint with nothing behind it."""
+
+import re
+import socket
+import time
+
+import openai
+import pytest
+
+from forge.types import RewardInput
+from services.judge import JudgeConfig
+from services.rewards import Rewards
+
+SAMPLE = RewardInput({"prompt": "rev abc=", "answer": "cba", "task": "reverse", "level": "easy"}, "cbb")
+RUBRIC = "Grade {prompt} -> {completion} (want {answer}, {level}). Score:"
+SEVEN = {"logit_bias": {"29": 100}}  # token 29 is '7' in the tiny model's vocabulary: it answers 7s
+
+
+def score(loop, cfg, rewards=None, samples=(SAMPLE,)):
+    async def main():
+        svc = await Rewards.options().as_service("reverse", rewards or {"judge": 1.0}, cfg)
+        try:
+            return await svc.score.route(list(samples))
+        finally:
+            await svc.shutdown()
+
+    return loop.run_until_complete(main())
+
+
+def judge_cfg(gw, **kw):
+    # the fixture's gateway takes an open session's id as its API key
+    return JudgeConfig(base_url=gw.base_url, api_key=gw.open_session(), rubric=RUBRIC, max_tokens=6, **kw)
+
+
+def test_the_judge_scores_by_its_rubric(loop, served):
+    """The reward is the score the pattern finds in the judge's answer over max_score; the judge
+    answers as it does to the same request made directly (temperature 0)."""
+    gw, _, _ = served
+    cfg = judge_cfg(gw, pattern=r"(\d)", max_score=9, extra_body=SEVEN)
+
+    async def direct():
+        c = openai.AsyncOpenAI(base_url=gw.base_url, api_key=cfg.api_key, max_retries=0)
+        prompt = RUBRIC.format(**SAMPLE.task, completion=SAMPLE.completion)
+        r = await c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=6, extra_body=SEVEN
+        )
+        return r.choices[0].message.content
+
+    text = loop.run_until_complete(direct())
+    want = float(re.search(cfg.pattern, text).group(1))
+    (s,) = score(loop, cfg, {"judge": 2.0, "exact": 1.0})
+    assert s.components == {"judge": pytest.approx(want / 9), "exact": 0.0} and want == 7.0
+    assert s.reward == pytest.approx(2 * want / 9) and not s.failed and s.unavailable is None
+
+
+def test_an_answer_without_a_score_is_unavailable_not_wrong(loop, served):
+    gw, _, _ = served
+    s1, s2 = score(loop, judge_cfg(gw, pattern=r"Score: (\d+)"), samples=[SAMPLE, SAMPLE])
+    for s in (s1, s2):
+        assert s.unavailable == "judge" and s.reward == 0.0 and s.components == {"judge": 0.0}
+        assert "judge: RewardUnavailable: no score in the judge's answer (config key 'judge.pattern'): '" in s.error
+
+
+def test_an_unreachable_judge_is_unavailable_quickly(loop):
+    with socket.socket() as sock:  # a loopback port with nothing listening
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = JudgeConfig(base_url=f"http://127.0.0.1:{port}/v1", model="tiny", timeout_s=2, retries=1)
+    start = time.monotonic()
+    (s,) = score(loop, cfg)
+    assert s.unavailable == "judge" and s.reward == 0.0
+    assert f"judge at http://127.0.0.1:{port}/v1: APIConnectionError" in s.error
+    assert time.monotonic() - start < 30
