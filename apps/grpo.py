@@ -37,6 +37,7 @@ from services.generator import Generator, GeneratorConfig
 from services.judge import JudgeConfig
 from services.reference import Reference
 from services.rewards import Rewards, check_rewards
+from services.sandbox import CodeTestsConfig
 from services.trainer import Trainer, TrainerConfig
 
 
@@ -64,6 +65,7 @@ class Config:
     # merging into it (OmegaConf merges dicts); empty after loading means {"exact": 1.0}.
     rewards: dict[str, float] = field(default_factory=dict)
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # the `judge` reward's model and rubric
+    code_tests: CodeTestsConfig = field(default_factory=CodeTestsConfig)  # the `code_tests` reward's sandbox
     # A group with a reward whose infrastructure failed (RewardUnavailable): dropped, or trained
     # with that reward at 0.
     reward_unavailable: str = "mask"
@@ -121,7 +123,7 @@ class Config:
             except ValueError as e:
                 raise ConfigError(f"config key 'task': {e} (or give a file in 'dataset.path')") from None
         try:
-            check_rewards(self.task, self.rewards, self.judge)
+            check_rewards(self.task, self.rewards, self.judge, self.code_tests)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if "judge" in self.rewards and not self.dataset.path:  # a dataset file's columns: checked once read
@@ -149,7 +151,7 @@ class Services:
             model, cfg.trainer, weights
         )
         gen = await Generator.options(replicas=cfg.generator_replicas).as_service(model, cfg.generator, weights)
-        rewards = await Rewards.options().as_service(cfg.task, dict(cfg.rewards), cfg.judge)
+        rewards = await Rewards.options().as_service(cfg.task, dict(cfg.rewards), cfg.judge, cfg.code_tests)
         ref = await Reference.options().as_service(model) if cfg.trainer.loss.kl_coef > 0 else None
         s = cls(store, trainer, gen, rewards, ref)
         if cfg.agentic.enabled:

@@ -103,7 +103,9 @@ async def measure(quick: bool, repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args("sandbox", __doc__, "fewer runs (smoke run)", argv)
     result = asyncio.run(measure(a.quick, repeats=1 if a.quick else 3))
-    print(f"{'program@concurrency':<20}{'bare runs/s':>12}{'sandbox':>10}{'fraction':>10}{'+p50 ms':>10}{'+p99 ms':>10}")
+    print(
+        f"{'program@concurrency':<20}{'bare runs/s':>12}{'sandbox':>10}{'fraction':>10}{'+p50 ms':>10}{'+p99 ms':>10}"
+    )
     for key, r in result["rows"].items():
         print(
             f"{key:<20}{r['bare_runs_per_s']:>12.1f}{r['sandbox_runs_per_s']:>10.1f}{r['fraction_of_bare']:>10.2f}"

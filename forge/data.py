@@ -4,6 +4,7 @@ from the same data position)."""
 from __future__ import annotations
 
 import random
+import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,9 @@ class FilePrompts(IndexedPrompts):
         super().__init__(seed)
         cfg.validate()
         self.rows = datasets.load_dataset(FORMATS[Path(cfg.path).suffix], data_files=cfg.path, split="train")
-        wanted = {name for _, name, _, _ in string.Formatter().parse(cfg.template) if name} | {cfg.answer_key}
+        # A field may index its column ({test_list[0]}): the column is the name before [ or .
+        fields = (name for _, name, _, _ in string.Formatter().parse(cfg.template) if name)
+        wanted = {re.split(r"[.\[]", name)[0] for name in fields} | {cfg.answer_key}
         missing = wanted - set(self.rows.column_names)
         if missing or not len(self.rows):
             raise ConfigError(

@@ -31,6 +31,7 @@ from forge.env import call
 from forge.tasks import TASKS, get_task
 from forge.types import RewardInput, RewardUnavailable, Score
 from services.judge import Judge, JudgeConfig
+from services.sandbox import CodeTests, CodeTestsConfig
 
 log = logging.getLogger("forge")
 RewardFn = Callable[[str, str, str], float]
@@ -91,10 +92,12 @@ def user_reward(name: str) -> Callable[[RewardInput], Any]:
     return fn
 
 
-def check_rewards(task: str, weights: dict[str, float], judge: JudgeConfig | None = None) -> None:
+def check_rewards(
+    task: str, weights: dict[str, float], judge: JudgeConfig | None = None, code_tests: CodeTestsConfig | None = None
+) -> None:
     """Every name is a built-in reward or an importable function (imported here, before anything
     spawns); with `judge`, its section is complete."""
-    known = [*make_rewards(task), "judge"]
+    known = [*make_rewards(task), "judge", "code_tests"]
     unknown = sorted(n for n in weights if n not in known and ":" not in n)
     if unknown:
         raise ValueError(
@@ -108,24 +111,37 @@ def check_rewards(task: str, weights: dict[str, float], judge: JudgeConfig | Non
             user_reward(name)
     if "judge" in weights:
         (judge or JudgeConfig()).check()
+    if "code_tests" in weights:
+        (code_tests or CodeTestsConfig()).sandbox.validate()
 
 
 class Rewards(ForgeActor):
     """Scores completions: the weighted sum of the configured rewards, and each component."""
 
     @classmethod
-    def check_args(cls, task: str, rewards: dict[str, float], judge: JudgeConfig | None = None) -> None:
-        check_rewards(task, rewards, judge)
+    def check_args(
+        cls,
+        task: str,
+        rewards: dict[str, float],
+        judge: JudgeConfig | None = None,
+        code_tests: CodeTestsConfig | None = None,
+    ) -> None:
+        check_rewards(task, rewards, judge, code_tests)
 
-    def __init__(self, task: str, rewards: dict[str, float], judge: JudgeConfig | None = None):
+    def __init__(
+        self,
+        task: str,
+        rewards: dict[str, float],
+        judge: JudgeConfig | None = None,
+        code_tests: CodeTestsConfig | None = None,
+    ):
         self.task, self.weights = task, dict(rewards)
         builtin = make_rewards(task)
         self.builtin = {name: fn for name, fn in builtin.items() if name in rewards}
-        # The others see the whole sample: the judge, and users' functions.
+        # The others see the whole sample: the judge, code_tests, and users' functions.
+        made = {"judge": lambda: Judge(judge or JudgeConfig()), "code_tests": lambda: CodeTests(code_tests)}
         self.on_sample = {
-            name: Judge(judge or JudgeConfig()) if name == "judge" else user_reward(name)
-            for name in rewards
-            if name not in builtin
+            name: made[name]() if name in made else user_reward(name) for name in rewards if name not in builtin
         }
 
     @endpoint

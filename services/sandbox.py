@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -47,6 +48,7 @@ from monarch.actor import concurrent_endpoint, endpoint
 from forge.actor import ForgeActor
 from forge.config import ConfigError
 from forge.shm import owned_dir
+from forge.types import RewardInput, RewardUnavailable
 
 log = logging.getLogger("forge")
 
@@ -61,15 +63,14 @@ _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWR
 # process, as those datasets' own evaluators run them.
 _HARNESS = """\
 import json, os, sys
-_fd = int(sys.argv.pop(1))
-_tests = json.load(open(".forge_tests.json"))
-os.remove(".forge_tests.json")
+_fd, _tests, _main = int(sys.argv[1]), json.load(open(sys.argv[2])), sys.argv[3]
+sys.argv = [_main]
 def _report(passed):
     os.write(_fd, json.dumps({"passed": passed}).encode())
     os.close(_fd)
-_ns = {"__name__": "__main__", "__file__": "main.py"}
+_ns = {"__name__": "__main__", "__file__": _main}
 try:
-    exec(compile(open("main.py").read(), "main.py", "exec"), _ns)
+    exec(compile(open(_main).read(), _main, "exec"), _ns)
 except BaseException:
     _report(0)
     raise
@@ -104,6 +105,8 @@ class SandboxConfig:
     isolation: str = "auto"  # auto: namespaces where the kernel allows, else rlimits; namespaces: required
     uid_base: int = 60000  # slot uids are taken from uid_base up
     python: str = ""  # the interpreter of language "python" ("": the one forge runs on)
+    # False: `python -S`, the standard library only (no site-packages), which starts ~3x faster.
+    site_packages: bool = True
 
     def validate(self) -> None:
         for key in ("workers", "run_timeout", "memory_limit_MB", "max_output_bytes", "max_processes"):
@@ -185,7 +188,7 @@ class SandboxPool:
     def __init__(self, cfg: SandboxConfig | None = None):
         self.cfg = cfg or SandboxConfig()
         self.cfg.validate()
-        self.python = self.cfg.python or sys.executable
+        self.python = [self.cfg.python or sys.executable, "-I"] + ([] if self.cfg.site_packages else ["-S"])
         self.root = os.geteuid() == 0
         base = Path("/run/forge-sandbox") if self.root else Path(f"/tmp/forge-sandbox-{os.geteuid()}")
         self.dir = owned_dir(base, mode=0o711)  # slots' directories below are 0700, each its own uid
@@ -289,28 +292,38 @@ class SandboxPool:
         return self._result(proc.returncode, out, err, wall, timed_out, truncated, req, report)
 
     def _write_files(self, work: Path, req: _Request, uid: int, report_fd: int) -> list[str]:
-        """The working directory: the program, its files, the tests; owned by the slot's uid
-        (the namespace copies it, owners included, to the private /tmp). Returns the argv."""
+        """The run's directory; returns the argv. With namespaces the program, its tests and the
+        harness stay here, readable by the slot's group and written by no one but root, and the
+        request's files (owned by the slot's uid) are copied into the private /tmp, the working
+        directory. Without, this directory is the working directory, the slot's uid owns it all."""
+        own = work / "files" if self.namespaces else work  # what the program's uid owns
         try:
-            work.mkdir(mode=0o700)
+            work.mkdir(mode=0o750)
             main = work / LANGUAGES[req.language]
             main.write_text(req.code)
-            for name, content in req.files.items():
-                (work / name).parent.mkdir(parents=True, exist_ok=True)
-                (work / name).write_bytes(content)
             if req.tests:
                 (work / ".forge_tests.json").write_text(json.dumps(req.tests))
                 (work / ".forge_harness.py").write_text(_HARNESS)
+            for name, content in req.files.items():
+                (own / name).parent.mkdir(parents=True, exist_ok=True)
+                (own / name).write_bytes(content)
             if self.root:
                 for p in [work, *work.rglob("*")]:
-                    os.chown(p, uid, uid)
+                    os.chown(p, uid if p == own or own in p.parents else 0, uid)
+                    p.chmod(0o750 if p.is_dir() else 0o640)
         except OSError as e:
             raise SandboxError(f"sandbox: could not write the working directory {work}: {e}") from e
         if req.language == "bash":
-            return ["/bin/bash", main.name]
+            return ["/bin/bash", str(main)]
         if req.tests:
-            return [self.python, "-I", ".forge_harness.py", str(report_fd)]
-        return [self.python, "-I", main.name]
+            return [
+                *self.python,
+                str(work / ".forge_harness.py"),
+                str(report_fd),
+                str(work / ".forge_tests.json"),
+                str(main),
+            ]
+        return [*self.python, str(main)]
 
     def _launcher(self, work: Path, req: _Request, uid: int) -> list[str]:
         """The command in front of the program's argv: namespaces, the private /tmp, rlimits,
@@ -323,9 +336,9 @@ class SandboxPool:
         )
         drop = f"setpriv --reuid={uid} --regid={uid} --clear-groups --no-new-privs " if self.root else ""
         if self.namespaces:
+            copy = f"cp -a {shlex.quote(str(work / 'files'))}/. /tmp && " if req.files else ""
             script = (
-                f"mount -a -T {shlex.quote(str(self.dir / f'fstab-{uid}'))} && "
-                f"cp -a {shlex.quote(str(work))}/. /tmp && cd /tmp && {limits} && {drop}\"$@\""
+                f'mount -a -T {shlex.quote(str(self.dir / f"fstab-{uid}"))} && {copy}cd /tmp && {limits} && {drop}"$@"'
             )
             return ["unshare", "--net", "--pid", "--ipc", "--fork", "--mount-proc", "sh", "-c", script, "sh"]
         return ["sh", "-c", f'{limits} && {drop}"$@"', "sh"]
@@ -434,6 +447,65 @@ class SandboxPool:
         if result.status != "ok":
             log.warning("forge: sandbox: unshare failed: %s", result.stderr.strip()[-300:])
         return result.status == "ok"
+
+
+# ---- the code_tests reward ------------------------------------------------------------
+
+
+@dataclass
+class CodeTestsConfig:
+    """The `code_tests` section: the reward that runs each completion's program in the sandbox."""
+
+    all_pass: bool = False  # reward 1 when every test passes, else 0 (default: the fraction passing)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
+
+
+def extract_code(text: str) -> str:
+    """The program in a completion: its last fenced code block, else the whole text."""
+    blocks = _FENCE.findall(text)
+    return blocks[-1] if blocks else text
+
+
+class CodeTests:
+    """The `code_tests` reward function: runs the completion's program against the task row's
+    tests, MBPP/HumanEval style: `tests` (or MBPP's `test_list`, after its `test_setup_code`),
+    assert statements run after the program, and/or `expected_output`, what it must print (given
+    `stdin`). Returns the fraction passing (or all-or-nothing) and `correct`. Its sandbox runs in
+    the reward service's process; a sandbox that cannot run the program makes the reward
+    unavailable (RewardUnavailable("sandbox")), never wrong."""
+
+    def __init__(self, cfg: CodeTestsConfig | None = None):
+        self.cfg = cfg or CodeTestsConfig()
+        self.cfg.sandbox.validate()
+        self.pool: SandboxPool | None = None
+        self.started: asyncio.Task | None = None
+
+    async def __call__(self, s: RewardInput) -> dict[str, float]:
+        row = s.task
+        tests = list(row.get("tests") or row.get("test_list") or [])
+        expected = row.get("expected_output")
+        if not tests and expected is None:
+            raise ValueError("code_tests: the task row has no 'tests', 'test_list' or 'expected_output' column")
+        code = extract_code(s.completion)
+        if row.get("test_setup_code"):
+            code = f"{row['test_setup_code']}\n{code}"
+        try:
+            r = await (await self._pool()).run(code, stdin=row.get("stdin") or "", tests=tests)
+        except SandboxError as e:
+            raise RewardUnavailable("sandbox", str(e)) from e
+        printed = expected is not None and r.stdout.strip() == str(expected).strip()
+        passed, total = r.tests_passed + printed, len(tests) + (expected is not None)
+        return {"reward": float(passed == total) if self.cfg.all_pass else passed / total, "correct": passed == total}
+
+    async def _pool(self) -> SandboxPool:
+        if self.started is None:  # started once, on the event loop that scores
+            self.pool = SandboxPool(self.cfg.sandbox)
+            self.started = asyncio.ensure_future(self.pool.start())
+        await asyncio.shield(self.started)
+        return self.pool
 
 
 async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:

@@ -268,3 +268,28 @@ def test_unavailable_rewards_mask_their_group_or_score_zero(tmp_path):
         assert sum(x.get("reward_failures/sandbox", 0) for x in r) > 0
     assert sum(x.get("groups_masked", 0) for x in masked) > 0 and all(x["reward_mean"] >= 1.0 for x in masked)
     assert sum(x.get("groups_masked", 0) for x in zero) == 0
+
+
+def test_code_configs_are_valid(tmp_path, tiny_model_dir):
+    """The code toy config loads as documented; the MBPP GPU config loads with its paths
+    replaced and its prompt template fills in from an MBPP row."""
+    from forge.data import FilePrompts
+
+    cfg = load_config("configs/grpo_code_tiny.yaml", [], Config)
+    assert cfg.task == "pyrev" and cfg.rewards == {"code_tests": 1.0} and cfg.code_tests.sandbox.workers == 8
+    row = {
+        "task_id": 2,
+        "text": "Write a function to double x.",
+        "code": "def double(x):\n    return 2 * x",
+        "test_setup_code": "",
+        "test_list": ["assert double(2) == 4", "assert double(0) == 0"],
+    }
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    cfg = load_config(
+        "configs/grpo_qwen3_1.7b_mbpp.yaml", [f"model.path={tiny_model_dir}", f"dataset.path={data}"], Config
+    )
+    assert cfg.rewards == {"code_tests": 1.0} and cfg.reward_unavailable == "mask" and cfg.batch_size == 128
+    sample = next(iter(FilePrompts(cfg.dataset, cfg.seed)))
+    assert "Your code should pass this test:\nassert double(2) == 4\n" in sample.prompt
+    assert sample.answer == row["code"] and sample.row()["test_list"] == row["test_list"]

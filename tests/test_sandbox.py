@@ -148,7 +148,9 @@ def test_hostile_programs_end_with_their_status_and_leave_nothing(loop, sandbox,
     start = time.perf_counter()
     r = run(loop, sandbox, code, run_timeout=timeout)
     assert r.status in statuses, (name, r)
-    assert time.perf_counter() - start < timeout + 5, f"{name}: the result came {time.perf_counter() - start:.1f} s late"
+    assert time.perf_counter() - start < timeout + 5, (
+        f"{name}: the result came {time.perf_counter() - start:.1f} s late"
+    )
     assert run(loop, sandbox, "print(1)").stdout == "1\n"  # the pool keeps serving
 
 
@@ -230,7 +232,7 @@ print("tmp ok")
 def test_more_runs_than_workers_wait_for_a_slot(loop, sandbox):
     async def many():
         return await asyncio.gather(
-            *(sandbox.run.route("import time; time.sleep(0.3); print(%d)" % i) for i in range(3 * WORKERS))
+            *(sandbox.run.route(f"import time; time.sleep(0.3); print({i})") for i in range(3 * WORKERS))
         )
 
     start = time.perf_counter()
@@ -238,3 +240,69 @@ def test_more_runs_than_workers_wait_for_a_slot(loop, sandbox):
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(3 * WORKERS)]
     assert time.perf_counter() - start >= 0.9  # three waves of 0.3 s: at most WORKERS at once
     assert sandbox_pids() == []
+
+
+# ---- the code_tests reward ----------------------------------------------------------------
+
+MBPP_ROW = {
+    "prompt": "Write a function f that doubles x.",
+    "answer": "def f(x):\n    return 2 * x",
+    "task": "mbpp",
+    "test_setup_code": "import math",
+    "test_list": ["assert f(1) == 2", "assert f(2) == 4", "assert f(0) == math.inf"],
+}
+
+
+def test_code_tests_reward_runs_the_completion_against_the_row(loop):
+    from forge.tasks import generate
+    from forge.types import RewardInput
+    from services.sandbox import CodeTests, CodeTestsConfig
+
+    reward = CodeTests(CodeTestsConfig(sandbox=SandboxConfig(workers=2, uid_base=61100, site_packages=False)))
+    row = generate("pyrev", 1)[0].row()
+    right = row["answer"]
+
+    def score(r, row, text):
+        return loop.run_until_complete(r(RewardInput(row, text)))
+
+    assert score(reward, row, right) == {"reward": 1.0, "correct": True}
+    assert score(reward, row, f"Here it is:\n```python\n{right}\n```\n") == {"reward": 1.0, "correct": True}
+    assert score(reward, row, "print('zzz')") == {"reward": 0.0, "correct": False}
+    assert score(reward, row, "print(") == {"reward": 0.0, "correct": False}  # a syntax error is a wrong answer
+    mbpp = "```python\ndef f(x):\n    return 2 * x\n```"
+    assert score(reward, MBPP_ROW, mbpp) == {"reward": pytest.approx(2 / 3), "correct": False}
+    all_pass = CodeTests(CodeTestsConfig(all_pass=True, sandbox=SandboxConfig(workers=1, uid_base=61200)))
+    assert score(all_pass, MBPP_ROW, mbpp) == {"reward": 0.0, "correct": False}
+    with pytest.raises(ValueError, match="no 'tests', 'test_list' or 'expected_output' column"):
+        loop.run_until_complete(reward(RewardInput({"prompt": "p", "answer": "a"}, right)))
+
+
+def test_a_sandbox_that_cannot_run_makes_the_reward_unavailable(loop, monkeypatch, tmp_path):
+    import services.sandbox
+    from forge.types import RewardInput, RewardUnavailable
+    from services.sandbox import CodeTests, CodeTestsConfig
+
+    # A machine without util-linux or a shell: the sandbox cannot start a run.
+    monkeypatch.setitem(services.sandbox._ENV, "PATH", str(tmp_path))
+    reward = CodeTests(CodeTestsConfig(sandbox=SandboxConfig(workers=1, uid_base=61300)))
+    with pytest.raises(RewardUnavailable) as e:
+        loop.run_until_complete(reward(RewardInput(MBPP_ROW, "def f(x): return 2 * x")))
+    assert e.value.kind == "sandbox" and "could not start a run" in str(e.value)
+
+
+def test_reward_service_scores_with_code_tests(loop):
+    from forge.tasks import generate
+    from forge.types import RewardInput
+    from services.rewards import Rewards
+    from services.sandbox import CodeTestsConfig
+
+    cfg = CodeTestsConfig(sandbox=SandboxConfig(workers=2, uid_base=61400))
+    rewards = loop.run_until_complete(Rewards.options().as_service("pyrev", {"code_tests": 1.0}, None, cfg))
+    try:
+        row = generate("pyrev", 1)[0].row()
+        scores = loop.run_until_complete(
+            rewards.score.route([RewardInput(row, row["answer"]), RewardInput(row, "print('no')")])
+        )
+        assert [(s.reward, s.correct, s.unavailable) for s in scores] == [(1.0, 1.0, None), (0.0, 0.0, None)]
+    finally:
+        loop.run_until_complete(rewards.shutdown())
