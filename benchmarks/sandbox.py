@@ -3,7 +3,7 @@ program and of a 0.5 s one at concurrency 1, 8 and 32, and the latency each run 
 
     forge bench sandbox [--quick]
 
-Both sides run the same interpreter on the same file (`python -I main.py`); the sandbox adds
+Both sides run the same interpreter on the same file (`python3 -I main.py`); the sandbox adds
 its namespaces, private /tmp, rlimits, its own uid, and the service call. Prints a table and
 writes benchmarks/results/sandbox.json (`fraction_of_bare`: the lowest throughput ratio).
 """
@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import parse_args, write_result
-from services.sandbox import Sandbox, SandboxConfig
+from services.sandbox import Sandbox, SandboxConfig, default_python
 
 PROGRAMS = {"trivial": "print(1)\n", "sleep_0.5s": "import time\ntime.sleep(0.5)\nprint(1)\n"}
 CONCURRENCY = (1, 8, 32)
@@ -60,7 +60,7 @@ async def measure(quick: bool, repeats: int) -> dict:
                 files[name].write_text(code)
 
             def bare(name: str):
-                cmd = [sys.executable, "-I", str(files[name])]
+                cmd = [default_python(), "-I", str(files[name])]  # the sandbox's interpreter
                 return lambda: asyncio.get_running_loop().run_in_executor(
                     pool, lambda: subprocess.run(cmd, capture_output=True, check=True)
                 )

@@ -11,12 +11,14 @@ Each run gets:
 - rlimits: address space (`memory_limit_MB`), CPU seconds, processes, file size, open files;
 - a scrubbed environment and a fresh working directory;
 - where the kernel allows it (root or CAP_SYS_ADMIN), new network, pid, mount and IPC
-  namespaces (util-linux `unshare`): no network (its own loopback, down), a /proc that shows
-  only its own processes, and private size-limited tmpfs on /tmp (the working directory),
-  /var/tmp and /dev/shm. A shell is pid 1 of the namespace; when the program exits, or the
-  timeout kills that shell, the kernel kills every process left in it, daemons and setsid()
-  escapes included. Without namespaces only the uid, the rlimits and a sweep of the slot's
-  uid hold (or, not root, the rlimits and the process group), and the service logs a warning.
+  namespaces: no network (its own loopback, down), a /proc that shows only its own processes,
+  and private size-limited tmpfs on /tmp (the working directory), /var/tmp and /dev/shm. Its
+  first process in the namespace (pid 1) waits for the program; when the program exits, or the
+  timeout kills pid 1, the kernel kills every process left in it, daemons and setsid() escapes
+  included. Without namespaces only the uid, the rlimits and a sweep of the slot's uid hold (or,
+  not root, the rlimits and the process group), and the service logs a warning.
+A small launcher process (services/sandbox_launcher.py) starts the runs by forking itself, a
+few forks per run instead of a chain of util-linux tools.
 
 The result's status: `ok`, `error` (non-zero exit), `timeout` (wall or CPU limit), `oom` (the
 memory limit), `killed` (a signal). Bad input (an unknown language, a file outside the working
@@ -29,14 +31,15 @@ import asyncio
 import base64
 import binascii
 import fcntl
+import itertools
 import json
 import logging
 import math
 import os
 import re
-import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,6 +52,7 @@ from forge.actor import ForgeActor
 from forge.config import ConfigError
 from forge.shm import owned_dir
 from forge.types import RewardInput, RewardUnavailable
+from services.sandbox_launcher import SETUP_FAILED
 
 log = logging.getLogger("forge")
 
@@ -104,7 +108,9 @@ class SandboxConfig:
     tmpfs_MB: int = 256  # the private /tmp, the working directory (namespaces only)
     isolation: str = "auto"  # auto: namespaces where the kernel allows, else rlimits; namespaces: required
     uid_base: int = 60000  # slot uids are taken from uid_base up
-    python: str = ""  # the interpreter of language "python" ("": the one forge runs on)
+    # The interpreter of language "python", run as the slot's uid, so one every user may run:
+    # "" is the system's python3 on PATH (its standard library), else the one forge runs on.
+    python: str = ""
     # False: `python -S`, the standard library only (no site-packages), which starts ~3x faster.
     site_packages: bool = True
 
@@ -144,6 +150,97 @@ class _Request:
     tests: list[str] = field(default_factory=list)
     timeout: float = 10.0
     memory_mb: int = 512
+
+
+def default_python() -> str:
+    """The sandbox's Python when the config names none: python3 on the sandbox's PATH (forge's
+    own may live where the slot's uid cannot read, e.g. under /root), else this one."""
+    return shutil.which("python3", path=_ENV["PATH"]) or sys.executable
+
+
+@dataclass
+class _Started:
+    pid: int  # the run's first process (its session leader; its child is pid 1 of the namespace)
+    exited: asyncio.Future  # its exit code, as a shell gives it (negative: killed itself)
+
+    @property
+    def returncode(self) -> int:
+        return self.exited.result()
+
+
+class _Launcher:
+    """The pool's side of services/sandbox_launcher.py: requests out (with the run's file
+    descriptors), started / exited messages back, matched by id."""
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+        self.waiting: dict[int, tuple[asyncio.Future, asyncio.Future]] = {}
+        self.ids = itertools.count()
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self, python: str) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                python,
+                "-I",
+                "-S",
+                str(Path(__file__).with_name("sandbox_launcher.py")),
+                str(theirs.fileno()),
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=_ENV,
+            )
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self.sock = ours
+        asyncio.get_running_loop().add_reader(ours.fileno(), self._receive)
+
+    async def spawn(self, spec: dict, fds: list[int]) -> _Started:
+        if self.sock is None:
+            raise SandboxError("sandbox: the launcher is not running")
+        loop = asyncio.get_running_loop()
+        run_id = next(self.ids)
+        started, exited = loop.create_future(), loop.create_future()
+        self.waiting[run_id] = (started, exited)
+        try:
+            socket.send_fds(self.sock, [json.dumps({**spec, "id": run_id}).encode()], fds)
+        except OSError as e:
+            self.waiting.pop(run_id)
+            raise SandboxError(f"sandbox: the launcher does not answer: {e}") from e
+        return _Started(await started, exited)
+
+    def _receive(self) -> None:
+        try:
+            data = self.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        if not data:  # the launcher died: every run waiting on it fails, as does every later one
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+            for started, exited in self.waiting.values():
+                for f in (started, exited):
+                    if not f.done():
+                        f.set_exception(SandboxError("sandbox: the launcher process died"))
+            self.waiting.clear()
+            return
+        msg = json.loads(data)
+        started, exited = self.waiting[msg["id"]]
+        if "pid" in msg:
+            started.set_result(msg["pid"])
+        else:
+            del self.waiting[msg["id"]]
+            exited.set_result(os.waitstatus_to_exitcode(msg["status"]))
+
+    async def stop(self) -> None:
+        if self.sock is not None:
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None:
+            await self.proc.wait()
 
 
 class Sandbox(ForgeActor):
@@ -188,7 +285,7 @@ class SandboxPool:
     def __init__(self, cfg: SandboxConfig | None = None):
         self.cfg = cfg or SandboxConfig()
         self.cfg.validate()
-        self.python = [self.cfg.python or sys.executable, "-I"] + ([] if self.cfg.site_packages else ["-S"])
+        self.python = [self.cfg.python or default_python(), "-I"] + ([] if self.cfg.site_packages else ["-S"])
         self.root = os.geteuid() == 0
         base = Path("/run/forge-sandbox") if self.root else Path(f"/tmp/forge-sandbox-{os.geteuid()}")
         self.dir = owned_dir(base, mode=0o711)  # slots' directories below are 0700, each its own uid
@@ -196,16 +293,18 @@ class SandboxPool:
         self.locks: list[int] = []
         self.namespaces = False
         self.runs = 0
+        self.launcher = _Launcher()
 
     async def start(self) -> None:
+        self.launcher = _Launcher()
+        try:
+            await self.launcher.start(sys.executable)
+        except OSError as e:
+            raise SandboxError(f"sandbox: could not start its launcher: {e}") from e
         for uid in self._take_uids(self.cfg.workers):
-            if self.root:  # the private /tmp belongs to the slot's uid
-                (self.dir / f"fstab-{uid}").write_text(
-                    f"tmpfs /tmp tmpfs size={self.cfg.tmpfs_MB}m,mode=0700,uid={uid},gid={uid} 0 0\n"
-                    "tmpfs /var/tmp tmpfs size=16m,mode=1777 0 0\ntmpfs /dev/shm tmpfs size=16m,mode=1777 0 0\n"
-                )
             self.slots.put_nowait(uid)
-        self.namespaces = self.root and await self._probe_namespaces()
+        self.namespaces = self.root  # probed with a run; the fallback if it fails
+        self.namespaces = self.namespaces and await self._probe_namespaces()
         if not self.namespaces:
             if self.cfg.isolation == "namespaces":
                 raise SandboxError("sandbox.isolation=namespaces, but this process cannot create namespaces")
@@ -261,37 +360,36 @@ class SandboxPool:
     async def _run(self, req: _Request, uid: int) -> RunResult:
         self.runs += 1
         work = self.dir / f"{uid}-{self.runs}"
-        report_r, report_w = os.pipe()
+        ours, theirs = [], []  # pipe ends: read here / given to the run
         try:
-            argv = self._write_files(work, req, uid, report_w)
+            argv = self._write_files(work, req, uid)
+            (work / ".stdin").write_bytes(req.stdin)
+            theirs.append(os.open(work / ".stdin", os.O_RDONLY))
+            for _ in range(3):  # stdout, stderr, the harness's report
+                r, w = os.pipe()
+                ours.append(r)
+                theirs.append(w)
             start = time.perf_counter()
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *self._launcher(work, req, uid),
-                    *argv,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    env={**_ENV, "HOME": "/tmp" if self.namespaces else str(work), "TMPDIR": "/tmp"},
-                    cwd=work,
-                    start_new_session=True,  # its own process group, for the fallback's killpg
-                    pass_fds=(report_w,),
-                )
-            except OSError as e:
-                raise SandboxError(f"sandbox: could not start a run: {e}") from e
-            os.close(report_w)
-            report_w = -1
-            out, err, timed_out, truncated = await self._wait(proc, req, uid)
+            if self.launcher.sock is None:  # it died (its runs then failed): a new one for this run
+                await self.launcher.start(sys.executable)
+            run = await self.launcher.spawn(self._spec(work, req, uid, argv), theirs)
+            for fd in theirs:
+                os.close(fd)
+            theirs = []
+            out, err, timed_out, truncated = await self._wait(run, ours.pop(0), ours.pop(0), req, uid)
             wall = time.perf_counter() - start
-            report = _read_report(report_r) if req.tests else None
+            report = _read_report(ours[0]) if req.tests else None
+        except OSError as e:
+            raise SandboxError(f"sandbox: could not run in {work}: {e}") from e
         finally:
-            for fd in (report_r, report_w):
-                if fd >= 0:
-                    os.close(fd)
+            for fd in ours + theirs:
+                os.close(fd)
             shutil.rmtree(work, ignore_errors=True)
-        return self._result(proc.returncode, out, err, wall, timed_out, truncated, req, report)
+        if run.returncode == SETUP_FAILED and err.startswith(b"forge sandbox launcher:"):
+            raise SandboxError(f"sandbox: could not set up the run: {err.decode(errors='replace').strip()}")
+        return self._result(run.returncode, out, err, wall, timed_out, truncated, req, report)
 
-    def _write_files(self, work: Path, req: _Request, uid: int, report_fd: int) -> list[str]:
+    def _write_files(self, work: Path, req: _Request, uid: int) -> list[str]:
         """The run's directory; returns the argv. With namespaces the program, its tests and the
         harness stay here, readable by the slot's group and written by no one but root, and the
         request's files (owned by the slot's uid) are copied into the private /tmp, the working
@@ -319,53 +417,57 @@ class SandboxPool:
             return [
                 *self.python,
                 str(work / ".forge_harness.py"),
-                str(report_fd),
+                "3",  # the launcher gives the report pipe as fd 3
                 str(work / ".forge_tests.json"),
                 str(main),
             ]
         return [*self.python, str(main)]
 
-    def _launcher(self, work: Path, req: _Request, uid: int) -> list[str]:
-        """The command in front of the program's argv: namespaces, the private /tmp, rlimits,
-        the slot's uid. A shell (not exec'd away) stays pid 1, so the program is a plain process."""
+    def _spec(self, work: Path, req: _Request, uid: int, argv: list[str]) -> dict:
+        """What the launcher needs for one run: namespaces and the private tmpfs, rlimits, the
+        slot's uid, the working directory, the program's argv and environment."""
         c = self.cfg
-        cpu = math.ceil(req.timeout) + 1  # a backstop: the wall-time timeout normally comes first
-        limits = (
-            f"ulimit -v {req.memory_mb * 1024} && ulimit -t {cpu} && ulimit -p {c.max_processes} && "
-            f"ulimit -n {c.max_open_files} && ulimit -f {c.max_file_MB * 2048}"
-        )
-        drop = f"setpriv --reuid={uid} --regid={uid} --clear-groups --no-new-privs " if self.root else ""
-        if self.namespaces:
-            copy = f"cp -a {shlex.quote(str(work / 'files'))}/. /tmp && " if req.files else ""
-            script = (
-                f'mount -a -T {shlex.quote(str(self.dir / f"fstab-{uid}"))} && {copy}cd /tmp && {limits} && {drop}"$@"'
-            )
-            return ["unshare", "--net", "--pid", "--ipc", "--fork", "--mount-proc", "sh", "-c", script, "sh"]
-        return ["sh", "-c", f'{limits} && {drop}"$@"', "sh"]
+        tmp_opts = f"size={c.tmpfs_MB}m,mode=0700,uid={uid},gid={uid}"
+        return {
+            "namespaces": self.namespaces,
+            "tmpfs": [["/tmp", tmp_opts], ["/var/tmp", "size=16m,mode=1777"], ["/dev/shm", "size=16m,mode=1777"]],
+            "copy": str(work / "files") if self.namespaces and req.files else None,
+            "cwd": "/tmp" if self.namespaces else str(work),
+            "uid": uid if self.root else None,
+            "rlimits": {
+                "RLIMIT_AS": req.memory_mb << 20,
+                "RLIMIT_CPU": math.ceil(req.timeout) + 1,  # a backstop: the wall-time timeout comes first
+                "RLIMIT_NPROC": c.max_processes,
+                "RLIMIT_NOFILE": c.max_open_files,
+                "RLIMIT_FSIZE": c.max_file_MB << 20,
+            },
+            "argv": argv,
+            "env": {**_ENV, "HOME": "/tmp" if self.namespaces else str(work), "TMPDIR": "/tmp"},
+        }
 
-    async def _wait(self, proc: asyncio.subprocess.Process, req: _Request, uid: int) -> tuple[bytes, bytes, bool, bool]:
-        """Feed stdin, read both outputs (capped), wait for the exit or kill at the timeout."""
+    async def _wait(self, run: _Started, stdout: int, stderr: int, req: _Request, uid: int) -> tuple:
+        """Read both outputs (capped), wait for the exit or kill at the timeout."""
         cap = self.cfg.max_output_bytes
-        io = asyncio.gather(_feed(proc.stdin, req.stdin), _read(proc.stdout, cap), _read(proc.stderr, cap))
+        io = asyncio.gather(_read(stdout, cap), _read(stderr, cap))
         timed_out = False
         try:
-            await asyncio.wait_for(proc.wait(), req.timeout)
+            await asyncio.wait_for(asyncio.shield(run.exited), req.timeout)
         except asyncio.TimeoutError:
             timed_out = True
         finally:  # also when the caller gave up (cancelled): nothing of the run survives it
-            if proc.returncode is None or not self.namespaces:
-                self._kill(proc.pid, uid)
-            await proc.wait()
+            if not run.exited.done() or run.exited.exception() or not self.namespaces:
+                self._kill(run.pid, uid)
+            await run.exited
         try:  # with namespaces every pipe is closed by now; without, a leftover may hold one
-            _, (out, t_out), (err, t_err) = await asyncio.wait_for(io, 5.0)
+            (out, t_out), (err, t_err) = await asyncio.wait_for(io, 5.0)
         except asyncio.TimeoutError:
             io.cancel()
             (out, t_out), (err, t_err) = (b"", False), (b"", False)
         return out, err, timed_out, t_out or t_err
 
     def _kill(self, pid: int, uid: int) -> None:
-        """Kill the run's processes. With namespaces, killing pid 1 of the namespace (the shell,
-        the launcher's child) makes the kernel kill the rest; without, kill the process group
+        """Kill the run's processes. With namespaces, killing pid 1 of the namespace (the
+        run's first process's child) makes the kernel kill the rest; without, kill the process group
         and every process of the slot's uid (setsid() leaves the group, not the uid)."""
         try:
             children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
@@ -392,8 +494,8 @@ class SandboxPool:
         req: _Request,
         report: dict | None,
     ) -> RunResult:
-        # The shell reports a program a signal ended as 128 + the signal; a negative code is the
-        # launcher itself, killed at the timeout.
+        # The launcher reports a program a signal ended as 128 + the signal (as a shell does); a
+        # negative code is the run's first process, killed at the timeout.
         sig = -rc if rc < 0 else rc - 128 if rc > 128 else None
         if timed_out or sig == signal.SIGXCPU:
             status = "timeout"
@@ -440,13 +542,14 @@ class SandboxPool:
         uid = await self.slots.get()
         try:
             result = await self._run(_Request("", "bash", b"", timeout=30, memory_mb=256), uid)
-        except SandboxError:
+            if result.status != "ok":
+                raise SandboxError(result.stderr.strip()[-300:])
+        except SandboxError as e:
+            log.warning("forge: sandbox: namespaces failed: %s", e)
             return False
         finally:
             self.slots.put_nowait(uid)
-        if result.status != "ok":
-            log.warning("forge: sandbox: unshare failed: %s", result.stderr.strip()[-300:])
-        return result.status == "ok"
+        return True
 
 
 # ---- the code_tests reward ------------------------------------------------------------
@@ -508,23 +611,21 @@ class CodeTests:
         return self.pool
 
 
-async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
-    try:
-        if data:
-            stream.write(data)
-            await stream.drain()
-        stream.close()
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the program exited without reading it all
-
-
-async def _read(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
-    """Up to `cap` bytes of a stream; the rest is read (so the writer never blocks) and dropped."""
+async def _read(fd: int, cap: int) -> tuple[bytes, bool]:
+    """Up to `cap` bytes of a pipe; the rest is read (so the writer never blocks) and dropped."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 16)
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(fd), "rb", buffering=0)
+    )
     kept, dropped = bytearray(), False
-    while chunk := await stream.read(1 << 16):
-        room = cap - len(kept)
-        kept += chunk[:room]
-        dropped |= len(chunk) > room
+    try:
+        while chunk := await reader.read(1 << 16):
+            room = cap - len(kept)
+            kept += chunk[:room]
+            dropped |= len(chunk) > room
+    finally:
+        transport.close()
     return bytes(kept), dropped
 
 

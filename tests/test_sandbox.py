@@ -277,17 +277,27 @@ def test_code_tests_reward_runs_the_completion_against_the_row(loop):
         loop.run_until_complete(reward(RewardInput({"prompt": "p", "answer": "a"}, right)))
 
 
-def test_a_sandbox_that_cannot_run_makes_the_reward_unavailable(loop, monkeypatch, tmp_path):
-    import services.sandbox
+def test_a_sandbox_that_crashes_makes_the_reward_unavailable(loop):
     from forge.types import RewardInput, RewardUnavailable
     from services.sandbox import CodeTests, CodeTestsConfig
 
-    # A machine without util-linux or a shell: the sandbox cannot start a run.
-    monkeypatch.setitem(services.sandbox._ENV, "PATH", str(tmp_path))
-    reward = CodeTests(CodeTestsConfig(sandbox=SandboxConfig(workers=1, uid_base=61300)))
+    reward = CodeTests(CodeTestsConfig(sandbox=SandboxConfig(workers=2, uid_base=61300)))
+    slow = "import time\ntime.sleep(10)\ndef f(x):\n    return 2 * x"
+    assert loop.run_until_complete(reward(RewardInput(MBPP_ROW, "def f(x): return 2 * x")))["reward"] > 0
+
+    async def crash_during_a_run():
+        scoring = asyncio.ensure_future(reward(RewardInput(MBPP_ROW, slow)))
+        await asyncio.sleep(1.0)
+        os.kill(reward.pool.launcher.proc.pid, 9)  # the sandbox's launcher dies under a run
+        return await scoring
+
+    start = time.perf_counter()
     with pytest.raises(RewardUnavailable) as e:
-        loop.run_until_complete(reward(RewardInput(MBPP_ROW, "def f(x): return 2 * x")))
-    assert e.value.kind == "sandbox" and "could not start a run" in str(e.value)
+        loop.run_until_complete(crash_during_a_run())
+    assert e.value.kind == "sandbox" and "launcher process died" in str(e.value)
+    assert time.perf_counter() - start < 5 and sandbox_pids() == []  # the run was killed with it, no wait
+    # the next sample gets a new launcher
+    assert loop.run_until_complete(reward(RewardInput(MBPP_ROW, "def f(x): return 2 * x")))["reward"] > 0
 
 
 def test_reward_service_scores_with_code_tests(loop):

@@ -1,0 +1,121 @@
+"""The sandbox's launcher: a small single-threaded process (standard library only) that starts
+each run, so a run costs a few forks of this process instead of a chain of util-linux tools.
+
+    python -I -S services/sandbox_launcher.py FD     # FD: a SOCK_SEQPACKET socket to the pool
+
+Each request (JSON, with the run's stdin, stdout, stderr and report file descriptors attached)
+is answered with {"id", "pid"} once started and {"id", "status"} (a wait status) once it ended.
+A run is three processes: the first leaves the launcher's session and unshares the namespaces;
+its child is pid 1 of the new pid namespace, mounts the private tmpfs and /proc and waits; its
+child sets the rlimits, drops to the slot's uid and execs the program. When pid 1 exits (or is
+killed at the timeout) the kernel kills everything left in the namespace.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import socket
+import sys
+
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x20000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+SETUP_FAILED = 125  # the exit code of a run whose sandbox could not be set up (stderr says why)
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def check(result: int, what: str) -> None:
+    if result != 0:
+        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+def exit_code(pid: int) -> int:
+    """Wait for `pid`; its exit code, or 128 + the signal that ended it (as a shell says)."""
+    _, status = os.waitpid(pid, 0)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+def run(req: dict, fds: list[int]) -> None:
+    """The forked child: never returns."""
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")  # the launcher gone: so is the run
+        os.setsid()  # its own session and process group, away from the launcher's
+        for target, fd in enumerate(fds):  # stdin, stdout, stderr, the harness's report fd (3)
+            os.dup2(fd, target)
+        os.closerange(len(fds), os.sysconf("SC_OPEN_MAX"))
+        if req["namespaces"]:
+            check(libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET), "unshare")
+            pid = os.fork()
+            if pid:
+                os._exit(exit_code(pid))
+            # pid 1 of the run's namespace: its mounts, then the program as its child
+            check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+            check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+            for target, options in req["tmpfs"]:
+                check(libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()), target)
+            check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
+            if req["copy"]:
+                shutil.copytree(req["copy"], req["cwd"], dirs_exist_ok=True)
+                for root, dirs, files in os.walk(req["cwd"]):
+                    for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
+                        os.chown(name, req["uid"], req["uid"])
+        pid = os.fork()
+        if pid:
+            os._exit(exit_code(pid))
+        for name, value in req["rlimits"].items():
+            resource.setrlimit(getattr(resource, name), (value, value))
+        os.chdir(req["cwd"])
+        if req["uid"] is not None:
+            os.setgroups([])
+            os.setgid(req["uid"])
+            os.setuid(req["uid"])
+            check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+        os.execve(req["argv"][0], req["argv"], req["env"])
+    except BaseException as e:  # noqa: BLE001 - whatever failed, the run ends with why
+        os.write(2, f"forge sandbox launcher: {type(e).__name__}: {e}\n".encode())
+        os._exit(SETUP_FAILED)
+
+
+def main(fd: int) -> None:
+    parent = os.getppid()
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")  # the pool's process gone: so is this
+    if os.getppid() != parent:
+        return
+    sock = socket.socket(fileno=fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through wake_w
+    running: dict[int, int] = {}  # pid -> request id
+    while True:
+        ready, _, _ = select.select([sock, wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+            while running:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                sock.send(json.dumps({"id": running.pop(pid), "status": status}).encode())
+        if sock in ready:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
+            if not msg:
+                return  # the pool is gone
+            req = json.loads(msg)
+            pid = os.fork()
+            if pid == 0:
+                sock.close()
+                run(req, fds)
+            for f in fds:
+                os.close(f)
+            running[pid] = req["id"]
+            sock.send(json.dumps({"id": req["id"], "pid": pid}).encode())
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
