@@ -294,6 +294,7 @@ class SandboxPool:
         self.namespaces = False
         self.runs = 0
         self.launcher = _Launcher()
+        self.harness = self.dir / "forge_harness.py"  # runs a program, then its tests
 
     async def start(self) -> None:
         self.launcher = _Launcher()
@@ -301,6 +302,8 @@ class SandboxPool:
             await self.launcher.start(sys.executable)
         except OSError as e:
             raise SandboxError(f"sandbox: could not start its launcher: {e}") from e
+        self.harness.write_text(_HARNESS)
+        self.harness.chmod(0o644)
         for uid in self._take_uids(self.cfg.workers):
             self.slots.put_nowait(uid)
         self.namespaces = self.root  # probed with a run; the fallback if it fails
@@ -359,16 +362,19 @@ class SandboxPool:
 
     async def _run(self, req: _Request, uid: int) -> RunResult:
         self.runs += 1
-        work = self.dir / f"{uid}-{self.runs}"
-        ours, theirs = [], []  # pipe ends: read here / given to the run
+        work = self.dir / str(uid)  # the slot's: a directory made and removed per run costs ~3 ms
+        ours, theirs = [], []  # pipe ends: read here / given to the run (stdin, stdout, stderr, report)
         try:
             argv = self._write_files(work, req, uid)
-            (work / ".stdin").write_bytes(req.stdin)
-            theirs.append(os.open(work / ".stdin", os.O_RDONLY))
-            for _ in range(3):  # stdout, stderr, the harness's report
+            if req.stdin:
+                (work / ".stdin").write_bytes(req.stdin)
+            theirs.append(os.open(work / ".stdin" if req.stdin else os.devnull, os.O_RDONLY))
+            for _ in range(3 if req.tests else 2):
                 r, w = os.pipe()
                 ours.append(r)
                 theirs.append(w)
+            if not req.tests:
+                theirs.append(os.open(os.devnull, os.O_WRONLY))
             start = time.perf_counter()
             if self.launcher.sock is None:  # it died (its runs then failed): a new one for this run
                 await self.launcher.start(sys.executable)
@@ -376,51 +382,50 @@ class SandboxPool:
             for fd in theirs:
                 os.close(fd)
             theirs = []
-            out, err, timed_out, truncated = await self._wait(run, ours.pop(0), ours.pop(0), req, uid)
+            out, err, timed_out, truncated = await self._wait(run, ours[0], ours[1], req, uid)
             wall = time.perf_counter() - start
-            report = _read_report(ours[0]) if req.tests else None
+            report = _read_report(ours[2]) if req.tests else None
         except OSError as e:
             raise SandboxError(f"sandbox: could not run in {work}: {e}") from e
         finally:
             for fd in ours + theirs:
                 os.close(fd)
-            shutil.rmtree(work, ignore_errors=True)
+            _empty(work)
         if run.returncode == SETUP_FAILED and err.startswith(b"forge sandbox launcher:"):
             raise SandboxError(f"sandbox: could not set up the run: {err.decode(errors='replace').strip()}")
         return self._result(run.returncode, out, err, wall, timed_out, truncated, req, report)
 
     def _write_files(self, work: Path, req: _Request, uid: int) -> list[str]:
-        """The run's directory; returns the argv. With namespaces the program, its tests and the
-        harness stay here, readable by the slot's group and written by no one but root, and the
-        request's files (owned by the slot's uid) are copied into the private /tmp, the working
-        directory. Without, this directory is the working directory, the slot's uid owns it all."""
+        """The run's directory; returns the argv. With namespaces the program and its tests stay
+        here, readable by the slot's group and written by no one but root, and the request's
+        files (owned by the slot's uid) are copied into the private /tmp, the working directory.
+        Without, this directory is the working directory, the slot's uid owns it all."""
         own = work / "files" if self.namespaces else work  # what the program's uid owns
+        main = work / LANGUAGES[req.language]
+        tests = work / ".forge_tests.json"
         try:
-            work.mkdir(mode=0o750)
-            main = work / LANGUAGES[req.language]
+            work.mkdir(mode=0o750, exist_ok=True)
             main.write_text(req.code)
+            written = [main]
             if req.tests:
-                (work / ".forge_tests.json").write_text(json.dumps(req.tests))
-                (work / ".forge_harness.py").write_text(_HARNESS)
+                tests.write_text(json.dumps(req.tests))
+                written.append(tests)
             for name, content in req.files.items():
                 (own / name).parent.mkdir(parents=True, exist_ok=True)
                 (own / name).write_bytes(content)
             if self.root:
-                for p in [work, *work.rglob("*")]:
-                    os.chown(p, uid if p == own or own in p.parents else 0, uid)
-                    p.chmod(0o750 if p.is_dir() else 0o640)
+                owned = [own, *own.rglob("*")] if req.files or own == work else []
+                for path in [work, *written]:
+                    os.chown(path, uid if path in owned else 0, uid)
+                    path.chmod(0o750 if path.is_dir() else 0o640)
+                for path in owned:
+                    os.chown(path, uid, uid)
         except OSError as e:
             raise SandboxError(f"sandbox: could not write the working directory {work}: {e}") from e
         if req.language == "bash":
             return ["/bin/bash", str(main)]
-        if req.tests:
-            return [
-                *self.python,
-                str(work / ".forge_harness.py"),
-                "3",  # the launcher gives the report pipe as fd 3
-                str(work / ".forge_tests.json"),
-                str(main),
-            ]
+        if req.tests:  # the launcher gives the report pipe as fd 3
+            return [*self.python, str(self.harness), "3", str(tests), str(main)]
         return [*self.python, str(main)]
 
     def _spec(self, work: Path, req: _Request, uid: int, argv: list[str]) -> dict:
@@ -455,9 +460,14 @@ class SandboxPool:
         except asyncio.TimeoutError:
             timed_out = True
         finally:  # also when the caller gave up (cancelled): nothing of the run survives it
-            if not run.exited.done() or run.exited.exception() or not self.namespaces:
+            killed = not run.exited.done() or run.exited.exception() is not None or not self.namespaces
+            if killed:
                 self._kill(run.pid, uid)
-            await run.exited
+            try:
+                await run.exited
+            finally:
+                if killed and self.root:  # SIGKILL is delivered, not done: wait till they are gone
+                    await _gone(uid)
         try:  # with namespaces every pipe is closed by now; without, a leftover may hold one
             (out, t_out), (err, t_err) = await asyncio.wait_for(io, 5.0)
         except asyncio.TimeoutError:
@@ -466,20 +476,25 @@ class SandboxPool:
         return out, err, timed_out, t_out or t_err
 
     def _kill(self, pid: int, uid: int) -> None:
-        """Kill the run's processes. With namespaces, killing pid 1 of the namespace (the
-        run's first process's child) makes the kernel kill the rest; without, kill the process group
-        and every process of the slot's uid (setsid() leaves the group, not the uid)."""
+        """Kill the run's processes. With namespaces, kill pid 1 of the namespace (the child of
+        the run's first process): the kernel kills the rest, and the first process exits once
+        they are all gone. Otherwise (or before pid 1 exists), the first process, its group, and
+        every process of the slot's uid (setsid() leaves the group, not the uid)."""
         try:
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
         except OSError:
             children = []
-        for p in [*map(int, children), pid]:
+        if self.namespaces and children:
+            for c in children:
+                _signal(c, signal.SIGKILL)
+            return
+        for p in [*children, pid]:
             _signal(p, signal.SIGKILL)
         try:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
-        if self.root and not self.namespaces:
+        if self.root:
             for p in _pids_of_uid(uid):
                 _signal(p, signal.SIGKILL)
 
@@ -649,6 +664,25 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except OSError:
         pass
+
+
+def _empty(directory: Path) -> None:
+    """Remove what a run left in its slot's directory."""
+    with os.scandir(directory) as entries:
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path, ignore_errors=True)
+            else:
+                os.unlink(e.path)
+
+
+async def _gone(uid: int, timeout: float = 5.0) -> None:
+    """Until no process of `uid` is left (killed ones take a moment to exit)."""
+    deadline = time.monotonic() + timeout
+    while (pids := _pids_of_uid(uid)) and time.monotonic() < deadline:
+        for p in pids:
+            _signal(p, signal.SIGKILL)
+        await asyncio.sleep(0.01)
 
 
 def _pids_of_uid(uid: int) -> list[int]:

@@ -39,6 +39,35 @@ def exit_code(pid: int) -> int:
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 
+NETNS: dict[int, int] = {}  # slot uid -> an fd of its network namespace
+
+
+def slot_netns(uid: int) -> None:
+    """A network namespace for each slot, made once: creating one per run costs more than the
+    rest of the sandbox together (the kernel sets up and tears down every protocol). A slot's
+    runs follow one another and all their processes are gone before the next starts, so none
+    finds another's sockets; the namespace has only its loopback, down."""
+    if uid in NETNS:
+        return
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = libc.unshare(CLONE_NEWNET)
+        os.write(ready_w, b"1" if code == 0 else b"0")
+        os.read(hold_r, 1)
+        os._exit(0)
+    try:
+        if os.read(ready_r, 1) != b"1":
+            raise OSError("unshare(CLONE_NEWNET) failed")
+        NETNS[uid] = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    finally:
+        os.write(hold_w, b"1")
+        os.waitpid(pid, 0)
+        for fd in (ready_r, ready_w, hold_r, hold_w):
+            os.close(fd)
+
+
 def run(req: dict, fds: list[int]) -> None:
     """The forked child: never returns."""
     try:
@@ -46,11 +75,13 @@ def run(req: dict, fds: list[int]) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")  # the launcher gone: so is the run
         os.setsid()  # its own session and process group, away from the launcher's
+        if req["namespaces"]:  # before the fds are closed: its namespace is one
+            check(libc.setns(NETNS[req["uid"]], CLONE_NEWNET), "setns (the slot's network namespace)")
         for target, fd in enumerate(fds):  # stdin, stdout, stderr, the harness's report fd (3)
             os.dup2(fd, target)
         os.closerange(len(fds), os.sysconf("SC_OPEN_MAX"))
         if req["namespaces"]:
-            check(libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET), "unshare")
+            check(libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWPID), "unshare")
             pid = os.fork()
             if pid:
                 os._exit(exit_code(pid))
@@ -107,6 +138,11 @@ def main(fd: int) -> None:
             if not msg:
                 return  # the pool is gone
             req = json.loads(msg)
+            if req["namespaces"]:
+                try:
+                    slot_netns(req["uid"])
+                except OSError:
+                    pass  # the run's setns fails and says so
             pid = os.fork()
             if pid == 0:
                 sock.close()

@@ -166,7 +166,12 @@ def test_ctrl_c_saves_and_leaves_no_processes(tmp_path):
     children = psutil.Process(proc.pid).children(recursive=True)
     assert children  # the services' processes
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        for p in [psutil.Process(proc.pid), *children]:
+            p.kill()
+        pytest.fail(f"no exit 120 s after SIGINT; its output ended with: {proc.communicate()[0][-3000:]}")
     assert "interrupted at step" in out, out[-3000:]
     saved = checkpoint.load_run_state(checkpoint.latest(tmp_path / "e2e"))
     assert saved["step"] >= 2 and (checkpoint.latest(tmp_path / "e2e") / "trainer").is_dir()

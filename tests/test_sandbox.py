@@ -35,8 +35,9 @@ def sandbox(loop):
 
 @pytest.fixture
 def host_dir():
-    """A directory of the host outside /tmp (the sandbox has its own /tmp), world-readable."""
-    d = Path(__file__).resolve().parent.parent / ".cache" / f"sandbox-test-{uuid.uuid4().hex}"
+    """A directory of the host outside /tmp (the sandbox has its own /tmp; the checkout may be
+    under it), world-readable."""
+    d = Path("/run") / f"forge-sandbox-test-{uuid.uuid4().hex}"
     d.mkdir(parents=True)
     d.chmod(0o755)
     yield d
