@@ -151,8 +151,15 @@ def test_ctrl_c_saves_and_leaves_no_processes(tmp_path):
     import psutil
 
     over = small(tmp_path, steps=1000, checkpoint_every=0)
+    # As from a terminal: SIGINT raises KeyboardInterrupt even where this test itself was started
+    # in the background (a shell without job control starts background jobs with SIGINT ignored,
+    # and a child keeps an ignored signal ignored).
+    as_from_a_terminal = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv[0] = 'forge'; runpy.run_module('forge.cli', run_name='__main__')"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "forge.cli", "run", CONFIG, *over],
+        [sys.executable, "-c", as_from_a_terminal, "run", CONFIG, *over],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
