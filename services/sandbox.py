@@ -56,7 +56,6 @@ from services.sandbox_launcher import SETUP_FAILED
 
 log = logging.getLogger("forge")
 
-STATUSES = ("ok", "error", "timeout", "oom", "killed")
 LANGUAGES = {"python": "main.py", "bash": "main.sh"}
 # What a program prints when the address-space limit stops an allocation (Python, libc, C++).
 _OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
@@ -297,7 +296,6 @@ class SandboxPool:
         self.harness = self.dir / "forge_harness.py"  # runs a program, then its tests
 
     async def start(self) -> None:
-        self.launcher = _Launcher()
         try:
             await self.launcher.start(sys.executable)
         except OSError as e:
