@@ -18,7 +18,9 @@ Each run gets:
   included. Without namespaces only the uid, the rlimits and a sweep of the slot's uid hold (or,
   not root, the rlimits and the process group), and the service logs a warning.
 A small launcher process (services/sandbox_launcher.py) starts the runs by forking itself, a
-few forks per run instead of a chain of util-linux tools.
+few forks per run instead of a chain of util-linux tools. It runs on the sandbox's Python, so a
+Python program runs in a process forked from an interpreter already started (a fork server),
+which saves the interpreter's start-up, most of what a short program costs.
 
 The result's status: `ok`, `error` (non-zero exit), `timeout` (wall or CPU limit), `oom` (the
 memory limit), `killed` (a signal). Bad input (an unknown language, a file outside the working
@@ -107,8 +109,9 @@ class SandboxConfig:
     tmpfs_MB: int = 256  # the private /tmp, the working directory (namespaces only)
     isolation: str = "auto"  # auto: namespaces where the kernel allows, else rlimits; namespaces: required
     uid_base: int = 60000  # slot uids are taken from uid_base up
-    # The interpreter of language "python", run as the slot's uid, so one every user may run:
-    # "" is the system's python3 on PATH (its standard library), else the one forge runs on.
+    # The interpreter of language "python" (3.9+; it also runs the launcher, which forks each
+    # Python run from itself), run as the slot's uid, so one every user may run: "" is the
+    # system's python3 on PATH (its standard library), else the one forge runs on.
     python: str = ""
     # False: `python -S`, the standard library only (no site-packages), which starts ~3x faster.
     site_packages: bool = True
@@ -177,17 +180,17 @@ class _Launcher:
         self.ids = itertools.count()
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def start(self, python: str) -> None:
+    async def start(self, python: list[str]) -> None:
+        """Start the launcher on `python` (the interpreter and the programs' flags)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                python,
-                "-I",
-                "-S",
+                *python,
                 str(Path(__file__).with_name("sandbox_launcher.py")),
                 str(theirs.fileno()),
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,  # so its forked Pythons buffer stdout as a program's own would (not a tty)
                 env=_ENV,
             )
         finally:
@@ -297,7 +300,7 @@ class SandboxPool:
 
     async def start(self) -> None:
         try:
-            await self.launcher.start(sys.executable)
+            await self.launcher.start(self.python)
         except OSError as e:
             raise SandboxError(f"sandbox: could not start its launcher: {e}") from e
         self.harness.write_text(_HARNESS)
@@ -375,7 +378,7 @@ class SandboxPool:
                 theirs.append(os.open(os.devnull, os.O_WRONLY))
             start = time.perf_counter()
             if self.launcher.sock is None:  # it died (its runs then failed): a new one for this run
-                await self.launcher.start(sys.executable)
+                await self.launcher.start(self.python)
             run = await self.launcher.spawn(self._spec(work, req, uid, argv), theirs)
             for fd in theirs:
                 os.close(fd)
@@ -394,7 +397,7 @@ class SandboxPool:
         return self._result(run.returncode, out, err, wall, timed_out, truncated, req, report)
 
     def _write_files(self, work: Path, req: _Request, uid: int) -> list[str]:
-        """The run's directory; returns the argv. With namespaces the program and its tests stay
+        """The run's directory; returns the argv (for Python, the script's). With namespaces the program and its tests stay
         here, readable by the slot's group and written by no one but root, and the request's
         files (owned by the slot's uid) are copied into the private /tmp, the working directory.
         Without, this directory is the working directory, the slot's uid owns it all."""
@@ -423,8 +426,8 @@ class SandboxPool:
         if req.language == "bash":
             return ["/bin/bash", str(main)]
         if req.tests:  # the launcher gives the report pipe as fd 3
-            return [*self.python, str(self.harness), "3", str(tests), str(main)]
-        return [*self.python, str(main)]
+            return [str(self.harness), "3", str(tests), str(main)]
+        return [str(main)]  # a Python script: the launcher runs it in a forked interpreter
 
     def _spec(self, work: Path, req: _Request, uid: int, argv: list[str]) -> dict:
         """What the launcher needs for one run: namespaces and the private tmpfs, rlimits, the
@@ -445,6 +448,7 @@ class SandboxPool:
                 "RLIMIT_FSIZE": c.max_file_MB << 20,
             },
             "argv": argv,
+            "python": req.language == "python",
             "env": {**_ENV, "HOME": "/tmp" if self.namespaces else str(work), "TMPDIR": "/tmp"},
         }
 

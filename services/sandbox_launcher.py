@@ -1,17 +1,27 @@
 """The sandbox's launcher: a small single-threaded process (standard library only) that starts
 each run, so a run costs a few forks of this process instead of a chain of util-linux tools.
 
-    python -I -S services/sandbox_launcher.py FD     # FD: a SOCK_SEQPACKET socket to the pool
+    python -I [-S] services/sandbox_launcher.py FD     # FD: a SOCK_SEQPACKET socket to the pool
 
 Each request (JSON, with the run's stdin, stdout, stderr and report file descriptors attached)
 is answered with {"id", "pid"} once started and {"id", "status"} (a wait status) once it ended.
 A run is three processes: the first leaves the launcher's session and unshares the namespaces;
 its child is pid 1 of the new pid namespace, mounts the private tmpfs and /proc and waits; its
-child sets the rlimits, drops to the slot's uid and execs the program. When pid 1 exits (or is
+child sets the rlimits, drops to the slot's uid and runs the program. When pid 1 exits (or is
 killed at the timeout) the kernel kills everything left in the namespace.
+
+The launcher runs on the sandbox's own Python with the programs' flags, so a Python program
+runs in that last process, forked from an interpreter already started (as a fork server does),
+as `python -I script args` would run it there: starting the interpreter is most of what a short
+program costs. Other programs are exec'd.
 """
 
+import atexit
+import builtins
 import ctypes
+import gc
+import importlib.machinery
+import io
 import json
 import os
 import resource
@@ -20,10 +30,12 @@ import shutil
 import signal
 import socket
 import sys
+import types
+from typing import NoReturn
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 SETUP_FAILED = 125  # the exit code of a run whose sandbox could not be set up (stderr says why)
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -68,8 +80,8 @@ def slot_netns(uid: int) -> None:
             os.close(fd)
 
 
-def run(req: dict, fds: list[int]) -> None:
-    """The forked child: never returns."""
+def run(req: dict, fds: list[int]) -> NoReturn:
+    """The forked child: sets up the sandbox, then execs the program or runs it here (Python)."""
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -107,10 +119,79 @@ def run(req: dict, fds: list[int]) -> None:
             os.setgid(req["uid"])
             os.setuid(req["uid"])
             check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-        os.execve(req["argv"][0], req["argv"], req["env"])
+            # Dumpable again, as exec would make it: setuid() made /proc/self root's
+            check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "dumpable")
+        if not req["python"]:
+            os.execve(req["argv"][0], req["argv"], req["env"])
     except BaseException as e:  # noqa: BLE001 - whatever failed, the run ends with why
         os.write(2, f"forge sandbox launcher: {type(e).__name__}: {e}\n".encode())
         os._exit(SETUP_FAILED)
+    run_python(req["argv"], req["env"])
+
+
+def run_python(argv: list[str], env: dict) -> NoReturn:
+    """Run the Python program `argv[0]` in this process, as `python -I argv...` runs it: a fresh
+    __main__, its argv and environment, its exit status; then leave."""
+    os.environ.clear()
+    os.environ.update(env)
+    sys.orig_argv = [*sys.orig_argv[: -len(sys.argv)], *argv]  # the interpreter and its flags, then argv
+    sys.argv = list(argv)
+    module = types.ModuleType("__main__")
+    module.__file__, module.__builtins__, module.__cached__ = argv[0], builtins, None
+    module.__loader__ = importlib.machinery.SourceFileLoader("__main__", argv[0])
+    sys.modules["__main__"] = module
+    sys.excepthook = without_launcher_frames
+    code, interrupted = 0, False
+    try:
+        with io.open_code(argv[0]) as f:
+            source = f.read()
+        exec(compile(source, argv[0], "exec"), module.__dict__)
+    except SystemExit as e:
+        code = exit_status(e)
+    except BaseException as e:  # noqa: BLE001 - printed and exit 1, as the interpreter does
+        sys.excepthook(type(e), e, e.__traceback__)
+        code, interrupted = 1, isinstance(e, KeyboardInterrupt)
+    os._exit(shut_down(code, interrupted))
+
+
+def shut_down(code: int, interrupted: bool) -> int:
+    """What the interpreter's exit does that a program can see: its non-daemon threads joined,
+    atexit, its objects finalized (files it left open flushed), stdout and stderr flushed. The
+    rest of the interpreter's teardown would free the launcher's objects too, ~7 ms of copy-on-
+    write faults per run, which is why the run leaves with os._exit."""
+    try:
+        if "threading" in sys.modules:
+            sys.modules["threading"]._shutdown()
+        atexit._run_exitfuncs()
+    except SystemExit as e:
+        code = exit_status(e)
+    except BaseException:  # noqa: BLE001
+        pass
+    sys.modules["__main__"].__dict__.clear()
+    gc.collect()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - e.g. the reader closed stdout: Python's exit code then is 120
+            code = code or 120
+    if interrupted:  # an uncaught KeyboardInterrupt ends Python by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
+
+
+def exit_status(e: SystemExit) -> int:
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def without_launcher_frames(kind, value, tb, _launcher=__file__) -> None:
+    """A traceback as the program's own process prints it: from its own first frame."""
+    while tb is not None and tb.tb_frame.f_code.co_filename == _launcher:
+        tb = tb.tb_next
+    sys.__excepthook__(kind, value.with_traceback(tb), tb)  # it prints the exception's own traceback
 
 
 def main(fd: int) -> None:
@@ -119,6 +200,7 @@ def main(fd: int) -> None:
     if os.getppid() != parent:
         return
     sock = socket.socket(fileno=fd)
+    gc.freeze()  # the launcher's objects: a run's collections skip them (no copy-on-write of their pages)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)

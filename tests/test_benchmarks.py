@@ -38,7 +38,7 @@ def test_generation_quick_writes_json(tmp_path):
         ("weight_sync", ("fraction_of_memcpy", "torchstore_fraction_of_memcpy", "generator_sync")),
         ("trainer", ("bare_torchtitan_step_s", "forge_train_step_s", "overhead")),
         ("gateway", ("gateway_fraction_of_direct", "added_latency_ms_p50", "added_latency_ms_p99", "models")),
-        ("sandbox", ("fraction_of_bare", "rows")),
+        ("sandbox", ("fraction_of_bare", "fraction_of_bare_exec", "rows")),
     ],
 )
 def test_quick_benchmark_writes_json(tmp_path, name, keys):

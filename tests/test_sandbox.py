@@ -7,14 +7,16 @@ import asyncio
 import base64
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from services.sandbox import Sandbox, SandboxConfig
+from services.sandbox import _ENV, Sandbox, SandboxConfig, default_python
 
 WORKERS = 4
 CFG = SandboxConfig(workers=WORKERS, run_timeout=5.0, max_output_bytes=4096, uid_base=61000)
@@ -86,6 +88,39 @@ def test_unit_tests_count_passes(loop, sandbox):
     assert (r.status, r.pass_fraction) == ("ok", 1.0)
     r = run(loop, sandbox, "raise SystemExit(0)\ndef f(): pass", tests=["assert f() is None"])
     assert r.tests_passed == 0  # the program ended before its tests ran: none passed
+
+
+# Python programs run in an interpreter the launcher forked, already started: each must end as
+# under its own `python3 -I` (exit status, stdout, stderr up to the script's path).
+AS_OWN_PROCESS = {
+    "output": "print('a')\nimport sys\nsys.stdout.write('b')\nprint('e', file=sys.stderr)",
+    "traceback": "def f():\n    raise ValueError('x')\nf()",
+    "syntax error": "x = (",
+    "SystemExit text": "raise SystemExit('bye')",
+    "exit code": "import sys\nsys.exit(300)",
+    "KeyboardInterrupt": "raise KeyboardInterrupt",
+    "argv and flags": "import sys\nprint(sys.argv == [__file__], __name__, sys.flags.isolated, sys.path[0])",
+    "environment": "import os\nprint(sorted(k for k in os.environ if k not in ('HOME', 'TMPDIR')))",
+    "thread outlives main": "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), print('late'))).start()",
+    "atexit": "import atexit\natexit.register(print, 'at exit')",
+    "file left open": "out = open(1, 'w', closefd=False)\nout.write('flushed at exit')",
+    "finalizer": "class A:\n    def __del__(self):\n        print('finalized')\na = A()",
+    "stdout closed": "import os\nos.close(1)\nprint('x', end='')",
+}
+
+
+@pytest.mark.parametrize("name", AS_OWN_PROCESS)
+def test_python_programs_end_as_in_their_own_interpreter(loop, sandbox, tmp_path, name):
+    code = AS_OWN_PROCESS[name]
+    main = tmp_path / "main.py"
+    main.write_text(code)
+    bare = subprocess.run([default_python(), "-I", main], cwd=tmp_path, env=_ENV, capture_output=True, text=True)
+    r = run(loop, sandbox, code)
+    status = r.exit_code if r.exit_code is not None else -signal.Signals[r.signal]
+    assert (status, r.stdout) == (bare.returncode, bare.stdout)
+    if name != "stdout closed":  # its own interpreter also says "Exception ignored" of the flush
+        path = r.stderr.split('"')[1] if '"' in r.stderr else "main.py"
+        assert r.stderr.replace(path, "main.py") == bare.stderr.replace(str(main), "main.py")
 
 
 @pytest.mark.parametrize(
