@@ -24,6 +24,7 @@ from forge.buffer import ReplayBuffer
 from forge.checkpoint import RunStopped
 from forge.config import ConfigError, import_object, to_yaml
 from forge.data import DatasetConfig, FilePrompts, TaskPrompts
+from forge.evals import EvalConfig, evaluate_pinned, held_out
 from forge.gateway import Gateway
 from forge.metrics import DEFAULT_BACKENDS, MetricWriter, Reduce, discard_pending, plot_rewards, record_metric
 from forge.rollout import REWARD_UNAVAILABLE, RolloutError, check_rollout, make_group, masked
@@ -75,6 +76,7 @@ class Config:
     trainer_restores: int = 3  # trainer deaths recovered from the last checkpoint before the run stops
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint_every: int = 25
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evals during training
     resume: str | None = None  # a run directory to continue
     metrics: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
 
@@ -128,6 +130,18 @@ class Config:
             raise ConfigError(str(e)) from None
         if "judge" in self.rewards and not self.dataset.path:  # a dataset file's columns: checked once read
             self.judge.check(columns=())
+        if self.eval.enabled and self.dataset.path and not self.eval.dataset.path:
+            raise ConfigError(
+                "config key 'eval.dataset.path': a run on a dataset file evaluates on a file too (its held-out rows)"
+            )
+        if self.eval.dataset.path and self.eval.dataset.template == DatasetConfig.template:
+            self.eval.dataset.template = self.dataset.template  # the run's prompt format, unless set
+            self.eval.dataset.answer_key = self.dataset.answer_key
+        if self.eval.rewards:
+            try:
+                check_rewards(self.task, self.eval.rewards, self.judge, self.code_tests)
+            except ValueError as e:
+                raise ConfigError(f"config key 'eval.rewards': {e}") from None
 
 
 @dataclass
@@ -141,6 +155,7 @@ class Services:
     ref: Any | None
     gateway: Gateway | None = None  # the OpenAI API over `gen`, for agents and environments
     envs: Any | None = None  # the environment pool
+    eval_rewards: Any | None = None  # the eval's own rewards, when `eval.rewards` differs from the run's
 
     @classmethod
     async def start(cls, cfg: Config) -> Services:
@@ -154,6 +169,10 @@ class Services:
         rewards = await Rewards.options().as_service(cfg.task, dict(cfg.rewards), cfg.judge, cfg.code_tests)
         ref = await Reference.options().as_service(model) if cfg.trainer.loss.kl_coef > 0 else None
         s = cls(store, trainer, gen, rewards, ref)
+        if cfg.eval.enabled and cfg.eval.rewards:
+            s.eval_rewards = await Rewards.options().as_service(
+                cfg.task, dict(cfg.eval.rewards), cfg.judge, cfg.code_tests
+            )
         if cfg.agentic.enabled:
             s.gateway = await Gateway.start(gen, model, cfg.agentic.gateway, cfg.generator)
         if cfg.agentic.env:
@@ -171,6 +190,7 @@ class Services:
             self.trainer.shutdown(),
             self.rewards.shutdown(),
             *([self.ref.shutdown()] if self.ref else []),
+            *([self.eval_rewards.shutdown()] if self.eval_rewards else []),
             return_exceptions=True,
         )
         await stop_store(self.store)
@@ -233,6 +253,25 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
         await rewind(resume_from)
     writer = MetricWriter(run_dir, cfg.metrics, resume_step=state["step"] if resume_from else None)
     await discard_pending()  # services reused from an earlier run may still hold its values
+    eval_set = held_out(cfg.eval, cfg.task) if cfg.eval.enabled else []
+    evals: dict[str, Any] = {"task": None, "accuracy": float("nan")}
+
+    async def run_eval(at_step: int, version: int) -> None:
+        """Evaluate policy `version` (trained by step `at_step`) beside the loop, and write its
+        row at `at_step`. A failing eval costs only itself."""
+        try:
+            result = await evaluate_pinned(cfg.eval, eval_set, gen, s.eval_rewards or rewards, version)
+        except Exception as e:  # noqa: BLE001
+            tqdm.write(f"grpo: the eval at step {at_step} failed: {type(e).__name__}: {e}")
+            return
+        writer.write(at_step, result)
+        evals["accuracy"] = result.get("eval/accuracy", float("nan"))
+
+    def start_eval() -> None:
+        if evals["task"] is not None and not evals["task"].done():
+            tqdm.write(f"grpo: no eval at step {state['step']}: the one before still runs (config key 'eval.every')")
+            return
+        evals["task"] = asyncio.create_task(run_eval(state["step"], state["version"]))
 
     async def rollout_loop() -> None:
         while True:
@@ -311,6 +350,8 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
 
     async def recover(e: ReplicaRestored) -> None:
         died_at = state["step"]
+        if evals["task"] is not None:  # its step's rows are about to be dropped
+            evals["task"].cancel()
         await rewind(Path(e.restore_point).parent, trainer_restored=True)
         writer.rewind(state["step"])
         record_metric("trainer_restores", 1, Reduce.SUM)
@@ -355,6 +396,8 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
             record_metric(f"time/{name}", seconds)
         return await writer.flush(state["step"])
 
+    if cfg.eval.before_train and resume_from is None:
+        await run_eval(state["step"], state["version"])  # the starting policy, before any rollout
     rollouts = [asyncio.create_task(rollout_loop()) for _ in range(cfg.rollout_tasks)]
     bar = tqdm(total=cfg.steps, initial=state["step"], desc="grpo", unit="step")
     row: dict[str, float] = {}
@@ -376,11 +419,18 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
                         reward=f"{row['reward_mean']:.3f}",
                         acc=f"{row.get('accuracy', float('nan')):.2f}",
                         tok_s=f"{row['tokens_per_s']:.0f}",
+                        **({"eval_acc": f"{evals['accuracy']:.2f}"} if cfg.eval.every else {}),
                     )
                     if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0:
                         await save()
+                    if cfg.eval.every and state["step"] % cfg.eval.every == 0:
+                        start_eval()
                 if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every:
                     await save()  # the final state, unless the loop just saved it
+                if evals["task"] is not None:
+                    await evals["task"]
+                if cfg.eval.every and state["step"] % cfg.eval.every:
+                    await run_eval(state["step"], state["version"])  # the final policy, always
                 await trainer.export_hf.route(str(run_dir / "model"))  # the trained policy, HF format
                 break
             except ReplicaRestored as e:
@@ -391,9 +441,9 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
     except (ServiceError, RolloutError) as e:
         raise RunStopped(run_dir, state["step"], str(e)) from e
     finally:
-        for t in rollouts:
+        for t in [*rollouts, *([evals["task"]] if evals["task"] else [])]:
             t.cancel()
-        await asyncio.gather(*rollouts, return_exceptions=True)
+        await asyncio.gather(*rollouts, *([evals["task"]] if evals["task"] else []), return_exceptions=True)
         bar.close()
         writer.close()
         if (run_dir / "metrics.jsonl").exists():

@@ -45,6 +45,33 @@ def run(config: str | None, overrides: list[str], app: str | None = None, resume
         _fail(str(e))
 
 
+def evaluate(config: str, overrides: list[str], model: str, out: str | None) -> dict:
+    """`forge eval`: the config's eval of `model`; prints a table, writes JSON."""
+    import asyncio
+    import json
+
+    from forge.evals import evaluate_model
+    from forge.gateway import model_dir
+
+    try:
+        app = read_yaml(config).get("app")
+        module = importlib.import_module(f"apps.{app}")
+        cfg = load_config(config, overrides, module.Config)
+        if not hasattr(cfg, "eval"):
+            raise ConfigError(f"config key 'app': the {app} app has no eval section")
+        path = model_dir(model)
+    except (ConfigError, FileNotFoundError, ModuleNotFoundError) as e:
+        _fail(str(e))
+    result = asyncio.run(evaluate_model(cfg, str(path)))
+    print(f"{'metric':<24}{'value':>10}")
+    for key, value in result.items():
+        print(f"{key:<24}{value:>10.4g}")
+    target = Path(out) if out else path / "eval.json"
+    target.write_text(json.dumps({"model": str(path), "config": config, **result}, indent=2) + "\n")
+    print(f"forge eval: {len(result)} metrics of {path} -> {target}")
+    return result
+
+
 def run_app(app: str, argv: list[str] | None = None) -> None:
     """Entry point of `python -m apps.NAME --config FILE [key=value ...]`."""
     p = argparse.ArgumentParser(prog=f"python -m apps.{app}")
@@ -98,17 +125,29 @@ def main(argv: list[str] | None = None) -> None:
     v.add_argument("--tool-parser", help="a vLLM tool parser, e.g. hermes")
     v.add_argument("--reasoning-parser", help="a vLLM reasoning parser, e.g. qwen3")
 
+    e = sub.add_parser("eval", help="evaluate a model on a config's eval set: prints a table, writes JSON")
+    e.add_argument("config", help="an app's YAML config: its `eval` section, rewards and generator settings")
+    e.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.n=8 'eval.k=[1,8]'")
+    e.add_argument("--model", required=True, help="an HF model directory, or a run directory (its exported model/)")
+    e.add_argument("--out", help="the JSON file (default: eval.json in the model directory)")
+
     b = sub.add_parser("bench", help="run a benchmark: prints a table, writes benchmarks/results/NAME.json")
     b.add_argument("name", choices=_benchmarks())
     b.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options, e.g. --quick")
 
-    a = p.parse_args(argv)
+    a, extra = p.parse_known_args(argv)
+    if extra and not (a.cmd == "eval" and all("=" in x and not x.startswith("-") for x in extra)):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # key=value overrides after --model
+        a.overrides += extra
     if a.cmd == "bench":
         importlib.import_module(f"benchmarks.{a.name}").main(a.args)
     elif a.cmd == "run":
         if a.config and "=" in a.config:  # `forge run --resume DIR key=value`: no config file given
             a.overrides, a.config = [a.config, *a.overrides], None
         run(a.config, a.overrides, resume=a.resume)
+    elif a.cmd == "eval":
+        evaluate(a.config, a.overrides, a.model, a.out)
     elif a.cmd == "serve":
         import asyncio
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -104,14 +105,22 @@ def load_config(
     return obj
 
 
-def _validate(obj: Any) -> None:
+def _validate(obj: Any, path: tuple[str, ...] = ()) -> None:
     """Run `validate()` on the config and every nested dataclass section that has one."""
     if not dataclasses.is_dataclass(obj):
         return
     for f in dataclasses.fields(obj):
-        _validate(getattr(obj, f.name))
-    if callable(getattr(obj, "validate", None)):
+        _validate(getattr(obj, f.name), (*path, f.name))
+    if not callable(getattr(obj, "validate", None)):
+        return
+    try:
         obj.validate()
+    except ConfigError as e:
+        if len(path) < 2:
+            raise
+        # A section names its keys as `<section>.<key>`; nested deeper (eval.dataset), the full path.
+        full = re.sub(rf"config key(s?) '{re.escape(path[-1])}\.", rf"config key\1 '{'.'.join(path)}.", str(e))
+        raise ConfigError(full) from None
 
 
 def to_yaml(cfg: Any) -> str:

@@ -249,7 +249,7 @@ class MetricWriter:
             self._wandb.finish()
 
 
-def plot_rewards(run_dir: str | Path, keys: Sequence[str] = ("reward_mean", "accuracy")) -> Path:
+def plot_rewards(run_dir: str | Path, keys: Sequence[str] = ("reward_mean", "accuracy", "eval/accuracy")) -> Path:
     """runs/<name>/reward.png: `keys` vs step and vs wall time, from metrics.jsonl."""
     import matplotlib
 

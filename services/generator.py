@@ -114,6 +114,7 @@ class Generator(ForgeActor):
         self._swap = asyncio.Lock()
         self._pauses: collections.deque[float] = collections.deque(maxlen=32)
         self._in_flight, self._busy_mark = 0, 0.0
+        self._holds, self._hold_until = 0, 0.0  # evals holding this version, and until when at most
 
     @endpoint
     async def setup(self) -> None:
@@ -152,22 +153,30 @@ class Generator(ForgeActor):
                 log.warning("forge: generator could not load new weights: %s", e)
             await asyncio.sleep(self.cfg.poll_s)
 
+    def _held(self) -> bool:
+        return self._holds > 0 and asyncio.get_running_loop().time() < self._hold_until
+
     async def _pull_latest(self) -> None:
-        """Fetch the store's latest version (generation goes on meanwhile), then swap it in."""
+        """Fetch the store's latest version (generation goes on meanwhile), then swap it in,
+        unless an eval holds the current one."""
         version = await self.store.latest()
-        if version is None or version <= self.version:
+        if version is None or version <= self.version or self._held():
             return
         start = asyncio.get_running_loop().time()
         path = await self.store.local_path(version)
         if path is not None:  # same-host shm: vLLM's worker reads the published file itself
-            paused = await self.swap_from_file(path, version)
+            paused = await self.swap_from_file(path, version, follow=True)
+            if paused is None:
+                return
             try:
                 await self.store.check_intact(version)
             except KeyError:  # dropped (and its file reused) while we read it: take the newer one
                 log.warning("forge: weights version %d was replaced while loading; loading the latest", version)
                 return await self._pull_latest()
         else:
-            paused = await self.load_weights_local(await self.store.fetch(version), version)
+            paused = await self.load_weights_local(await self.store.fetch(version), version, follow=True)
+            if paused is None:
+                return
         record_metric("generator/weight_sync_s", asyncio.get_running_loop().time() - start)
         record_metric("generator/weight_swap_paused_s", paused, Reduce.MAX)
 
@@ -308,7 +317,9 @@ class Generator(ForgeActor):
         was paused."""
         return await self.load_weights_local(state_dict, version)
 
-    async def load_weights_local(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+    async def load_weights_local(
+        self, state_dict: dict[str, torch.Tensor], version: int, follow: bool = False
+    ) -> float | None:
         from forge.shm import run_dir
 
         fd, path = tempfile.mkstemp(suffix=".safetensors", dir=run_dir())
@@ -317,13 +328,19 @@ class Generator(ForgeActor):
             from forge.shm import write_safetensors
 
             await asyncio.to_thread(write_safetensors, state_dict, path)
-            return await self.swap_from_file(path, version, keep_mapping=False)
+            return await self.swap_from_file(path, version, keep_mapping=False, follow=follow)
         finally:
             os.unlink(path)
 
-    async def swap_from_file(self, path: str, version: int, keep_mapping: bool = True) -> float:
+    async def swap_from_file(
+        self, path: str, version: int, keep_mapping: bool = True, follow: bool = False
+    ) -> float | None:
+        """Swap in the weights of `path` as `version`; the seconds generation paused. `follow`:
+        the follower's own swap, skipped (None) while an eval holds the current version."""
         loop = asyncio.get_running_loop()
         async with self._swap:
+            if follow and self._held():
+                return None
             start = loop.time()
             # AsyncLLM.pause_generation is this call plus a 20 ms sleep that only orders log
             # output (its comment says so) and a multimodal-cache reset text models do not need.
@@ -341,6 +358,19 @@ class Generator(ForgeActor):
     @endpoint
     async def policy_version(self) -> int:
         return self.version
+
+    @endpoint
+    async def hold_weights(self, seconds: float) -> int:
+        """Keep the current policy version (new ones wait) until release_weights, or `seconds`
+        at most: an eval's samples then all come from one version. Returns that version."""
+        async with self._swap:  # a swap under way lands first
+            self._holds += 1
+            self._hold_until = max(self._hold_until, asyncio.get_running_loop().time() + seconds)
+            return self.version
+
+    @endpoint
+    async def release_weights(self) -> None:
+        self._holds = max(0, self._holds - 1)
 
     @endpoint
     async def last_swaps(self) -> list[float]:

@@ -360,6 +360,37 @@ def test_weights_move_under_the_gateway(loop, served, tiny_model_dir):
     assert [t.versions for t in record.turns] == [(0, 0), (1, 1)]
 
 
+def test_an_eval_holds_the_generators_version(loop, served, tiny_model_dir):
+    """While held (an eval pins its policy), new versions wait; on release, or when the hold
+    runs out, the generator moves on."""
+    gw, gen, weights = served
+    from safetensors.torch import load_file
+
+    sd = load_file(tiny_model_dir / "model.safetensors")
+
+    async def reaches(version: int) -> float:
+        start = deadline = time.monotonic()
+        deadline += 60
+        while await gen.policy_version.route() < version:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        return time.monotonic() - start
+
+    async def main():
+        v = await gen.policy_version.route()
+        assert await gen.hold_weights.fanout(30.0) == [v]
+        await weights.publish(v + 1, {k: t + 0.02 for k, t in sd.items()})
+        await asyncio.sleep(1.0)  # ten polls of the store
+        assert await gen.policy_version.route() == v
+        await gen.release_weights.fanout()
+        await reaches(v + 1)
+        await gen.hold_weights.fanout(1.5)  # never released: the hold runs out
+        await weights.publish(v + 2, {k: t + 0.03 for k, t in sd.items()})
+        assert await reaches(v + 2) >= 1.0
+
+    loop.run_until_complete(main())
+
+
 def test_forge_serve_with_the_openai_client(tiny_model_dir):
     """`forge serve` as the README shows it: an API key, the plain (sync) openai client, Ctrl-C."""
     import os

@@ -55,13 +55,35 @@ def rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def eval_rows(run_dir) -> list[dict]:
+    return [r for r in rows(run_dir) if "eval/accuracy" in r]
+
+
 def test_grpo_steps_then_resume(tmp_path):
     """Steps, a checkpoint, resume; with a user's reward function by import path beside the
-    built-in partial credit (it adds 1 to every reward, or 0 had it failed)."""
-    run(CONFIG, small(tmp_path, rewards="{task: 1.0, grpo_rollouts:knows_its_task: 1.0}"))
+    built-in partial credit (it adds 1 to every reward, or 0 had it failed); held-out evals
+    beside the loop, each on one pinned policy version."""
+    evals = {
+        "eval.every": 2,
+        "eval.before_train": "true",
+        "eval.prompts": 6,
+        "eval.n": 2,
+        "eval.k": "[1,2]",
+        "eval.temperature": 1.0,
+    }
+    run(CONFIG, small(tmp_path, rewards="{task: 1.0, grpo_rollouts:knows_its_task: 1.0}", **evals))
     run_dir = tmp_path / "e2e"
-    first = rows(run_dir)
+    first = [r for r in rows(run_dir) if "eval/accuracy" not in r]
     assert [r["step"] for r in first] == [1, 2, 3]
+    # before training, every 2 steps, and the last step
+    assert [(r["step"], r["eval/prompts"], r["eval/errors"]) for r in eval_rows(run_dir)] == [
+        (0, 6, 0),
+        (2, 6, 0),
+        (3, 6, 0),
+    ]
+    for r in eval_rows(run_dir):
+        assert r["eval/version"] == r["eval/version_max"] >= r["step"]  # pinned: no swap landed mid-eval
+        assert r["eval/pass@2"] >= r["eval/pass@1"] and r["eval/reward_mean"] >= 1.0
     assert all(r["reward_mean"] >= 1.0 and r.get("reward_failures", 0) == 0 for r in first)
     assert all(FIELDS <= r.keys() for r in first), FIELDS - first[0].keys()
     assert all(r["staleness_max"] <= 1 for r in first)  # every trained episode within max_staleness
@@ -73,8 +95,9 @@ def test_grpo_steps_then_resume(tmp_path):
     assert (run_dir / "reward.png").stat().st_size > 0 and (run_dir / "config.yaml").exists()
 
     run(None, ["steps=5"], resume=str(run_dir))  # continues at step 4 with the saved state
-    after = rows(run_dir)
+    after = [r for r in rows(run_dir) if "eval/accuracy" not in r]
     assert [r["step"] for r in after] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in eval_rows(run_dir)] == [0, 2, 3, 4, 5]
     resumed = checkpoint.load_run_state(checkpoint.latest(run_dir))
     assert resumed["step"] == 5 and resumed["version"] == 5
     assert resumed["prompts"]["index"] > saved["prompts"]["index"]

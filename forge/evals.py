@@ -1,0 +1,182 @@
+"""Evaluation on a held-out set: the generator samples it, the reward service scores it.
+During training (GRPO's `eval` section) it runs beside the loop on a pinned policy version;
+alone it is `forge eval CONFIG --model DIR`.
+
+    eval:
+      every: 20           # steps; each eval's row is written at the step it evaluated
+      before_train: true  # and one of the starting policy, at step 0
+      n: 4                # samples per prompt
+      k: [1, 4]           # eval/pass@1, eval/pass@4 (unbiased estimator)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from forge.config import ConfigError
+from forge.data import DatasetConfig, FilePrompts, TaskPrompts
+from forge.tasks import Sample
+from forge.types import Completion, RewardInput, Score
+
+log = logging.getLogger("forge")
+
+
+@dataclass
+class EvalConfig:
+    """The `eval` section: what is evaluated, how often, and how it shares the generators."""
+
+    every: int = 0  # steps between evals during training (0: none)
+    before_train: bool = False  # evaluate the starting policy (step 0)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # a local file; empty: the toy task
+    seed: int = 1_000_003  # the toy task's held-out prompts come from this seed (training: `seed`)
+    prompts: int = 64  # how many held-out prompts (a file: a seeded sample of its rows; 0: all)
+    n: int = 1  # samples per prompt
+    k: list[int] = field(default_factory=lambda: [1])  # eval/pass@k for each k (k <= n)
+    temperature: float = 0.0  # 0: greedy
+    max_tokens: int | None = None  # default: the generator's sampling.max_tokens
+    max_concurrent: int = 8  # eval requests in flight at once: the generators' capacity is shared with rollouts
+    max_hold_s: float = 60.0  # the longest an eval keeps the generators on the version it evaluates
+    # name: weight, as the app's `rewards` (empty: the app's own). Empty here so a config's dict
+    # replaces it instead of merging into it.
+    rewards: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0 or self.before_train
+
+    def validate(self) -> None:
+        for key, low in (("every", 0), ("prompts", 0), ("n", 1), ("max_concurrent", 1)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"config key 'eval.{key}' must be >= {low}, got {getattr(self, key)}")
+        if self.temperature < 0 or self.max_hold_s <= 0:
+            raise ConfigError(
+                f"config keys 'eval.temperature' (>= 0) and 'eval.max_hold_s' (> 0): got "
+                f"{self.temperature}, {self.max_hold_s}"
+            )
+        if self.n > 1 and self.temperature == 0:
+            raise ConfigError(
+                f"config key 'eval.n' is {self.n}: more than one sample per prompt needs eval.temperature > 0"
+            )
+        bad = [k for k in self.k if not 1 <= k <= self.n]
+        if bad or not self.k:
+            raise ConfigError(f"config key 'eval.k': each k must be in 1..eval.n={self.n}, got {list(self.k)}")
+
+
+def held_out(cfg: EvalConfig, task: str) -> list[Sample]:
+    """The eval set: `cfg.prompts` prompts of the toy `task` from the held-out seed, or rows
+    of `cfg.dataset.path` (a seeded sample of them; all with prompts: 0)."""
+    if cfg.dataset.path:
+        stream = FilePrompts(cfg.dataset, cfg.seed)
+        count = len(stream.rows) if cfg.prompts == 0 else min(cfg.prompts, len(stream.rows))
+    else:
+        stream, count = TaskPrompts(task, cfg.seed), cfg.prompts or 64
+    return [stream.sample(i) for i in range(count)]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from `n` samples of which `c` are correct (Chen et al.
+    2021): 1 - C(n-c, k) / C(n, k), as a product that stays exact for large n."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+async def evaluate(cfg: EvalConfig, samples: list[Sample], gen: Any, rewards: Any) -> dict[str, float]:
+    """Sample and score every prompt (`cfg.max_concurrent` at a time); the `eval/...` metrics.
+    A prompt that fails (a bad prompt, a generator error) counts in eval/errors, not the rest."""
+    sampling: dict[str, Any] = {"temperature": cfg.temperature}
+    if cfg.max_tokens is not None:
+        sampling["max_tokens"] = cfg.max_tokens
+    slots = asyncio.Semaphore(cfg.max_concurrent)
+
+    async def one(s: Sample) -> tuple[list[Completion], list[Score]]:
+        async with slots:
+            group = await gen.generate.route(s.prompt, n=cfg.n, sampling=sampling)
+            scores = await rewards.score.route([RewardInput(s.row(), c.text, c.finish_reason) for c in group])
+            return group, scores
+
+    results = await asyncio.gather(*(one(s) for s in samples), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        log.warning("forge: eval: %d of %d prompts failed; the first: %s", len(failed), len(samples), failed[0])
+    return summarize(cfg, [r for r in results if not isinstance(r, BaseException)], asked=len(samples))
+
+
+def summarize(
+    cfg: EvalConfig, results: list[tuple[list[Completion], list[Score]]], asked: int | None = None
+) -> dict[str, float]:
+    """The metrics of scored groups (one per prompt). A sample is correct when its reward
+    says so (`correct`), else when it has the full reward (1). Samples whose reward was
+    unavailable are left out. `asked`: the prompts asked; those without a group are errors."""
+    rewards, hits, per_prompt, versions = [], [], [], []
+    failures = 0
+    for group, scores in results:
+        kept = [(c, s) for c, s in zip(group, scores) if not s.unavailable]
+        failures += len(group) - len(kept)
+        right = [float(s.correct if s.correct is not None else s.reward >= 1.0) for _, s in kept]
+        rewards += [s.reward for _, s in kept]
+        hits += right
+        per_prompt.append((len(right), int(sum(right))))
+        versions += [(c.policy_version, c.max_policy_version) for c, _ in kept]
+    out = {
+        "eval/prompts": float(len(results)),
+        "eval/errors": float((asked or len(results)) - len(results)),
+        "eval/reward_failures": float(failures),
+    }
+    if not hits:
+        return out
+    out["eval/accuracy"] = statistics.fmean(hits)
+    out["eval/reward_mean"] = statistics.fmean(rewards)
+    out[f"eval/mean@{cfg.n}"] = statistics.fmean(hits)  # correct samples per prompt, averaged
+    for k in cfg.k:
+        usable = [pass_at_k(n, c, k) for n, c in per_prompt if n >= k]
+        if usable:
+            out[f"eval/pass@{k}"] = statistics.fmean(usable)
+    out["eval/version"] = float(min(v for v, _ in versions))  # the policy evaluated
+    out["eval/version_max"] = float(max(v for _, v in versions))  # > eval/version: a swap landed mid-eval
+    return out
+
+
+async def evaluate_pinned(
+    cfg: EvalConfig, samples: list[Sample], gen: Any, rewards: Any, version: int = 0
+) -> dict[str, float]:
+    """`evaluate` on one policy version: waits (a while) until every generator replica has
+    `version` or newer, then holds each on what it has until the eval ends (or `max_hold_s`),
+    so no weight swap lands mid-eval. Rollouts go on meanwhile, on the held version."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.max_hold_s
+    while min(await gen.policy_version.fanout()) < version and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await gen.hold_weights.fanout(cfg.max_hold_s)
+    try:
+        return await evaluate(cfg, samples, gen, rewards)
+    finally:
+        await asyncio.shield(gen.release_weights.fanout())
+
+
+async def evaluate_model(app_cfg: Any, model: str) -> dict[str, float]:
+    """`forge eval`: the app config's eval (its `eval` section, rewards and generator settings)
+    of the model in `model` (an HF directory, or a run directory with its exported model/)."""
+    from forge.gateway import model_dir
+    from services.generator import Generator
+    from services.rewards import Rewards
+
+    samples = held_out(app_cfg.eval, app_cfg.task)
+    gen = await Generator.options(replicas=app_cfg.generator_replicas).as_service(
+        str(model_dir(model)), app_cfg.generator
+    )
+    try:
+        rewards = await Rewards.options().as_service(
+            app_cfg.task, dict(app_cfg.eval.rewards or app_cfg.rewards), app_cfg.judge, app_cfg.code_tests
+        )
+        try:
+            return await evaluate(app_cfg.eval, samples, gen, rewards)
+        finally:
+            await rewards.shutdown()
+    finally:
+        await gen.shutdown()

@@ -1,0 +1,106 @@
+"""Held-out evaluation: the pass@k estimator, the metrics of scored groups, the config, and
+`forge eval` on a model directory. Eval during GRPO training is tested in test_grpo.py."""
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+
+from apps.grpo import Config
+from forge.config import ConfigError, load_config
+from forge.evals import EvalConfig, held_out, pass_at_k, summarize
+from forge.types import Completion, Score
+
+
+def brute_force_pass_at_k(outcomes: list[bool], k: int) -> float:
+    """The fraction of all k-subsets of the samples that hold a correct one."""
+    subsets = list(itertools.combinations(outcomes, k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n, c", [(5, 0), (5, 2), (5, 5), (10, 3), (8, 1)])
+def test_pass_at_k_is_the_unbiased_estimator(n, c):
+    outcomes = [True] * c + [False] * (n - c)
+    for k in range(1, n + 1):
+        assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(outcomes, k))
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4) and pass_at_k(5, 2, 2) == pytest.approx(0.7)  # 1 - C(3,2)/C(5,2)
+
+
+def completion(version: int, newest: int | None = None) -> Completion:
+    return Completion([1], [2], [0.0], "x", "stop", policy_version=version, max_policy_version=newest)
+
+
+def test_summary_of_hand_made_groups():
+    cfg = EvalConfig(n=4, k=[1, 2, 4])
+    groups = [
+        # correct from the reward's own `correct`; 2 of 4
+        ([completion(3)] * 4, [Score(0.5, correct=1.0), Score(0.2, correct=0.0), Score(1.0, correct=1.0), Score(0.0)]),
+        # no `correct`: a full reward counts as right; 1 of 4, and one sample's reward unavailable (left out)
+        (
+            [completion(3), completion(3), completion(3), completion(3, 4)],
+            [Score(1.0), Score(0.3), Score(0.0), Score(0.0, unavailable="sandbox")],
+        ),
+    ]
+    out = summarize(cfg, groups, asked=3)
+    hits = [1, 0, 1, 0, 1, 0, 0]  # the first group's 4th sample: correct None, reward 0
+    assert out["eval/accuracy"] == pytest.approx(sum(hits) / 7)
+    assert out["eval/reward_mean"] == pytest.approx((0.5 + 0.2 + 1.0 + 0.0 + 1.0 + 0.3 + 0.0) / 7)
+    assert out["eval/mean@4"] == pytest.approx(sum(hits) / 7)
+    assert out["eval/pass@1"] == pytest.approx((2 / 4 + 1 / 3) / 2)
+    assert out["eval/pass@2"] == pytest.approx((pass_at_k(4, 2, 2) + pass_at_k(3, 1, 2)) / 2)
+    assert out["eval/pass@4"] == pytest.approx(1.0)  # only the group with 4 usable samples counts
+    assert (out["eval/prompts"], out["eval/errors"], out["eval/reward_failures"]) == (2, 1, 1)
+    assert (out["eval/version"], out["eval/version_max"]) == (3, 3)  # the mixed sample was left out
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("eval.k=[1,8]", "config key 'eval.k': each k must be in 1..eval.n=1, got [1, 8]"),
+        ("eval.every=-1", "config key 'eval.every' must be >= 0"),
+        ("eval.n=4", "config key 'eval.n' is 4: more than one sample per prompt needs eval.temperature > 0"),
+        ("eval.rewards={nope: 1.0}", "config key 'eval.rewards': unknown reward(s) ['nope']"),
+        ("eval.dataset.path=missing.jsonl", "config key 'eval.dataset.path': file not found: missing.jsonl"),
+    ],
+)
+def test_bad_eval_config_names_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/grpo_tiny.yaml", [override], Config)
+    assert message in str(e.value)
+
+
+def test_held_out_prompts_differ_from_training_and_files_keep_their_columns(tmp_path):
+    cfg = load_config("configs/grpo_tiny.yaml", ["eval.prompts=16"], Config)
+    evals = held_out(cfg.eval, cfg.task)
+    assert len(evals) == 16 and len({s.prompt for s in evals}) > 8
+    from forge.data import TaskPrompts
+
+    train = TaskPrompts(cfg.task, cfg.seed)
+    assert [s.prompt for s in evals] != [train.sample(i).prompt for i in range(16)]
+    rows = tmp_path / "held.jsonl"
+    rows.write_text("".join(json.dumps({"q": f"say {i}", "a": str(i)}) + "\n" for i in range(5)))
+    cfg = load_config(
+        "configs/grpo_tiny.yaml",
+        [f"eval.dataset.path={rows}", "eval.dataset.template='{q}'", "eval.dataset.answer_key=a", "eval.prompts=0"],
+        Config,
+    )
+    samples = held_out(cfg.eval, cfg.task)
+    assert sorted((s.prompt, s.answer) for s in samples) == [(f"say {i}", str(i)) for i in range(5)]
+
+
+def test_forge_eval_command_prints_a_table_and_writes_json(tmp_path, tiny_model_dir):
+    out = tmp_path / "eval.json"
+    cmd = [sys.executable, "-m", "forge.cli", "eval", "configs/grpo_tiny.yaml", "--model", str(tiny_model_dir)]
+    cmd += ["--out", str(out), "eval.prompts=6", "eval.n=3", "eval.k=[1,3]", "eval.temperature=1.0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["eval/prompts"] == 6 and result["eval/errors"] == 0 and result["eval/version"] == 0
+    for key in ("eval/accuracy", "eval/reward_mean", "eval/pass@1", "eval/pass@3", "eval/mean@3"):
+        assert 0 <= result[key] <= 1 and key in r.stdout
+    assert result["eval/pass@3"] >= result["eval/pass@1"]
+
+    bad = subprocess.run([*cmd[:5], "--model", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "neither an HF model directory" in bad.stderr
