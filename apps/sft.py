@@ -1,22 +1,35 @@
-"""Supervised fine-tuning of a (tiny) model on a toy task, with held-out evaluation.
+"""Supervised fine-tuning through the torchtitan Trainer service GRPO uses (FSDP2, DCP
+checkpoints, resume, HF export): a local dataset file of chat `messages` rows (loss on the
+assistant turns only) or prompt/completion rows, or a toy task; held-out evals beside the loop.
 
-python -m apps.sft --config configs/sft_tiny.yaml [key=value ...]
+    forge run configs/sft_tiny.yaml [key=value ...]
+    forge run --resume runs/sft_tiny                 # continue from the last checkpoint
 """
 
 from __future__ import annotations
 
-import random
+import asyncio
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from forge import tasks
+from forge import checkpoint, tasks
 from forge.config import ConfigError, to_yaml
-from forge.metrics import MetricWriter
-from forge.tiny_model import ModelConfig, evaluate, sft
+from forge.data import SFTDataConfig, SFTExamples
+from forge.evals import EvalConfig, evaluate_pinned, held_out
+from forge.losses import LossConfig
+from forge.metrics import MetricWriter, discard_pending, plot_rewards, record_metric
+from forge.store import WeightStore, start_store, stop_store
+from forge.tiny_model import ModelConfig
+from forge.types import Episode, collate
+from services.generator import Generator, GeneratorConfig
+from services.judge import JudgeConfig
+from services.rewards import Rewards, check_rewards
+from services.sandbox import CodeTestsConfig
+from services.trainer import Trainer, TrainerConfig
 
 
 @dataclass
@@ -25,54 +38,169 @@ class Config:
     run_name: str = "sft_tiny"
     runs_dir: str = "runs"
     seed: int = 0
+    task: str = "add"  # the toy task: the examples when `data.path` is empty, and the eval's rewards
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    task: str = "add"
     steps: int = 300
-    batch_size: int = 64
-    lr: float = 3e-3
-    eval_every: int = 50
-    eval_samples: int = 128
+    batch_size: int = 64  # rows per step
+    trainer_procs: int = 1
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=3e-3, loss=LossConfig(name="sft")))
+    checkpoint_every: int = 100
+    resume: str | None = None  # a run directory to continue
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evals (through a generator)
+    rewards: dict[str, float] = field(default_factory=dict)  # the eval's (empty: {"exact": 1.0})
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # the eval's sampler
     metrics: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.run_name
 
     def validate(self) -> None:
         if self.task not in tasks.TASKS:
             raise ConfigError(f"config key 'task': unknown task {self.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
-        for key in ("steps", "batch_size", "eval_every", "eval_samples"):
+        for key in ("steps", "batch_size", "trainer_procs"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
+        if self.trainer.loss.name != "sft":
+            raise ConfigError(
+                f"config key 'trainer.loss.name': the SFT app trains with 'sft', got {self.trainer.loss.name!r}"
+            )
+        shards = self.trainer_procs * self.trainer.grad_accum
+        if self.batch_size % shards:
+            raise ConfigError(
+                f"config key 'batch_size': {self.batch_size} rows do not split over trainer_procs x "
+                f"trainer.grad_accum = {shards}"
+            )
+        if self.trainer.total_steps is None:
+            self.trainer.total_steps = self.steps
+        self.rewards = self.rewards or {"exact": 1.0}
+        if self.eval.enabled:
+            if self.data.path and not self.eval.dataset.path:
+                raise ConfigError(
+                    "config key 'eval.dataset.path': a run on a dataset file evaluates on a file too (held-out prompts)"
+                )
+            try:
+                check_rewards(self.task, self.eval.rewards or self.rewards, JudgeConfig(), CodeTestsConfig())
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+
+
+async def run(cfg: Config) -> dict[str, float]:
+    last = checkpoint.latest(cfg.resume) if cfg.resume else None
+    if cfg.resume and last is None:
+        raise ConfigError(f"config key 'resume': no checkpoint in {cfg.resume}/checkpoints")
+    from transformers import AutoTokenizer
+
+    model = cfg.model.resolve()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    examples = SFTExamples(cfg.data, tokenizer, cfg.task, cfg.seed)  # a bad file stops here, before any spawn
+    store = await start_store()
+    weights = WeightStore(cfg.trainer.weights, transport=cfg.trainer.transport)
+    roles: list[Any] = []
+    try:
+        trainer = await Trainer.options(procs=cfg.trainer_procs).as_service(str(model), cfg.trainer, weights)
+        roles.append(trainer)
+        gen = rewards = None
+        if cfg.eval.enabled:
+            gen = await Generator.options().as_service(str(model), cfg.generator, weights)
+            roles.append(gen)
+            rewards = await Rewards.options().as_service(
+                cfg.task, dict(cfg.eval.rewards or cfg.rewards), JudgeConfig(), CodeTestsConfig()
+            )
+            roles.append(rewards)
+        return await train(cfg, examples, tokenizer.pad_token_id or 0, trainer, gen, rewards, last)
+    finally:
+        await asyncio.shield(asyncio.gather(*(r.shutdown() for r in roles), return_exceptions=True))
+        await stop_store(store)
+
+
+async def train(
+    cfg: Config, examples: SFTExamples, pad_id: int, trainer: Any, gen: Any, rewards: Any, resume_from: Path | None
+) -> dict[str, float]:
+    """The SFT loop on running services; returns the last metrics row."""
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    step = 0
+    examples.reset()
+    if resume_from is not None:
+        await trainer.load.route(str(resume_from / "trainer"))
+        saved = checkpoint.load_run_state(resume_from)
+        step = saved["step"]
+        examples.reset(saved["examples"])
+    writer = MetricWriter(run_dir, cfg.metrics, resume_step=step if resume_from else None)
+    await discard_pending()
+    eval_set = held_out(cfg.eval, cfg.task) if cfg.eval.enabled else []
+    evals: dict[str, Any] = {"task": None}
+
+    async def run_eval(at_step: int, version: int) -> None:
+        """Evaluate the weights of `at_step` (published as `version`) beside the loop; a failing
+        eval costs only itself."""
+        try:
+            result = await evaluate_pinned(cfg.eval, eval_set, gen, rewards, version)
+        except Exception as e:  # noqa: BLE001
+            tqdm.write(f"sft: the eval at step {at_step} failed: {type(e).__name__}: {e}")
+            return
+        writer.write(at_step, result)
+
+    async def start_eval() -> None:
+        version = await trainer.push_weights.route()  # this step's weights, for the generator
+        if evals["task"] is not None and not evals["task"].done():
+            tqdm.write(f"sft: no eval at step {step}: the one before still runs (config key 'eval.every')")
+            return
+        evals["task"] = asyncio.create_task(run_eval(step, version))
+
+    async def save() -> None:
+        path = checkpoint.step_dir(run_dir, step)
+        await trainer.save.fanout(str(path / "trainer"))
+        checkpoint.save_run_state(path, {"step": step, "examples": examples.state_dict()})
+
+    if cfg.eval.before_train and resume_from is None:
+        await run_eval(step, await trainer.push_weights.route())
+    bar = tqdm(total=cfg.steps, initial=step, desc="sft", unit="step")
+    row: dict[str, float] = {}
+    try:
+        while step < cfg.steps:
+            start = time.perf_counter()
+            rows = [next(examples) for _ in range(cfg.batch_size)]
+            batch = collate([Episode(ids, mask, [0.0] * len(ids), advantage=1.0) for ids, mask in rows], pad_id=pad_id)
+            _, metrics = await trainer.train_step.route(batch)
+            step += 1
+            for key in ("loss", "entropy", "grad_norm", "lr", "trained_tokens"):
+                record_metric(key, metrics[key])
+            record_metric("tokens_per_s", metrics["trained_tokens"] / (time.perf_counter() - start))
+            row = await writer.flush(step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.3f}")
+            if cfg.eval.every and step % cfg.eval.every == 0:
+                await start_eval()
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                await save()
+        if cfg.checkpoint_every and step % cfg.checkpoint_every:
+            await save()
+        if evals["task"] is not None:
+            await evals["task"]
+        if cfg.eval.every and step % cfg.eval.every:
+            await run_eval(step, await trainer.push_weights.route())  # the final weights, always
+        await trainer.export_hf.route(str(run_dir / "model"))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print(f"\nsft: interrupted at step {step}; saving a checkpoint", flush=True)
+        await asyncio.shield(save())
+    finally:
+        if evals["task"] is not None:
+            evals["task"].cancel()
+            await asyncio.gather(evals["task"], return_exceptions=True)
+        bar.close()
+        writer.close()
+        if (run_dir / "metrics.jsonl").exists():
+            plot_rewards(run_dir, keys=("eval/accuracy", "eval/reward_mean"))
+    print(f"sft: {step} steps; model in {run_dir / 'model'}")
+    return row
 
 
 def main(cfg: Config) -> dict[str, float]:
-    run_dir = Path(cfg.runs_dir) / cfg.run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    torch.manual_seed(cfg.seed)
-
-    model_dir = cfg.model.resolve()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    metrics = MetricWriter(run_dir, cfg.metrics)
-    # One optimizer and one data stream for the whole run: eval chunks must not reset them.
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    rng = random.Random(f"sft:{cfg.task}:{cfg.seed}")
-
-    result = evaluate(model, tokenizer, cfg.task, cfg.eval_samples)
-    metrics.write(0, {"eval_reward": result["reward"], "eval_accuracy": result["accuracy"]})
-    bar = tqdm(range(0, cfg.steps, cfg.eval_every), desc="sft", unit="chunk")
-    for done in bar:
-        n = min(cfg.eval_every, cfg.steps - done)
-        losses = sft(model, tokenizer, cfg.task, n, cfg.batch_size, opt, rng)
-        result = evaluate(model, tokenizer, cfg.task, cfg.eval_samples)
-        row = {"loss": sum(losses) / n, "eval_reward": result["reward"], "eval_accuracy": result["accuracy"]}
-        metrics.write(done + n, row)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{result['accuracy']:.2f}")
-    metrics.close()
-    model.save_pretrained(run_dir / "model")
-    tokenizer.save_pretrained(run_dir / "model")
-    print(
-        f"sft: {cfg.task} accuracy {result['accuracy']:.2f}, reward {result['reward']:.3f}; model in {run_dir / 'model'}"
-    )
-    return result
+    return asyncio.run(run(cfg))
 
 
 if __name__ == "__main__":

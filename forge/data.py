@@ -13,7 +13,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from forge.config import ConfigError
-from forge.tasks import Sample, get_task
+from forge.tasks import Sample, chat_tokens, get_task
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -100,3 +100,79 @@ class FilePrompts(IndexedPrompts):
             task=Path(self.cfg.path).stem,
             meta=dict(row),
         )
+
+
+@dataclass
+class SFTDataConfig:
+    """The SFT app's `data` section: rows of a local file (chat `messages`, or prompt and
+    completion columns), or, with no file, the app's toy task (prompt and answer)."""
+
+    path: str = ""  # .jsonl/.json/.parquet/.csv; empty: the toy `task`
+    messages_key: str = "messages"  # a column of chat messages: loss on the assistant turns only
+    prompt_key: str = "prompt"  # else prompt and completion columns: loss on the completion (and EOS)
+    completion_key: str = "completion"
+    max_tokens: int = 1024  # a longer row is cut to this (its loss tokens past it are lost)
+    noise: float = 0.0  # toy task only: this fraction of answer characters replaced at random
+
+    def validate(self) -> None:
+        if self.path and Path(self.path).suffix not in FORMATS:
+            raise ConfigError(f"config key 'data.path': {self.path} is not one of {', '.join(FORMATS)}")
+        if self.path and not Path(self.path).is_file():
+            raise ConfigError(f"config key 'data.path': file not found: {self.path}")
+        if self.max_tokens < 2:
+            raise ConfigError(f"config key 'data.max_tokens' must be >= 2, got {self.max_tokens}")
+
+
+class SFTExamples(IndexedPrompts):
+    """An endless stream of supervised examples as (token ids, loss mask): the file's rows,
+    reshuffled each epoch from the seed, or fresh toy-task samples. Resumable (its index)."""
+
+    def __init__(self, cfg: SFTDataConfig, tokenizer: Any, task: str, seed: int = 0):
+        super().__init__(seed)
+        self.cfg, self.tokenizer, self.task = cfg, tokenizer, get_task(task)
+        self.rows, self._order = None, (-1, [])
+        if cfg.path:
+            import datasets
+
+            cfg.validate()
+            self.rows = datasets.load_dataset(FORMATS[Path(cfg.path).suffix], data_files=cfg.path, split="train")
+            columns = set(self.rows.column_names)
+            if cfg.messages_key not in columns and not {cfg.prompt_key, cfg.completion_key} <= columns:
+                raise ConfigError(
+                    f"config key 'data': {cfg.path} has columns {sorted(columns)}: neither "
+                    f"'{cfg.messages_key}' (data.messages_key) nor '{cfg.prompt_key}' and "
+                    f"'{cfg.completion_key}' (data.prompt_key, data.completion_key)"
+                )
+            if not len(self.rows):
+                raise ConfigError(f"config key 'data.path': {cfg.path} has no rows")
+
+    def sample(self, i: int) -> tuple[list[int], list[int]]:
+        if self.rows is None:
+            rng = random.Random(f"{self.seed}:{i}")
+            s = self.task.sample(rng)
+            answer = self.task.corrupt(s.answer, self.cfg.noise, rng) if self.cfg.noise else s.answer
+            return self._pair(s.prompt, answer, f"toy sample {i}")
+        epoch, j = divmod(i, len(self.rows))
+        if self._order[0] != epoch:
+            order = list(range(len(self.rows)))
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+            self._order = (epoch, order)
+        row = self.rows[self._order[1][j]]
+        where = f"{self.cfg.path} row {self._order[1][j]}"
+        if self.cfg.messages_key in row:
+            messages = row[self.cfg.messages_key]
+            if not any(m.get("role") == "assistant" for m in messages):
+                raise ValueError(f"{where}: no assistant message to train on")
+            ids, labels = chat_tokens(self.tokenizer, messages)
+            return self._cut(ids, [int(label != -100) for label in labels])
+        return self._pair(str(row[self.cfg.prompt_key]), str(row[self.cfg.completion_key]), where)
+
+    def _pair(self, prompt: str, completion: str, where: str) -> tuple[list[int], list[int]]:
+        p = self.tokenizer(prompt)["input_ids"]
+        c = self.tokenizer(completion, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        if not prompt and not c:
+            raise ValueError(f"{where}: empty")
+        return self._cut(p + c, [0] * len(p) + [1] * len(c))
+
+    def _cut(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+        return ids[: self.cfg.max_tokens], mask[: self.cfg.max_tokens]

@@ -1,33 +1,108 @@
-"""The SFT app: eval chunks do not reset its optimizer or its data stream."""
+"""The SFT app through the Trainer service: which tokens carry loss, training from a chat file
+with evals beside it, checkpoints and resume."""
 
+import json
+
+import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from apps.sft import Config, main
-from forge.config import load_config
+from forge import checkpoint
+from forge.config import ConfigError, load_config
+from forge.data import SFTDataConfig, SFTExamples
+from forge.losses import LossConfig, sft
+from forge.types import Episode, collate
+
+CHAT = [
+    {"role": "system", "content": "reverse"},
+    {"role": "user", "content": "abc"},
+    {"role": "assistant", "content": "cba"},
+    {"role": "user", "content": "xy"},
+    {"role": "assistant", "content": "yx"},
+]
 
 
-def test_eval_chunks_keep_one_optimizer(tmp_path, tiny_model_dir):
-    """Training 4 steps in chunks of 2 (an eval between) ends on the same weights as 4 steps in
-    one chunk: the AdamW state and the data carry over. A new optimizer per chunk would differ."""
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
 
-    def train(eval_every: int) -> dict:
-        over = [
-            f"runs_dir={tmp_path}",
-            f"run_name=e{eval_every}",
-            "model.tiny=null",
-            f"model.path={tiny_model_dir}",
-            "steps=4",
-            f"eval_every={eval_every}",
-            "batch_size=8",
-            "eval_samples=4",
-            "metrics=[jsonl]",
-        ]
-        main(load_config("configs/sft_tiny.yaml", over, Config))
-        return load_file(tmp_path / f"e{eval_every}" / "model" / "model.safetensors")
 
-    chunked, whole = train(2), train(4)
-    assert chunked.keys() == whole.keys()
-    assert all(torch.allclose(chunked[k], whole[k], atol=1e-6) for k in whole)
-    initial = load_file(tiny_model_dir / "model.safetensors")
-    assert not torch.equal(whole["model.norm.weight"], initial["model.norm.weight"])
+def test_only_assistant_and_completion_tokens_carry_loss(tmp_path, tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chats = SFTExamples(SFTDataConfig(path=write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}])), tok, "add")
+    ids, mask = chats.sample(0)
+    trained = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert trained == "cba<|im_end|>yx<|im_end|>"  # the assistant turns and their end-of-turn, nothing else
+    rendered = tok.apply_chat_template(CHAT, tokenize=False)
+    assert ids == tok(rendered, add_special_tokens=False)["input_ids"]  # the whole rendered chat is the input
+    rows = [{"prompt": "2+2=", "completion": "4"}]
+    pairs = SFTExamples(SFTDataConfig(path=write_jsonl(tmp_path / "p.jsonl", rows)), tok, "add")
+    ids, mask = pairs.sample(0)
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == "4<|eos|>"
+    # The loss is the mean NLL of exactly those tokens: other tokens' logprobs do not move it.
+    batch = collate([Episode(ids, mask, [0.0] * len(ids))], pad_id=0)
+    lp = -torch.rand(batch.input_ids.shape)
+    moved = lp + (1 - batch.loss_mask) * 5.0
+    expected = -(lp * batch.loss_mask).sum() / batch.loss_mask.sum()
+    assert torch.allclose(sft(lp, batch, lp, LossConfig()), expected)
+    assert torch.allclose(sft(moved, batch, moved, LossConfig()), expected)
+
+
+def test_a_file_without_the_columns_is_named_before_anything_starts(tmp_path, tiny_model_dir):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}])
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(ConfigError, match=r"has columns \['text'\]: neither 'messages' \(data.messages_key\)"):
+        SFTExamples(SFTDataConfig(path=path), tok, "add")
+    with pytest.raises(ConfigError, match="config key 'eval.dataset.path': a run on a dataset file evaluates"):
+        load_config("configs/sft_tiny.yaml", [f"data.path={path}"], Config)
+    with pytest.raises(ConfigError, match="config key 'trainer.loss.name': the SFT app trains with 'sft'"):
+        load_config("configs/sft_tiny.yaml", ["trainer.loss.name=grpo"], Config)
+
+
+def test_sft_from_a_chat_file_through_the_trainer_service_then_resume(tmp_path, tiny_model_dir):
+    chats = [
+        {"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": w[::-1]}]}
+        for w in ("abc", "hello", "forge", "xyz", "trainer", "qwen", "tiny", "model")
+    ]
+    data = write_jsonl(tmp_path / "chats.jsonl", chats)
+    held = write_jsonl(
+        tmp_path / "held.jsonl", [{"question": "abc", "answer": "cba"}, {"question": "xy", "answer": "yx"}]
+    )
+    over = [
+        f"runs_dir={tmp_path}",
+        "run_name=chat",
+        "model.tiny=null",
+        f"model.path={tiny_model_dir}",
+        f"data.path={data}",
+        "steps=4",
+        "batch_size=4",
+        "checkpoint_every=2",
+        "eval.every=2",
+        "eval.before_train=false",
+        f"eval.dataset.path={held}",
+        "eval.prompts=0",
+        "metrics=[jsonl]",
+    ]
+    main(load_config("configs/sft_tiny.yaml", over, Config))
+    run_dir = tmp_path / "chat"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and train[-1]["loss"] < train[0]["loss"]
+    assert [(r["step"], r["eval/prompts"], r["eval/version"]) for r in rows if "eval/prompts" in r] == [
+        (2, 2, 2),
+        (4, 2, 4),
+    ]
+    trained, initial = load_file(run_dir / "model/model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(trained[k], initial[k]) for k in initial)
+    saved = checkpoint.load_run_state(checkpoint.latest(run_dir))
+    assert saved["step"] == 4 and saved["examples"]["index"] == 16
+
+    # Resumed without evals (no generator to start): the rows, optimizer and data carry on.
+    main(load_config(str(run_dir / "config.yaml"), ["steps=6", "eval.every=0", f"resume={run_dir}"], Config))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if "eval/prompts" in r] == [2, 4]
+    resumed = checkpoint.load_run_state(checkpoint.latest(run_dir))
+    assert resumed["step"] == 6 and resumed["examples"]["index"] == 24

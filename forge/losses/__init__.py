@@ -131,6 +131,11 @@ def reinforce(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg
     return _token_mean(_with_kl(-is_weight * batch.advantages * logprobs, logprobs, batch, cfg), batch)
 
 
+def sft(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """Supervised fine-tuning: the negative log-likelihood of the loss tokens, token mean."""
+    return -_token_mean(logprobs, batch)
+
+
 LossFn = Callable[[torch.Tensor, Batch, torch.Tensor, LossConfig], torch.Tensor]
 LOSSES: dict[str, LossFn] = {
     "grpo": grpo,
@@ -139,6 +144,7 @@ LOSSES: dict[str, LossFn] = {
     "gspo": gspo,
     "cispo": cispo,
     "reinforce": reinforce,
+    "sft": sft,
 }
 NO_STD_NORMALIZE = {"dr_grpo"}  # Dr.GRPO: the std division biases towards easy and hard groups
 
