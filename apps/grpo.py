@@ -24,7 +24,7 @@ from forge.buffer import ReplayBuffer
 from forge.checkpoint import RunStopped
 from forge.config import ConfigError, import_object, to_yaml
 from forge.data import DatasetConfig, FilePrompts, TaskPrompts
-from forge.evals import EvalConfig, evaluate_pinned, held_out
+from forge.evals import BackgroundEvals, EvalConfig, held_out
 from forge.gateway import Gateway
 from forge.metrics import DEFAULT_BACKENDS, MetricWriter, Reduce, discard_pending, plot_rewards, record_metric
 from forge.rollout import REWARD_UNAVAILABLE, RolloutError, check_rollout, make_group, masked
@@ -253,25 +253,14 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
         await rewind(resume_from)
     writer = MetricWriter(run_dir, cfg.metrics, resume_step=state["step"] if resume_from else None)
     await discard_pending()  # services reused from an earlier run may still hold its values
-    eval_set = held_out(cfg.eval, cfg.task) if cfg.eval.enabled else []
-    evals: dict[str, Any] = {"task": None, "accuracy": float("nan")}
-
-    async def run_eval(at_step: int, version: int) -> None:
-        """Evaluate policy `version` (trained by step `at_step`) beside the loop, and write its
-        row at `at_step`. A failing eval costs only itself."""
-        try:
-            result = await evaluate_pinned(cfg.eval, eval_set, gen, s.eval_rewards or rewards, version)
-        except Exception as e:  # noqa: BLE001
-            tqdm.write(f"grpo: the eval at step {at_step} failed: {type(e).__name__}: {e}")
-            return
-        writer.write(at_step, result)
-        evals["accuracy"] = result.get("eval/accuracy", float("nan"))
-
-    def start_eval() -> None:
-        if evals["task"] is not None and not evals["task"].done():
-            tqdm.write(f"grpo: no eval at step {state['step']}: the one before still runs (config key 'eval.every')")
-            return
-        evals["task"] = asyncio.create_task(run_eval(state["step"], state["version"]))
+    evals = BackgroundEvals(
+        cfg.eval,
+        held_out(cfg.eval, cfg.task) if cfg.eval.enabled else [],
+        gen,
+        s.eval_rewards or rewards,
+        writer,
+        "grpo",
+    )
 
     async def rollout_loop() -> None:
         while True:
@@ -350,8 +339,7 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
 
     async def recover(e: ReplicaRestored) -> None:
         died_at = state["step"]
-        if evals["task"] is not None:  # its step's rows are about to be dropped
-            evals["task"].cancel()
+        await evals.cancel()  # its step's rows are about to be dropped
         await rewind(Path(e.restore_point).parent, trainer_restored=True)
         writer.rewind(state["step"])
         record_metric("trainer_restores", 1, Reduce.SUM)
@@ -397,7 +385,7 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
         return await writer.flush(state["step"])
 
     if cfg.eval.before_train and resume_from is None:
-        await run_eval(state["step"], state["version"])  # the starting policy, before any rollout
+        await evals.run(state["step"], state["version"])  # the starting policy, before any rollout
     rollouts = [asyncio.create_task(rollout_loop()) for _ in range(cfg.rollout_tasks)]
     bar = tqdm(total=cfg.steps, initial=state["step"], desc="grpo", unit="step")
     row: dict[str, float] = {}
@@ -419,18 +407,17 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
                         reward=f"{row['reward_mean']:.3f}",
                         acc=f"{row.get('accuracy', float('nan')):.2f}",
                         tok_s=f"{row['tokens_per_s']:.0f}",
-                        **({"eval_acc": f"{evals['accuracy']:.2f}"} if cfg.eval.every else {}),
+                        **({"eval_acc": f"{evals.accuracy:.2f}"} if cfg.eval.every else {}),
                     )
                     if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0:
                         await save()
                     if cfg.eval.every and state["step"] % cfg.eval.every == 0:
-                        start_eval()
+                        evals.start(state["step"], state["version"])
                 if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every:
                     await save()  # the final state, unless the loop just saved it
-                if evals["task"] is not None:
-                    await evals["task"]
+                await evals.wait()
                 if cfg.eval.every and state["step"] % cfg.eval.every:
-                    await run_eval(state["step"], state["version"])  # the final policy, always
+                    await evals.run(state["step"], state["version"])  # the final policy, always
                 await trainer.export_hf.route(str(run_dir / "model"))  # the trained policy, HF format
                 break
             except ReplicaRestored as e:
@@ -441,9 +428,9 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
     except (ServiceError, RolloutError) as e:
         raise RunStopped(run_dir, state["step"], str(e)) from e
     finally:
-        for t in [*rollouts, *([evals["task"]] if evals["task"] else [])]:
+        for t in rollouts:
             t.cancel()
-        await asyncio.gather(*rollouts, *([evals["task"]] if evals["task"] else []), return_exceptions=True)
+        await asyncio.gather(*rollouts, evals.cancel(), return_exceptions=True)
         bar.close()
         writer.close()
         if (run_dir / "metrics.jsonl").exists():

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from forge import checkpoint, tasks
 from forge.config import ConfigError, to_yaml
 from forge.data import SFTDataConfig, SFTExamples
-from forge.evals import EvalConfig, evaluate_pinned, held_out
+from forge.evals import BackgroundEvals, EvalConfig, held_out
 from forge.losses import LossConfig
 from forge.metrics import MetricWriter, discard_pending, plot_rewards, record_metric
 from forge.store import WeightStore, start_store, stop_store
@@ -131,25 +131,9 @@ async def train(
         examples.reset(saved["examples"])
     writer = MetricWriter(run_dir, cfg.metrics, resume_step=step if resume_from else None)
     await discard_pending()
-    eval_set = held_out(cfg.eval, cfg.task) if cfg.eval.enabled else []
-    evals: dict[str, Any] = {"task": None}
-
-    async def run_eval(at_step: int, version: int) -> None:
-        """Evaluate the weights of `at_step` (published as `version`) beside the loop; a failing
-        eval costs only itself."""
-        try:
-            result = await evaluate_pinned(cfg.eval, eval_set, gen, rewards, version)
-        except Exception as e:  # noqa: BLE001
-            tqdm.write(f"sft: the eval at step {at_step} failed: {type(e).__name__}: {e}")
-            return
-        writer.write(at_step, result)
-
-    async def start_eval() -> None:
-        version = await trainer.push_weights.route()  # this step's weights, for the generator
-        if evals["task"] is not None and not evals["task"].done():
-            tqdm.write(f"sft: no eval at step {step}: the one before still runs (config key 'eval.every')")
-            return
-        evals["task"] = asyncio.create_task(run_eval(step, version))
+    evals = BackgroundEvals(
+        cfg.eval, held_out(cfg.eval, cfg.task) if cfg.eval.enabled else [], gen, rewards, writer, "sft"
+    )
 
     async def save() -> None:
         path = checkpoint.step_dir(run_dir, step)
@@ -157,7 +141,7 @@ async def train(
         checkpoint.save_run_state(path, {"step": step, "examples": examples.state_dict()})
 
     if cfg.eval.before_train and resume_from is None:
-        await run_eval(step, await trainer.push_weights.route())
+        await evals.run(step, await trainer.push_weights.route())
     bar = tqdm(total=cfg.steps, initial=step, desc="sft", unit="step")
     row: dict[str, float] = {}
     try:
@@ -174,23 +158,20 @@ async def train(
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.3f}")
             if cfg.eval.every and step % cfg.eval.every == 0:
-                await start_eval()
+                evals.start(step, await trainer.push_weights.route())  # this step's weights, for the generator
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 await save()
         if cfg.checkpoint_every and step % cfg.checkpoint_every:
             await save()
-        if evals["task"] is not None:
-            await evals["task"]
+        await evals.wait()
         if cfg.eval.every and step % cfg.eval.every:
-            await run_eval(step, await trainer.push_weights.route())  # the final weights, always
+            await evals.run(step, await trainer.push_weights.route())  # the final weights, always
         await trainer.export_hf.route(str(run_dir / "model"))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print(f"\nsft: interrupted at step {step}; saving a checkpoint", flush=True)
         await asyncio.shield(save())
     finally:
-        if evals["task"] is not None:
-            evals["task"].cancel()
-            await asyncio.gather(evals["task"], return_exceptions=True)
+        await evals.cancel()
         bar.close()
         writer.close()
         if (run_dir / "metrics.jsonl").exists():

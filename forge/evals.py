@@ -180,3 +180,39 @@ async def evaluate_model(app_cfg: Any, model: str) -> dict[str, float]:
             await rewards.shutdown()
     finally:
         await gen.shutdown()
+
+
+class BackgroundEvals:
+    """An app's evals beside its training loop: one at a time, each on a pinned version, each
+    writing its row at the step it evaluated; a failing eval costs only itself."""
+
+    def __init__(self, cfg: EvalConfig, samples: list[Sample], gen: Any, rewards: Any, writer: Any, app: str):
+        self.cfg, self.samples, self.gen, self.rewards, self.writer, self.app = cfg, samples, gen, rewards, writer, app
+        self.task: asyncio.Task | None = None
+        self.accuracy = float("nan")  # the last eval's, for a progress bar
+
+    async def run(self, step: int, version: int) -> None:
+        """Evaluate policy `version` (the weights of `step`) now."""
+        try:
+            result = await evaluate_pinned(self.cfg, self.samples, self.gen, self.rewards, version)
+        except Exception as e:  # noqa: BLE001
+            log.warning("%s: the eval at step %d failed: %s: %s", self.app, step, type(e).__name__, e)
+            return
+        self.writer.write(step, result)
+        self.accuracy = result.get("eval/accuracy", float("nan"))
+
+    def start(self, step: int, version: int) -> None:
+        """`run` beside the loop, unless the one before still runs (then this step has none)."""
+        if self.task is not None and not self.task.done():
+            log.warning("%s: no eval at step %d: the one before still runs (config key 'eval.every')", self.app, step)
+            return
+        self.task = asyncio.create_task(self.run(step, version))
+
+    async def wait(self) -> None:
+        if self.task is not None:
+            await self.task
+
+    async def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
