@@ -106,3 +106,27 @@ def test_sft_from_a_chat_file_through_the_trainer_service_then_resume(tmp_path, 
     assert [r["step"] for r in rows if "eval/prompts" in r] == [2, 4]
     resumed = checkpoint.load_run_state(checkpoint.latest(run_dir))
     assert resumed["step"] == 6 and resumed["examples"]["index"] == 24
+
+
+def test_the_walkthroughs_script_and_configs(tmp_path, tiny_model_dir, monkeypatch):
+    """The README's walkthrough: its script writes the task's files, and its two configs load
+    against them (the reward function imported by path from the working directory)."""
+    import subprocess
+    from pathlib import Path
+
+    from apps.grpo import Config as GRPOConfig
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    script = readme.split("python3 - <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    subprocess.run(["python3", "-"], input=script, text=True, check=True)
+    lines = {name: (tmp_path / "runs/upper" / name).read_text().splitlines() for name in ("sft.jsonl", "eval.jsonl")}
+    assert len(lines["sft.jsonl"]) == 3000 and len(lines["eval.jsonl"]) == 64
+    sft_cfg = load_config(root / "configs/sft_upper.yaml", ["model.tiny=null", f"model.path={tiny_model_dir}"], Config)
+    grpo = load_config(root / "configs/grpo_upper.yaml", [f"model.path={tiny_model_dir}"], GRPOConfig)
+    for cfg in (sft_cfg, grpo):
+        assert cfg.eval.dataset.path == "runs/upper/eval.jsonl" and "runs.upper.reward:score" in cfg.rewards
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids, mask = SFTExamples(sft_cfg.data, tok, sft_cfg.task).sample(0)
+    assert tok.decode([t for t, m in zip(ids, mask) if m]).endswith("<|eos|>")
