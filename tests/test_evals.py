@@ -90,9 +90,10 @@ def test_held_out_prompts_differ_from_training_and_files_keep_their_columns(tmp_
     assert sorted((s.prompt, s.answer) for s in samples) == [(f"say {i}", str(i)) for i in range(5)]
 
 
-def test_forge_eval_command_prints_a_table_and_writes_json(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("config", ["configs/grpo_tiny.yaml", "configs/sft_tiny.yaml"])
+def test_forge_eval_command_prints_a_table_and_writes_json(tmp_path, tiny_model_dir, config):
     out = tmp_path / "eval.json"
-    cmd = [sys.executable, "-m", "forge.cli", "eval", "configs/grpo_tiny.yaml", "--model", str(tiny_model_dir)]
+    cmd = [sys.executable, "-m", "forge.cli", "eval", config, "--model", str(tiny_model_dir)]
     cmd += ["--out", str(out), "eval.prompts=6", "eval.n=3", "eval.k=[1,3]", "eval.temperature=1.0"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
