@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 from forge.checkpoint import RunStopped
 from forge.config import ConfigError, load_config, read_yaml, require_file
@@ -16,6 +17,23 @@ def _fail(msg: str) -> None:
     raise SystemExit(2)
 
 
+def app_config(config: str | None, overrides: list[str], app: str | None = None) -> tuple[Any, Any]:
+    """The app module (named by `app`, else by the config's `app:` key) and its loaded Config."""
+    if app is None:
+        if config is None:
+            raise ConfigError("no config file given")
+        app = read_yaml(config).get("app")
+        if not app:
+            raise ConfigError(f"{config}: no top-level 'app' key (e.g. app: grpo)")
+    try:
+        module = importlib.import_module(f"apps.{app}")
+    except ModuleNotFoundError as e:
+        if e.name != f"apps.{app}":
+            raise
+        raise ConfigError(f"config key 'app': no app named {app!r} (no module apps/{app}.py)") from None
+    return module, load_config(config, overrides, module.Config)
+
+
 def run(config: str | None, overrides: list[str], app: str | None = None, resume: str | None = None):
     """Load `config` (+ overrides) into the app's Config and run the app's main().
     `resume`: a run directory; its saved config.yaml is the default config."""
@@ -24,19 +42,7 @@ def run(config: str | None, overrides: list[str], app: str | None = None, resume
             require_file("resume", Path(resume) / "config.yaml")
             config = config or str(Path(resume) / "config.yaml")
             overrides = [*overrides, f"resume={resume}"]
-        if app is None:
-            if config is None:
-                raise ConfigError("no config file given")
-            app = read_yaml(config).get("app")
-            if not app:
-                raise ConfigError(f"{config}: no top-level 'app' key (e.g. app: grpo)")
-        try:
-            module = importlib.import_module(f"apps.{app}")
-        except ModuleNotFoundError as e:
-            if e.name != f"apps.{app}":
-                raise
-            raise ConfigError(f"config key 'app': no app named {app!r} (no module apps/{app}.py)") from None
-        cfg = load_config(config, overrides, module.Config)
+        module, cfg = app_config(config, overrides, app)
     except ConfigError as e:
         _fail(str(e))
     try:
@@ -54,13 +60,11 @@ def evaluate(config: str, overrides: list[str], model: str, out: str | None) -> 
     from forge.gateway import model_dir
 
     try:
-        app = read_yaml(config).get("app")
-        module = importlib.import_module(f"apps.{app}")
-        cfg = load_config(config, overrides, module.Config)
+        _, cfg = app_config(config, overrides)
         if not hasattr(cfg, "eval"):
-            raise ConfigError(f"config key 'app': the {app} app has no eval section")
+            raise ConfigError(f"config key 'app': the {cfg.app} app has no eval section")
         path = model_dir(model)
-    except (ConfigError, FileNotFoundError, ModuleNotFoundError) as e:
+    except (ConfigError, FileNotFoundError) as e:
         _fail(str(e))
     result = asyncio.run(evaluate_model(cfg, str(path)))
     print(f"{'metric':<24}{'value':>10}")

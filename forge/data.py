@@ -55,6 +55,16 @@ class IndexedPrompts(BaseNode[Sample]):
     def get_state(self) -> dict[str, Any]:
         return {"index": self.index}
 
+    def shuffled(self, i: int, rows: int) -> int:
+        """Which of `rows` rows sample i reads: every row once per epoch, reshuffled each epoch
+        from the seed."""
+        epoch, i = divmod(i, rows)
+        if getattr(self, "_order", (-1,))[0] != epoch:
+            order = list(range(rows))
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1][i]
+
 
 class TaskPrompts(IndexedPrompts):
     """Generated toy-task samples."""
@@ -85,15 +95,10 @@ class FilePrompts(IndexedPrompts):
                 f"config key 'dataset': {cfg.path} has {len(self.rows)} rows and columns "
                 f"{self.rows.column_names}; missing {sorted(missing)}"
             )
-        self.cfg, self._order = cfg, (-1, [])
+        self.cfg = cfg
 
     def sample(self, i: int) -> Sample:
-        epoch, i = divmod(i, len(self.rows))
-        if self._order[0] != epoch:
-            order = list(range(len(self.rows)))
-            random.Random(f"{self.seed}:{epoch}").shuffle(order)
-            self._order = (epoch, order)
-        row = self.rows[self._order[1][i]]
+        row = self.rows[self.shuffled(i, len(self.rows))]
         return Sample(
             prompt=self.cfg.template.format(**row),
             answer=str(row[self.cfg.answer_key]),
@@ -130,7 +135,7 @@ class SFTExamples(IndexedPrompts):
     def __init__(self, cfg: SFTDataConfig, tokenizer: Any, task: str, seed: int = 0):
         super().__init__(seed)
         self.cfg, self.tokenizer, self.task = cfg, tokenizer, get_task(task)
-        self.rows, self._order = None, (-1, [])
+        self.rows = None
         if cfg.path:
             import datasets
 
@@ -152,13 +157,8 @@ class SFTExamples(IndexedPrompts):
             s = self.task.sample(rng)
             answer = self.task.corrupt(s.answer, self.cfg.noise, rng) if self.cfg.noise else s.answer
             return self._pair(s.prompt, answer, f"toy sample {i}")
-        epoch, j = divmod(i, len(self.rows))
-        if self._order[0] != epoch:
-            order = list(range(len(self.rows)))
-            random.Random(f"{self.seed}:{epoch}").shuffle(order)
-            self._order = (epoch, order)
-        row = self.rows[self._order[1][j]]
-        where = f"{self.cfg.path} row {self._order[1][j]}"
+        index = self.shuffled(i, len(self.rows))
+        row, where = self.rows[index], f"{self.cfg.path} row {index}"
         if self.cfg.messages_key in row:
             messages = row[self.cfg.messages_key]
             if not any(m.get("role") == "assistant" for m in messages):
