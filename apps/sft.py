@@ -1,6 +1,7 @@
 """Supervised fine-tuning through the torchtitan Trainer service GRPO uses (FSDP2, DCP
 checkpoints, resume, HF export): a local dataset file of chat `messages` rows (loss on the
-assistant turns only) or prompt/completion rows, or a toy task; held-out evals beside the loop.
+assistant turns only) or prompt/completion rows, or a toy task, optionally packed several to a
+row (`data.pack_to`); held-out evals beside the loop.
 
     forge run configs/sft_tiny.yaml [key=value ...]
     forge run --resume runs/sft_tiny                 # continue from the last checkpoint
@@ -42,7 +43,7 @@ class Config:
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     steps: int = 300
-    batch_size: int = 64  # rows per step
+    batch_size: int = 64  # examples per step (rows, unless data.pack_to packs them)
     trainer_procs: int = 1
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=3e-3, loss=LossConfig(name="sft")))
     checkpoint_every: int = 100
@@ -67,7 +68,7 @@ class Config:
                 f"config key 'trainer.loss.name': the SFT app trains with 'sft', got {self.trainer.loss.name!r}"
             )
         shards = self.trainer_procs * self.trainer.grad_accum
-        if self.batch_size % shards:
+        if self.batch_size % shards and not self.data.pack_to:  # packed: empty rows make up the count
             raise ConfigError(
                 f"config key 'batch_size': {self.batch_size} rows do not split over trainer_procs x "
                 f"trainer.grad_accum = {shards}"
@@ -148,7 +149,12 @@ async def train(
         while step < cfg.steps:
             start = time.perf_counter()
             rows = [next(examples) for _ in range(cfg.batch_size)]
-            batch = collate([Episode(ids, mask, [0.0] * len(ids), advantage=1.0) for ids, mask in rows], pad_id=pad_id)
+            batch = collate(
+                [Episode(ids, mask, [0.0] * len(ids), advantage=1.0) for ids, mask in rows],
+                pad_id=pad_id,
+                pack_to=cfg.data.pack_to,
+                rows_multiple_of=cfg.trainer_procs * cfg.trainer.grad_accum,
+            )
             _, metrics = await trainer.train_step.route(batch)
             step += 1
             for key in ("loss", "entropy", "grad_norm", "lr", "trained_tokens"):

@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     m = sub.add_parser("make-tiny-model", help="build the offline tiny Qwen3 model + tokenizer")
     m.add_argument("--out", required=True, help="output directory (HF format)")
     m.add_argument("--task", default="add", help="toy task for the warm start")
-    m.add_argument("--sft-steps", type=int, default=0, help="supervised warm-start steps (0: random init)")
+    m.add_argument(
+        "--sft-steps", type=int, default=0, help="warm-start steps of the SFT app on the task (0: random init)"
+    )
     m.add_argument("--sft-noise", type=float, default=0.0, help="fraction of warm-start answer characters made random")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--force", action="store_true", help="rebuild even if cached")

@@ -117,7 +117,8 @@ class SFTDataConfig:
     prompt_key: str = "prompt"  # else prompt and completion columns: loss on the completion (and EOS)
     completion_key: str = "completion"
     max_tokens: int = 1024  # a longer row is cut to this (its loss tokens past it are lost)
-    noise: float = 0.0  # toy task only: this fraction of answer characters replaced at random
+    pack_to: int = 0  # examples packed into rows of up to this many tokens, each seeing only itself; 0: one per row
+    noise: float = 0.0  # toy task only: this fraction of answer characters (or digits) replaced at random
 
     def validate(self) -> None:
         if self.path and Path(self.path).suffix not in FORMATS:
@@ -126,6 +127,8 @@ class SFTDataConfig:
             raise ConfigError(f"config key 'data.path': file not found: {self.path}")
         if self.max_tokens < 2:
             raise ConfigError(f"config key 'data.max_tokens' must be >= 2, got {self.max_tokens}")
+        if self.pack_to < 0:
+            raise ConfigError(f"config key 'data.pack_to' must be >= 0, got {self.pack_to}")
 
 
 class SFTExamples(IndexedPrompts):
@@ -155,6 +158,9 @@ class SFTExamples(IndexedPrompts):
         if self.rows is None:
             rng = random.Random(f"{self.seed}:{i}")
             s = self.task.sample(rng)
+            if hasattr(self.task, "conversation"):  # a multi-turn task: loss on the assistant's turns
+                ids, labels = chat_tokens(self.tokenizer, self.task.conversation(s, self.cfg.noise, rng))
+                return self._cut(ids, [int(label != -100) for label in labels])
             answer = self.task.corrupt(s.answer, self.cfg.noise, rng) if self.cfg.noise else s.answer
             return self._pair(s.prompt, answer, f"toy sample {i}")
         index = self.shuffled(i, len(self.rows))

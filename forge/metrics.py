@@ -270,7 +270,8 @@ def plot_rewards(run_dir: str | Path, keys: Sequence[str] = ("reward_mean", "acc
         ax.set_xlabel("step" if x == "step" else "wall time (s)")
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="lower right")
     fig.suptitle(Path(run_dir).name)
     fig.tight_layout()
     out = Path(run_dir) / "reward.png"

@@ -170,6 +170,9 @@ class Batch:
     ref_logprobs: torch.Tensor | None  # float, or None if no episode had them
     doc_ids: torch.Tensor  # long, episode index of each token, -1 on padding
     policy_versions: torch.Tensor  # long, [episodes]
+    # long, each token's position in its own episode (0 where one starts), on packed rows only;
+    # None: one episode per row, from column 0.
+    positions: torch.Tensor | None = None
 
     @property
     def num_episodes(self) -> int:
@@ -183,11 +186,28 @@ class Batch:
         return Batch(**moved)
 
 
-def collate(episodes: Sequence[Episode], pad_id: int) -> Batch:
-    """One episode per row, padded to the longest."""
+def collate(episodes: Sequence[Episode], pad_id: int, pack_to: int = 0, rows_multiple_of: int = 1) -> Batch:
+    """One episode per row, padded to the longest; or, with `pack_to`, episodes packed into
+    rows of up to `pack_to` tokens (first fit, longest first; a longer episode gets a row of its
+    own), each attending only within itself (`positions`), and at least `rows_multiple_of` rows,
+    a multiple of it (empty rows pad the rest). Episode i is doc i and policy_versions[i]."""
     if not episodes:
         raise ValueError("collate() got no episodes")
-    shape = (len(episodes), max(len(e.tokens) for e in episodes))
+    rows: list[list[int]] = [[i] for i in range(len(episodes))]
+    if pack_to:
+        rows, used = [], []
+        for i in sorted(range(len(episodes)), key=lambda i: -len(episodes[i].tokens)):
+            n = len(episodes[i].tokens)
+            fit = next((r for r, u in enumerate(used) if u + n <= pack_to), None)
+            if fit is None:
+                rows.append([i])
+                used.append(n)
+            else:
+                rows[fit].append(i)
+                used[fit] += n
+        rows += [[] for _ in range(-len(rows) % rows_multiple_of)]
+    width = max(sum(len(episodes[i].tokens) for i in row) for row in rows)
+    shape = (len(rows), width)
     b = dict(
         input_ids=torch.full(shape, pad_id, dtype=torch.long),
         loss_mask=torch.zeros(shape),
@@ -196,19 +216,26 @@ def collate(episodes: Sequence[Episode], pad_id: int) -> Batch:
         ref_logprobs=torch.zeros(shape),
         doc_ids=torch.full(shape, -1, dtype=torch.long),
     )
-    for i, ep in enumerate(episodes):
-        s = slice(0, len(ep.tokens))
-        b["input_ids"][i, s] = torch.tensor(ep.tokens)
-        b["loss_mask"][i, s] = torch.tensor(ep.loss_mask, dtype=torch.float)
-        b["advantages"][i, s] = ep.advantage
-        b["gen_logprobs"][i, s] = torch.tensor(ep.gen_logprobs)
-        if ep.ref_logprobs is not None:
-            b["ref_logprobs"][i, s] = torch.tensor(ep.ref_logprobs)
-        b["doc_ids"][i, s] = i
+    # Padding continues the row's last positions, so it starts no episode of its own.
+    positions = torch.arange(width).repeat(len(rows), 1)
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            ep = episodes[i]
+            s = slice(start, start + len(ep.tokens))
+            b["input_ids"][r, s] = torch.tensor(ep.tokens)
+            b["loss_mask"][r, s] = torch.tensor(ep.loss_mask, dtype=torch.float)
+            b["advantages"][r, s] = ep.advantage
+            b["gen_logprobs"][r, s] = torch.tensor(ep.gen_logprobs)
+            if ep.ref_logprobs is not None:
+                b["ref_logprobs"][r, s] = torch.tensor(ep.ref_logprobs)
+            b["doc_ids"][r, s] = i
+            positions[r, start:] = torch.arange(width - start)
+            start = s.stop
     with_ref = sum(e.ref_logprobs is not None for e in episodes)
     if with_ref == 0:
         b["ref_logprobs"] = None
     elif with_ref < len(episodes):
         raise ValueError(f"collate: {with_ref} of {len(episodes)} episodes have ref_logprobs; all or none must")
     versions = torch.tensor([e.policy_version for e in episodes], dtype=torch.long)
-    return Batch(**b, policy_versions=versions)
+    return Batch(**b, policy_versions=versions, positions=positions if pack_to else None)

@@ -40,5 +40,6 @@ class Reference(ForgeActor):
     async def logprobs(self, batch: Batch) -> torch.Tensor:
         from services.titan import token_logprobs
 
+        b = batch.to(self.device)
         with torch.no_grad():
-            return token_logprobs(self.model, batch.input_ids.to(self.device), chunk_rows=self.chunk_rows)[0].cpu()
+            return token_logprobs(self.model, b.input_ids, chunk_rows=self.chunk_rows, positions=b.positions)[0].cpu()

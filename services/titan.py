@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
@@ -37,10 +39,34 @@ def read_hf_config(model_dir: str | Path) -> dict:
     return hf
 
 
-def attention_config(device_type: str) -> FlexAttention.Config | ScaledDotProductAttention.Config:
-    # torchtitan's FlexAttention has no backward on CPU; causal SDPA is the same attention there
-    # for unpacked rows.
-    return ScaledDotProductAttention.Config() if device_type == "cpu" else FlexAttention.Config()
+class PackedSDPA(ScaledDotProductAttention):
+    """torchtitan's SDPA, which also takes a dense boolean mask [rows, 1, seq, seq]: packed rows
+    on CPU, where torchtitan's FlexAttention (its packed-document attention) has no backward."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ScaledDotProductAttention.Config):
+        pass
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
+        if attention_masks is None:
+            return super().forward(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa, **kwargs)
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def packed_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, seq, seq]: token q sees token k <= q of its own episode (a new one starts
+    where `positions` is 0), torchtitan's packed-document convention."""
+    docs = torch.cumsum(positions == 0, dim=1)
+    seq = positions.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
+    return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
+
+
+def attention_config(device_type: str) -> FlexAttention.Config | PackedSDPA.Config:
+    # torchtitan's FlexAttention has no backward on CPU; SDPA is the same attention there.
+    return PackedSDPA.Config() if device_type == "cpu" else FlexAttention.Config()
 
 
 def qwen3_config(hf: dict, device_type: str = "cpu") -> Qwen3Model.Config:
@@ -166,19 +192,27 @@ def gradients_summed() -> bool:
     return dist.get_backend() == "gloo"
 
 
-def _forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def _forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(model.config.first_attention.inner_attention, FlexAttention.Config):
-        # Flex attends to whatever its block mask allows: give it the causal one.
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        # Flex attends to whatever its block mask allows: causal, within each packed episode.
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         return model(ids, positions=positions, attention_masks=model.get_attention_masks(positions))
-    return model(ids)
+    if positions is None:
+        return model(ids)  # one episode per row: SDPA's own causal kernel
+    return model(ids, positions=positions, attention_masks=packed_causal_mask(positions))
 
 
 def token_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, chunk_rows: int = 0, with_entropy: bool = False
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    chunk_rows: int = 0,
+    with_entropy: bool = False,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token t | tokens < t) for every t, token-aligned ([rows, seq], 0 at t=0), and
-    optionally the entropy of each of those next-token distributions (no grad).
+    optionally the entropy of each of those next-token distributions (no grad). On packed rows
+    (`positions`, see `collate`) each episode sees only itself.
 
     cross_entropy on the logits avoids a second [rows, seq, vocab] log-softmax tensor;
     `chunk_rows` bounds the logits alive at once (the reference model, under no_grad)."""
@@ -187,13 +221,17 @@ def token_logprobs(
     lps, ents = [], []
     for start in range(0, rows, step):
         ids = input_ids[start : start + step]
-        logits = _forward(model, ids)[:, :-1].float()
+        pos = positions[start : start + step] if positions is not None else None
+        logits = _forward(model, ids, pos)[:, :-1].float()
         flat = logits.reshape(-1, logits.shape[-1])
         lp = -torch.nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
-        lps.append(torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1))
+        lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+        # An episode's first token has no logprob, packed or not (its "context" is another episode).
+        lps.append(lp if pos is None else lp.masked_fill(pos == 0, 0.0))
         if with_entropy:
             with torch.no_grad():
                 logp = torch.log_softmax(logits, -1)
                 ent = -(logp.exp() * logp).sum(-1)
-            ents.append(torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1))
+            ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+            ents.append(ent if pos is None else ent.masked_fill(pos == 0, 0.0))
     return torch.cat(lps), (torch.cat(ents) if with_entropy else None)

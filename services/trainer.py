@@ -26,7 +26,7 @@ from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
 from forge.config import require_file
-from forge.losses import LossConfig, get_loss, importance_weight, k3_kl
+from forge.losses import LossConfig, get_loss, importance_weight, k3_kl, loss_units
 from forge.store import WeightStore
 from forge.types import Batch
 
@@ -147,23 +147,29 @@ class Trainer(ForgeActor):
         mine = self._shard(batch).to(self.device)
         # Dr.GRPO's default normalizer is the batch's row length, whatever the micro-batches are cut to.
         loss_cfg = dataclasses.replace(self.cfg.loss, norm_tokens=self.cfg.loss.norm_tokens or mine.input_ids.shape[1])
-        shares = self.cfg.grad_accum * self.world  # the loss is a mean over micro-batches and ranks
-        grad_shares = self.cfg.grad_accum * (self.world if gradients_summed() else 1)
+        micro = _micro_batches(mine, self.cfg.grad_accum)
+        # Each micro-batch's mean counts by its share of the step's tokens or episodes (all ranks).
+        units = torch.stack([loss_units(loss_cfg.name, mb) for mb in micro])
+        total = units.sum().reshape(1)
+        dist.all_reduce(total)
+        shares = units / total.clamp(min=1)
+        # FSDP averages gradients over ranks (gloo: sums them); the shares already sum to 1 over all ranks.
+        grad_scale = 1 if gradients_summed() else self.world
         self.optimizers.zero_grad()
         # loss, kl, entropy, is_ratio, is_capped, tokens: summed on the device, copied to the host once.
         sums = torch.zeros(6, dtype=torch.float64, device=self.device)
-        for mb in _micro_batches(mine, self.cfg.grad_accum):
-            lp, ent = token_logprobs(self.model, mb.input_ids, with_entropy=True)
+        for mb, share in zip(micro, shares):
+            lp, ent = token_logprobs(self.model, mb.input_ids, with_entropy=True, positions=mb.positions)
             w = importance_weight(lp, mb.gen_logprobs, self.cfg.loss.is_cap)
-            loss = self.loss_fn(lp, mb, w, loss_cfg)
-            (loss / grad_shares).backward()
+            loss = self.loss_fn(lp, mb, w, loss_cfg) * share
+            (loss * grad_scale).backward()
             m = mb.loss_mask
             with torch.no_grad():
                 raw = torch.exp(lp - mb.gen_logprobs)
                 kl = (k3_kl(lp, mb.ref_logprobs) * m).sum() if mb.ref_logprobs is not None else lp.new_zeros(())
                 sums += torch.stack(
                     [
-                        loss.detach() / shares,
+                        loss.detach(),
                         kl,
                         (ent * m).sum(),
                         (raw * m).sum(),
@@ -198,7 +204,8 @@ class Trainer(ForgeActor):
         from services.titan import token_logprobs
 
         with torch.no_grad():
-            return token_logprobs(self.model, batch.input_ids.to(self.device))[0].cpu()
+            b = batch.to(self.device)
+            return token_logprobs(self.model, b.input_ids, positions=b.positions)[0].cpu()
 
     def _full_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model with HF names, on rank 0 (every rank must call this)."""
@@ -306,25 +313,25 @@ class Trainer(ForgeActor):
 
 def _micro_batches(b: Batch, n: int) -> list[Batch]:
     """`n` equal micro-batches of rows of similar length, each cut to its own longest row: a
-    batch is padded to its longest episode, and with a long tail of lengths most of a
+    batch is padded to its longest row, and with a long tail of lengths most of a
     micro-batch taken in order would be padding."""
     if n == 1:
         return [b]
     lengths = (b.doc_ids >= 0).sum(dim=1)
     order = torch.argsort(lengths, stable=True)
     per = len(order) // n
-    return [_rows(b, idx, width=int(lengths[idx].max())) for idx in order.split(per)]
+    return [_rows(b, idx, width=max(1, int(lengths[idx].max()))) for idx in order.split(per)]
 
 
 def _rows(b: Batch, rows: slice | torch.Tensor, width: int | None = None) -> Batch:
-    """Rows of a padded batch (one episode per row, as the trainer receives it), optionally
-    cut to their first `width` columns."""
+    """Rows of a padded batch, optionally cut to their first `width` columns, with the
+    episodes they hold renumbered 0.. in order (doc_ids, policy_versions)."""
     keep = {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
-    for name in ("input_ids", "loss_mask", "advantages", "gen_logprobs", "ref_logprobs", "doc_ids"):
+    for name in ("input_ids", "loss_mask", "advantages", "gen_logprobs", "ref_logprobs", "doc_ids", "positions"):
         if keep[name] is not None:
             keep[name] = keep[name][rows, :width]
-    # doc_ids index episodes: renumber so row i holds episode i of the slice.
-    n = keep["input_ids"].shape[0]
-    keep["doc_ids"] = torch.where(keep["doc_ids"] >= 0, torch.arange(n, device=keep["doc_ids"].device)[:, None], -1)
-    keep["policy_versions"] = b.policy_versions[rows]
+    docs = keep["doc_ids"]
+    held, renumbered = torch.unique(docs[docs >= 0], return_inverse=True)
+    keep["doc_ids"] = torch.full_like(docs, -1).masked_scatter(docs >= 0, renumbered)
+    keep["policy_versions"] = b.policy_versions[held.to(b.policy_versions.device)]
     return Batch(**keep)

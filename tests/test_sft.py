@@ -1,5 +1,5 @@
 """The SFT app through the Trainer service: which tokens carry loss, training from a chat file
-with evals beside it, checkpoints and resume."""
+(packed rows) with evals beside it, checkpoints and resume."""
 
 import json
 
@@ -78,6 +78,7 @@ def test_sft_from_a_chat_file_through_the_trainer_service_then_resume(tmp_path, 
         f"data.path={data}",
         "steps=4",
         "batch_size=4",
+        "data.pack_to=64",  # the 4 chats of a step in fewer rows
         "checkpoint_every=2",
         "eval.every=2",
         "eval.before_train=false",

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import torch
+from safetensors.torch import load_file
 
 from forge.tiny_model import BUILD_FILE, TinyModelSpec, make_tiny_model
 
@@ -32,18 +33,18 @@ def test_tokenizer_round_trip(tiny_model_dir):
 
 
 def test_deterministic_and_cached(tmp_path):
-    spec = TinyModelSpec(sft_steps=2, sft_batch_size=4, num_hidden_layers=1, seed=3)
+    spec = TinyModelSpec(num_hidden_layers=1, seed=3)
     a = make_tiny_model(tmp_path / "a", spec)
     b = make_tiny_model(tmp_path / "b", spec)
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    other = make_tiny_model(tmp_path / "c", TinyModelSpec(sft_steps=2, sft_batch_size=4, num_hidden_layers=1, seed=4))
+    other = make_tiny_model(tmp_path / "c", TinyModelSpec(num_hidden_layers=1, seed=4))
     assert (a / "model.safetensors").read_bytes() != (other / "model.safetensors").read_bytes()
 
     stamp = (a / "model.safetensors").stat().st_mtime_ns
     assert make_tiny_model(tmp_path / "a", spec) == a
     assert (a / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rebuilt
-    make_tiny_model(tmp_path / "a", TinyModelSpec(sft_steps=3, sft_batch_size=4, num_hidden_layers=1, seed=3))
+    make_tiny_model(tmp_path / "a", TinyModelSpec(num_hidden_layers=1, seed=3, sft_lr=1e-3))
     assert (a / "model.safetensors").stat().st_mtime_ns != stamp  # another spec rebuilds
 
 
@@ -52,8 +53,13 @@ def test_transformers_and_torchtitan_load_it_alike(tmp_path):
 
     from services.titan import load_hf_model
 
-    # A few SFT steps move every weight (norms included) off its init value.
+    # The warm start, a run of the SFT app through the Trainer service, moves every weight
+    # (norms included) off its init value; transformers then reads what torchtitan wrote.
     tiny_model_dir = make_tiny_model(tmp_path / "m", TinyModelSpec(sft_steps=3, sft_batch_size=8))
+    initial = load_file(make_tiny_model(tmp_path / "init", TinyModelSpec(sft_batch_size=8)) / "model.safetensors")
+    trained = load_file(tiny_model_dir / "model.safetensors")
+    assert trained.keys() == initial.keys() and not any(torch.equal(trained[k], initial[k]) for k in initial)
+    assert json.loads((tiny_model_dir / BUILD_FILE).read_text())["sft_final_loss"] < 5.0
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     titan = load_hf_model(tiny_model_dir).eval()
@@ -78,8 +84,6 @@ def test_cli_builds_offline(tmp_path):
             str(out),
             "--task",
             "reverse",
-            "--sft-steps",
-            "3",
         ],
         capture_output=True,
         text=True,

@@ -120,9 +120,11 @@ def test_bad_config_and_model_are_named(tiny_model_dir):
     asyncio.run(main())
 
 
-def test_micro_batches_cut_to_length_give_the_same_step(tiny_model_dir):
-    """grad_accum sorts rows by length and cuts each micro-batch to its longest row: the loss
-    and gradient equal one full-width pass (Dr.GRPO keeps the batch's row length as its norm)."""
+def test_a_step_is_the_whole_batch_however_its_rows_are_split(tiny_model_dir):
+    """grad_accum sorts rows by length and cuts each micro-batch to its longest row; packing
+    puts several episodes in a row; ranks take unequal shares of the tokens. Each micro-batch's
+    loss counts by its share of the step's tokens (or episodes), so loss and gradient equal one
+    full-width pass on one rank (Dr.GRPO keeps the batch's row length as its norm)."""
     g = torch.Generator().manual_seed(1)
     eps = [
         Episode(
@@ -135,17 +137,22 @@ def test_micro_batches_cut_to_length_give_the_same_step(tiny_model_dir):
     ]
     batch = collate(eps, pad_id=0)
 
-    async def step(grad_accum: int) -> dict:
-        cfg = TrainerConfig(lr=0.0, grad_accum=grad_accum, loss=LossConfig(name="dr_grpo"))
-        trainer = await Trainer.options().as_service(str(tiny_model_dir), cfg)
+    async def step(batch: Batch, loss: str, grad_accum: int = 1, procs: int = 1) -> dict:
+        cfg = TrainerConfig(lr=0.0, grad_accum=grad_accum, loss=LossConfig(name=loss, norm_tokens=40))
+        trainer = await Trainer.options(procs=procs).as_service(str(tiny_model_dir), cfg)
         try:
             return (await trainer.train_step.route(batch))[1]
         finally:
             await trainer.shutdown()
 
-    whole, cut = asyncio.run(step(1)), asyncio.run(step(4))
-    for key in ("loss", "grad_norm", "entropy", "is_ratio_mean", "trained_tokens"):
-        assert abs(whole[key] - cut[key]) <= 1e-5 * max(1.0, abs(whole[key])), (key, whole[key], cut[key])
+    packed = collate(eps, pad_id=0, pack_to=40, rows_multiple_of=4)
+    assert packed.input_ids.shape[0] == 4
+    for loss, whole, split in (
+        ("dr_grpo", asyncio.run(step(batch, "dr_grpo")), asyncio.run(step(batch, "dr_grpo", grad_accum=4))),
+        ("sft", asyncio.run(step(batch, "sft")), asyncio.run(step(packed, "sft", grad_accum=2, procs=2))),
+    ):
+        for key in ("loss", "grad_norm", "entropy", "is_ratio_mean", "trained_tokens"):
+            assert abs(whole[key] - split[key]) <= 1e-5 * max(1.0, abs(whole[key])), (loss, key, whole[key], split[key])
 
 
 def test_flex_attention_path_matches_sdpa(tiny_model_dir, monkeypatch):
@@ -162,3 +169,59 @@ def test_flex_attention_path_matches_sdpa(tiny_model_dir, monkeypatch):
     assert isinstance(flex.config.first_attention.inner_attention, titan.FlexAttention.Config)
     with torch.no_grad():
         assert (titan.token_logprobs(sdpa, ids)[0] - titan.token_logprobs(flex, ids)[0]).abs().max() < 1e-5
+
+
+def test_packed_rows_give_the_same_losses_and_gradients_as_one_episode_per_row(tiny_model_dir, monkeypatch):
+    """Packed rows (several episodes per row, each attending only to itself, positions from 0
+    at each) give every episode the logprobs it has alone in a row: the same loss and gradient
+    for every kind of loss; and the same logprobs under torchtitan's FlexAttention (GPU), whose
+    forward runs here."""
+    from forge.losses import LOSSES, importance_weight
+    from services import titan
+
+    g = torch.Generator().manual_seed(2)
+    eps = [
+        Episode(
+            tokens=torch.randint(6, 100, (n,), generator=g).tolist(),
+            loss_mask=[0] * 2 + [1] * (n - 2),
+            gen_logprobs=(-torch.rand(n, generator=g) * 4).tolist(),
+            advantage=float(i % 3) - 1.0,
+            ref_logprobs=(-torch.rand(n, generator=g) * 4).tolist(),
+            policy_version=i,
+        )
+        for i, n in enumerate([5, 17, 7, 6, 9, 5, 13, 8])
+    ]
+    rows = collate(eps, pad_id=0)
+    packed = collate(eps, pad_id=0, pack_to=24, rows_multiple_of=4)
+    assert packed.input_ids.shape == (4, 24) and packed.num_episodes == 8  # 70 tokens in 3 rows (+1 empty), not 8
+    model = titan.load_hf_model(tiny_model_dir)
+
+    def episode_logprobs(batch):
+        lp = titan.token_logprobs(model, batch.input_ids, positions=batch.positions)[0]
+        return [lp[batch.doc_ids == i] for i in range(len(eps))]
+
+    def loss_and_grad(name, batch):
+        model.zero_grad()
+        lp = titan.token_logprobs(model, batch.input_ids, positions=batch.positions)[0]
+        loss = LOSSES[name](
+            lp, batch, importance_weight(lp, batch.gen_logprobs, 2.0), LossConfig(name, kl_coef=0.1, norm_tokens=24)
+        )
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    with torch.no_grad():
+        for alone, together in zip(episode_logprobs(rows), episode_logprobs(packed)):
+            assert torch.allclose(alone, together, atol=1e-5)
+    for name in ("sft", "grpo", "gspo", "dapo", "dr_grpo"):  # per-token and per-episode means
+        loss, grad = loss_and_grad(name, rows)
+        p_loss, p_grad = loss_and_grad(name, packed)
+        assert abs(loss - p_loss) < 1e-5, (name, loss, p_loss)
+        assert torch.allclose(grad, p_grad, atol=1e-6), (name, (grad - p_grad).abs().max())
+
+    cpu_choice = titan.attention_config
+    monkeypatch.setattr(titan, "attention_config", lambda device_type: cpu_choice("cuda"))
+    flex = titan.load_hf_model(tiny_model_dir)
+    model = flex
+    with torch.no_grad():
+        for alone, together in zip(episode_logprobs(rows), episode_logprobs(packed)):
+            assert torch.allclose(alone, together, atol=1e-5)

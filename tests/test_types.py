@@ -54,6 +54,21 @@ def test_collate_padding():
     assert padded.doc_ids[1].tolist() == [1, 1, -1, -1]
 
 
+def test_collate_packs_episodes_into_rows():
+    """Longest first, each into the first row it fits; positions restart at each episode and
+    padding continues the last; doc ids stay the episodes' indices; empty rows pad the count."""
+    eps = [Episode.from_completion(completion([7], [8], version=5), advantage=3.0)] + episodes()
+    b = collate(eps, pad_id=0, pack_to=8, rows_multiple_of=3)
+    assert b.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 10, 7, 8, 0, 0], [0] * 8]
+    assert b.doc_ids.tolist() == [[1, 1, 1, 1, 2, 2, 2, 2], [3, 3, 3, 3, 0, 0, -1, -1], [-1] * 8]
+    assert b.positions.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 0, 1, 2, 3], list(range(8))]
+    assert b.loss_mask[1].tolist() == [0, 0, 0, 1, 0, 1, 0, 0] and b.advantages[1, 4].item() == 3.0
+    assert b.policy_versions.tolist() == [5, 1, 2, 2]
+    alone = collate(eps, pad_id=0, pack_to=3)  # longer than pack_to: a row of its own
+    assert alone.input_ids.shape == (4, 4) and alone.doc_ids[:, 0].tolist() == [1, 2, 3, 0]
+    assert collate(eps, pad_id=0).positions is None  # unpacked: one episode per row from column 0
+
+
 def test_collate_ref_logprobs_and_device():
     eps = episodes()
     for e in eps:

@@ -57,9 +57,10 @@ def _clipped_pg(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> torc
 
 
 def _per_doc(x: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Sum of `x` over each episode's loss tokens, [episodes]; made on `x`'s device."""
+    """Sum of `x` over each episode's loss tokens, [episodes]; made on `x`'s device (one zero
+    for a shard of empty rows, which packing can leave)."""
     docs = batch.doc_ids.clamp(min=0).flatten()
-    return x.new_zeros(batch.num_episodes).index_add(0, docs, (x * batch.loss_mask).flatten())
+    return x.new_zeros(max(batch.num_episodes, 1)).index_add(0, docs, (x * batch.loss_mask).flatten())
 
 
 def _mean_present(per_doc: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -96,7 +97,7 @@ def dr_grpo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: 
     """Dr.GRPO: like GRPO but summed over tokens and divided by a constant (no length bias)."""
     pg = _with_kl(is_weight * _clipped_pg(_ratio(logprobs), batch.advantages, cfg), logprobs, batch, cfg)
     norm = cfg.norm_tokens or batch.loss_mask.shape[1]
-    return (pg * batch.loss_mask).sum() / (batch.num_episodes * norm)
+    return (pg * batch.loss_mask).sum() / (max(batch.num_episodes, 1) * norm)
 
 
 def dapo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
@@ -147,6 +148,19 @@ LOSSES: dict[str, LossFn] = {
     "sft": sft,
 }
 NO_STD_NORMALIZE = {"dr_grpo"}  # Dr.GRPO: the std division biases towards easy and hard groups
+TOKEN_MEANS = {"dapo", "cispo", "reinforce", "sft"}  # the rest average over episodes
+
+
+def loss_units(name: str, batch: Batch) -> torch.Tensor:
+    """How many of what loss `name` averages over `batch` holds: loss tokens, or episodes (with
+    loss tokens; all of them for Dr.GRPO). The trainer weighs each micro-batch's loss by its
+    share of the step's units, so a step is the whole batch's mean however the rows are split
+    over ranks, micro-batches and packed rows."""
+    if name in TOKEN_MEANS:
+        return batch.loss_mask.sum()
+    if name == "dr_grpo":
+        return batch.loss_mask.new_tensor(float(batch.num_episodes))
+    return (_per_doc(torch.ones_like(batch.loss_mask), batch) > 0).sum().to(batch.loss_mask.dtype)
 
 
 def get_loss(name: str) -> LossFn:
