@@ -26,8 +26,9 @@ from forge.config import ConfigError, import_object, to_yaml
 from forge.data import DatasetConfig, FilePrompts, TaskPrompts
 from forge.evals import BackgroundEvals, EvalConfig, held_out
 from forge.gateway import Gateway
+from forge.job import Job, JobConfig
 from forge.metrics import DEFAULT_BACKENDS, MetricWriter, Reduce, discard_pending, plot_rewards, record_metric
-from forge.rollout import REWARD_UNAVAILABLE, RolloutError, check_rollout, make_group, masked
+from forge.rollout import REWARD_UNAVAILABLE, OnPolicyGate, RolloutError, check_rollout, make_group, masked
 from forge.service import ReplicaRestored, ServiceError
 from forge.store import WeightStore, start_store, stop_store
 from forge.tasks import get_task
@@ -70,7 +71,8 @@ class Config:
     # A group with a reward whose infrastructure failed (RewardUnavailable): dropped, or trained
     # with that reward at 0.
     reward_unavailable: str = "mask"
-    generator_replicas: int = 1
+    job: JobConfig = field(default_factory=JobConfig)  # where the roles run (forge/job.py); default: this host
+    generator_replicas: int = 1  # spread over the hosts of the generator's job mesh
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     trainer_procs: int = 1
     trainer_restores: int = 3  # trainer deaths recovered from the last checkpoint before the run stops
@@ -156,19 +158,30 @@ class Services:
     gateway: Gateway | None = None  # the OpenAI API over `gen`, for agents and environments
     envs: Any | None = None  # the environment pool
     eval_rewards: Any | None = None  # the eval's own rewards, when `eval.rewards` differs from the run's
+    job: Job | None = None  # the Monarch job whose hosts run the roles
 
     @classmethod
     async def start(cls, cfg: Config) -> Services:
         model = str(cfg.model.resolve())
-        store = await start_store()
+        job = Job(cfg.job)
+        hosts = job.hosts
+        store = await start_store(hosts("store"))
         weights = WeightStore(cfg.trainer.weights, transport=cfg.trainer.transport)  # the run's versions
-        trainer = await Trainer.options(procs=cfg.trainer_procs, max_restores=cfg.trainer_restores).as_service(
-            model, cfg.trainer, weights
+        trainer = await Trainer.options(
+            procs=cfg.trainer_procs, hosts=hosts("trainer"), max_restores=cfg.trainer_restores
+        ).as_service(model, cfg.trainer, weights)
+        gen = await Generator.options(
+            replicas=cfg.generator_replicas, hosts=hosts("generator"), spread=True
+        ).as_service(model, cfg.generator, weights)
+        rewards = await Rewards.options(hosts=hosts("rewards")).as_service(
+            cfg.task, dict(cfg.rewards), cfg.judge, cfg.code_tests
         )
-        gen = await Generator.options(replicas=cfg.generator_replicas).as_service(model, cfg.generator, weights)
-        rewards = await Rewards.options().as_service(cfg.task, dict(cfg.rewards), cfg.judge, cfg.code_tests)
-        ref = await Reference.options().as_service(model) if cfg.trainer.loss.kl_coef > 0 else None
-        s = cls(store, trainer, gen, rewards, ref)
+        ref = (
+            await Reference.options(hosts=hosts("reference")).as_service(model)
+            if cfg.trainer.loss.kl_coef > 0
+            else None
+        )
+        s = cls(store, trainer, gen, rewards, ref, job=job)
         if cfg.eval.enabled and cfg.eval.rewards:
             s.eval_rewards = await Rewards.options().as_service(
                 cfg.task, dict(cfg.eval.rewards), cfg.judge, cfg.code_tests
@@ -176,9 +189,9 @@ class Services:
         if cfg.agentic.enabled:
             s.gateway = await Gateway.start(gen, model, cfg.agentic.gateway, cfg.generator)
         if cfg.agentic.env:
-            s.envs = await EnvPool.options(replicas=cfg.agentic.env_replicas).as_service(
-                cfg.agentic.env, cfg.agentic.envs_per_replica
-            )
+            s.envs = await EnvPool.options(
+                replicas=cfg.agentic.env_replicas, hosts=hosts("envs"), spread=True
+            ).as_service(cfg.agentic.env, cfg.agentic.envs_per_replica)
         return s
 
     async def shutdown(self) -> None:
@@ -194,6 +207,8 @@ class Services:
             return_exceptions=True,
         )
         await stop_store(self.store)
+        if self.job is not None:
+            self.job.stop()
 
 
 async def run(cfg: Config) -> dict[str, float]:
@@ -232,7 +247,8 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
         cfg.judge.check(prompts.rows.column_names)
     prompts.reset()
     version = await trainer.policy_version.route()  # 0, unless these services already trained
-    state = {"step": 0, "version": version, "on_policy": version}
+    state = {"step": 0, "version": version}
+    gate = OnPolicyGate(gen, cfg.batch_size, version) if cfg.max_staleness == 0 else None
     failures = {"streak": 0, "last": None}  # rollouts failing in a row, and the last error
 
     async def rewind(ckpt: Path, trainer_restored: bool = False) -> None:
@@ -245,7 +261,9 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
             await buffer.load_state_dict.call_one(saved["buffer"])
             await trainer.push_weights.route()  # generators resume on the trained policy
         state["step"] = saved["step"]
-        state["version"] = state["on_policy"] = await trainer.policy_version.route()
+        state["version"] = await trainer.policy_version.route()
+        if gate is not None:
+            gate.advance(state["version"])
         prompts.reset(saved["prompts"])
         trainer.set_restore_point(str(ckpt / "trainer"))
 
@@ -283,18 +301,21 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
                     ) from None
 
     async def rollout_once() -> None:
-        if cfg.max_staleness == 0:  # on-policy: start only on the weights the next batch trains
-            while await gen.policy_version.route() < state["on_policy"]:
-                await asyncio.sleep(0.02)
+        if gate is None:
+            await rollout_group()
+            return
+        async with gate.place(cfg.group_size) as place:  # on-policy: the next batch's weights, and room in it
+            place.kept = await rollout_group()
+
+    async def rollout_group() -> int:
+        """One group into the buffer; returns how many of its episodes the buffer kept."""
         start = time.perf_counter()
         if agentic is not None:  # multi-turn episodes through the gateway
             episodes = await agentic.group(next(prompts).row())
             record_metric("time/rollout_s", time.perf_counter() - start)
             for e in episodes:
                 record_metric("rollout_reward", e.reward)
-            if episodes:
-                await buffer.add.call_one(episodes)
-            return
+            return await buffer.add.call_one(episodes) if episodes else 0
         group, scores = check_rollout(await rollout(next(prompts), gen, rewards, cfg), f"rollout {cfg.rollout!r}")
         record_metric("time/rollout_s", time.perf_counter() - start)  # one group: generation + scoring
         record_metric("generated_tokens", sum(len(c.token_ids) for c in group), Reduce.SUM)
@@ -305,8 +326,8 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
                 record_metric(f"reward_failures/{sc.unavailable}", 1, Reduce.SUM)
         if masked(scores, cfg.reward_unavailable):
             record_metric("groups_masked", 1, Reduce.SUM)
-            return
-        await buffer.add.call_one(make_group(group, scores, std_normalize=cfg.trainer.loss.normalize_std))
+            return 0
+        return await buffer.add.call_one(make_group(group, scores, std_normalize=cfg.trainer.loss.normalize_std))
 
     async def sample_batch() -> list:
         """The next batch, or the reason none will come: a rollout loop that stopped, or a timeout."""
@@ -352,7 +373,8 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
         t0 = time.perf_counter()
         episodes = await sample_batch()
         trained_on = state["version"]
-        state["on_policy"] = trained_on + 1  # rollouts from here on are for the next batch
+        if gate is not None:
+            gate.advance(trained_on + 1)  # rollouts from here on are for the next batch
         t1 = time.perf_counter()
         batch = collate(episodes, pad_id=0)
         if ref is not None:

@@ -16,8 +16,8 @@ A step trains 8 prompts x 4 samples, with one rollout per prompt of a batch in f
 The **agentic** variant runs the same steps through the gateway (server mode): each episode is
 a two-turn conversation with `SlowToolEnv` in the environment pool, the policy's first reply
 answered by a tool that takes the same latency distribution, the second reply ending it.
-The three runs of a variant share one set of services (warm engine, same model) and differ
-only in `max_staleness`; each trains the same number of steps. The ideal speedup comes from the
+All six runs share one set of services (warm engine, same model); a variant's three differ
+only in `max_staleness`, and each trains the same number of steps. The ideal speedup comes from the
 on-policy run's own stage times: a perfect pipeline runs at the pace of its slower stage,
 rollouts (mean group time x groups per step / concurrent rollouts) or training (train +
 push per step). Writes benchmarks/results/async_vs_sync.json.
@@ -143,20 +143,23 @@ def summary(run_dir: Path, steps: int) -> dict[str, float]:
     }
 
 
-async def measure(steps: int, runs_dir: Path, model: str, agentic: bool) -> dict[int, dict[str, float]]:
+async def measure(steps: int, runs_dir: Path, model: str) -> dict[bool, dict[int, dict[str, float]]]:
+    """Both variants on one set of services (started for the agentic one: the single-turn runs
+    leave its gateway and environment pool idle); agentic -> max_staleness -> summary."""
     from apps.grpo import Services, train
 
-    cfgs = {k: config(k, steps, runs_dir, model, agentic) for k in (0, 1, 4)}
-    services = await Services.start(cfgs[0])
-    modes = {}
+    cfgs = {agentic: {k: config(k, steps, runs_dir, model, agentic) for k in (0, 1, 4)} for agentic in (False, True)}
+    services = await Services.start(cfgs[True][0])
+    variants: dict[bool, dict[int, dict[str, float]]] = {False: {}, True: {}}
     try:
-        for k, cfg in cfgs.items():
-            shutil.rmtree(runs_dir / cfg.run_name, ignore_errors=True)
-            await train(cfg, services)
-            modes[k] = summary(runs_dir / cfg.run_name, steps)
+        for agentic, modes in cfgs.items():
+            for k, cfg in modes.items():
+                shutil.rmtree(runs_dir / cfg.run_name, ignore_errors=True)
+                await train(cfg, services)
+                variants[agentic][k] = summary(runs_dir / cfg.run_name, steps)
     finally:
         await services.shutdown()
-    return modes
+    return variants
 
 
 def compare(modes: dict[int, dict[str, float]], steps: int) -> dict[str, Any]:
@@ -175,11 +178,12 @@ def compare(modes: dict[int, dict[str, float]], steps: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    a = parse_args("async_vs_sync", __doc__, "4 steps per mode (smoke run)", argv)
-    steps = 4 if a.quick else 20
+    a = parse_args("async_vs_sync", __doc__, "3 steps per mode (smoke run)", argv)
+    steps = 3 if a.quick else 20
     runs, model = ROOT / "runs/bench_async_vs_sync", tiny_model()
-    result = compare(asyncio.run(measure(steps, runs, model, agentic=False)), steps)
-    result["agentic"] = compare(asyncio.run(measure(steps, runs, model, agentic=True)), steps)
+    variants = asyncio.run(measure(steps, runs, model))
+    result = compare(variants[False], steps)
+    result["agentic"] = compare(variants[True], steps)
     result["steps"] = steps
     result["workload"] = {
         "group_size": GROUP_SIZE,

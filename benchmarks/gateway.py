@@ -124,10 +124,10 @@ async def measure(model: str, turns: int, rounds: int, pairs: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    a = parse_args("gateway", __doc__, "tiny model only, 1 round, 10 latency pairs (smoke run)", argv)
+    a = parse_args("gateway", __doc__, "tiny model only, 1 turn a session, 1 round, 10 latency pairs (smoke run)", argv)
     models = {"tiny_2.4M": MODELS["tiny_2.4M"]} if a.quick else MODELS
     rows = {
-        name: asyncio.run(measure(tiny_model(**dims), turns, rounds=1 if a.quick else 3, pairs=10 if a.quick else 60))
+        name: asyncio.run(measure(tiny_model(**dims), *((1, 1, 10) if a.quick else (turns, 3, 60))))
         for name, (dims, turns) in models.items()
     }
     print(

@@ -10,6 +10,7 @@ Both spawn calls return Monarch Futures, so a REPL can write `.get()` instead of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -79,6 +80,7 @@ class ForgeActor(Actor):
         env: dict[str, str] | None = None,
         router: str = "least_loaded",
         max_restores: int = 3,
+        spread: bool = False,
     ) -> SpawnOptions:
         return SpawnOptions(
             cls,
@@ -88,6 +90,7 @@ class ForgeActor(Actor):
             env=dict(env or {}),
             router=router,
             max_restores=max_restores,
+            spread=spread,
         )
 
     @classmethod
@@ -114,10 +117,20 @@ class SpawnOptions:
     env: dict[str, str] = field(default_factory=dict)
     router: str = "least_loaded"
     max_restores: int = 3  # stateful roles: restores per replica before the run stops
+    # False: every replica spans all hosts of `hosts` (`procs` on each: one FSDP mesh across them);
+    # True: replica i runs on host i % len(hosts) alone (generators, a few to each host).
+    spread: bool = False
 
     def __post_init__(self) -> None:
         if self.procs < 1 or self.replicas < 1:
             raise ValueError(f"{self.actor.__name__}.options: procs and replicas must be >= 1")
+
+    def for_replica(self, index: int) -> SpawnOptions:
+        """The options replica `index` spawns with: its own host when `spread`."""
+        if not self.spread or self.hosts is None:
+            return self
+        (label, n), *_ = self.hosts.sizes.items()
+        return dataclasses.replace(self, hosts=self.hosts.slice(**{label: index % n}), spread=False)
 
     async def spawn_mesh(self, *args: Any, **kwargs: Any) -> tuple[ProcMesh, Any]:
         """Spawn the procs and the actor on them, then run its `setup()`; an exception raised

@@ -42,7 +42,8 @@ def _explain(e: OmegaConfBaseException, source: str) -> ConfigError:
     return ConfigError(f"{source}: {what}")
 
 
-def read_yaml(path: str | Path) -> DictConfig:
+def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> DictConfig:
+    """A config file; one with a `base: FILE` key (relative to it) is that file with its own keys on top."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -54,7 +55,12 @@ def read_yaml(path: str | Path) -> DictConfig:
         raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', None) or e})") from None
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"{path}: the top level must be a mapping of keys")
-    return cfg
+    base = cfg.pop("base", None)
+    if base is None:
+        return cfg
+    if path.resolve() in _seen:
+        raise ConfigError(f"{path}: config key 'base' makes a cycle ({' -> '.join(map(str, _seen))})")
+    return OmegaConf.merge(read_yaml(path.parent / str(base), (*_seen, path.resolve())), cfg)
 
 
 def parse_overrides(overrides: Sequence[str]) -> DictConfig:

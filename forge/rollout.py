@@ -6,6 +6,10 @@ multi-turn or tool-using rollout replaces `generate_and_score` without touching 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections import defaultdict
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -60,3 +64,61 @@ def make_group(completions: list[Completion], scores: list[Score], std_normalize
     """Episodes with their scores and group-relative advantages."""
     advantages = group_advantages(torch.tensor([s.reward for s in scores]), std_normalize=std_normalize)
     return [Episode.from_completion(c, score=s, advantage=float(a)) for c, s, a in zip(completions, scores, advantages)]
+
+
+class OnPolicyGate:
+    """On-policy rollouts (max_staleness 0): each batch is exactly the groups started for it, on
+    the weights it trains, as in a synchronous system. Without the gate, loops that finish early
+    start extra groups, the batch fills with the fastest ones and the slow ones are thrown away:
+    wasted generation, and a batch biased to short episodes.
+
+        async with gate.place(group_size) as place:   # waits for the version's weights and room
+            ...; place.kept = await buffer.add.call_one(episodes)
+        gate.advance(version + 1)                      # the step took its batch: rollouts for the next
+
+    A group that fails, or whose episodes the buffer does not keep, gives its room back."""
+
+    def __init__(self, gen: Any, batch_size: int, version: int, poll_s: float = 0.02):
+        self.gen, self.batch_size, self.version, self.poll_s = gen, batch_size, version, poll_s
+        self.planned: defaultdict[int, int] = defaultdict(int)  # version -> episodes started or kept
+        self._live: dict[int, asyncio.Future] = {}
+        self._changed = asyncio.Event()  # set when room may have opened: waiters look again
+
+    def advance(self, version: int) -> None:
+        if version <= self.version:  # a rewind (checkpoint restore): that version's batch starts anew
+            self.planned.clear()
+        self.version = version
+        self._changed.set()
+
+    async def _weights_live(self, version: int) -> None:
+        # Every replica: a group on a replica still a version behind would be dropped as stale,
+        # and this batch would wait for it forever.
+        while min(await self.gen.policy_version.fanout(), default=version) < version:
+            await asyncio.sleep(self.poll_s)
+
+    @contextlib.asynccontextmanager
+    async def place(self, episodes: int) -> AsyncIterator[_Place]:
+        while self.planned[self.version] >= self.batch_size:
+            self._changed.clear()
+            await self._changed.wait()
+        place = _Place(self.version)
+        self.planned[place.version] += episodes
+        try:
+            live = self._live.get(place.version)
+            if live is None or (live.done() and (live.cancelled() or live.exception())):
+                # One poll of the replicas per version, shared by the groups that wait for it.
+                live = asyncio.ensure_future(self._weights_live(place.version))
+                self._live = {place.version: live}
+            await asyncio.shield(live)
+            yield place
+        finally:
+            self.planned[place.version] -= episodes - place.kept
+            if place.version < self.version:
+                self.planned.pop(place.version, None)
+            if place.kept < episodes:
+                self._changed.set()
+
+
+class _Place:
+    def __init__(self, version: int):
+        self.version, self.kept = version, 0

@@ -79,7 +79,7 @@ class Service:
 
     async def start(self) -> None:
         spawned = await asyncio.gather(
-            *(self.options.spawn_mesh(*self.args, **self.kwargs) for _ in range(self.options.replicas)),
+            *(self.options.for_replica(i).spawn_mesh(*self.args, **self.kwargs) for i in range(self.options.replicas)),
             return_exceptions=True,
         )
         self.replicas = [Replica(i, *s) for i, s in enumerate(spawned) if not isinstance(s, BaseException)]
@@ -186,7 +186,7 @@ class Service:
         with contextlib.suppress(Exception):
             await stop_procs(r.procs)
         r.respawns += 1
-        r.procs, r.mesh = await self.options.spawn_mesh(*self.args, **self.kwargs)
+        r.procs, r.mesh = await self.options.for_replica(r.index).spawn_mesh(*self.args, **self.kwargs)
         try:
             await r.mesh.on_respawn.call(self.restore_point)
         except BaseException as e:

@@ -55,3 +55,17 @@ def test_async_vs_sync_quick_through_forge_bench(tmp_path):
         for mode, bound in (("max_staleness=0", 0), ("max_staleness=1", 1), ("max_staleness=4", 4)):
             assert variant["modes"][mode]["staleness_max"] <= bound
             assert variant["modes"][mode]["generator_busy_frac"] > 0 and variant["modes"][mode]["trainer_busy_frac"] > 0
+
+
+def test_scale_quick_runs_the_loop_over_simulated_replicas(tmp_path):
+    """The real GRPO loop over 8 simulated generators: on-policy generates exactly what it trains,
+    every mode keeps its staleness bound, and async beats sync on the heavy-tailed workload."""
+    stdout, data = bench(tmp_path, "scale")
+    assert "agentic" in stdout
+    run = data["runs"]["agentic/8"]
+    sync = run["modes"]["max_staleness=0"]
+    assert sync["generated_episodes"] == sync["trained_episodes"] == 3 * 8 * 4
+    for k in (0, 1, 4):
+        assert run["modes"][f"max_staleness={k}"]["staleness_max"] <= k
+    assert data["speedup_async_vs_sync"] > 1.5 and 0 < data["share_of_ideal"] and data["ideal_speedup"] > 2
+    assert data["controller_cpu_ms_per_episode"] > 0

@@ -1,6 +1,7 @@
 """GRPO end to end through the real services (vLLM generator, torchtitan trainer, TorchStore)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,9 @@ from forge.cli import run
 from forge.config import ConfigError, load_config
 
 CONFIG = "configs/grpo_tiny.yaml"
+# The warm-started tiny model these runs share (built by the first run that needs it, cached).
+MODEL = Path(__file__).resolve().parent.parent / ".cache/forge/models/test-reverse-sft20"
+SANDBOXED = "{task: 1.0, grpo_rollouts:sandboxed: 1.0}"  # partial credit, and a reward whose sandbox can crash
 FIELDS = {
     "step",
     "wall_s",
@@ -42,7 +46,7 @@ def small(tmp_path, **extra) -> list[str]:
         "rollout_tasks": 2,
         "checkpoint_every": 2,
         "metrics": "[jsonl]",
-        "model.path": str(tmp_path / "model"),
+        "model.path": str(MODEL),
         "model.tiny.sft_steps": 20,
         "generator.sampling.max_tokens": 8,
         "rewards": "{task: 1.0}",
@@ -88,7 +92,7 @@ def test_grpo_steps_then_resume(tmp_path):
     assert all(FIELDS <= r.keys() for r in first), FIELDS - first[0].keys()
     assert all(r["staleness_max"] <= 1 for r in first)  # every trained episode within max_staleness
     trained = load_file(run_dir / "model/model.safetensors")
-    initial = load_file(tmp_path / "model/model.safetensors")
+    initial = load_file(MODEL / "model.safetensors")
     assert any(not torch.equal(trained[k], initial[k]) for k in initial)  # parameters changed
     saved = checkpoint.load_run_state(checkpoint.latest(run_dir))
     assert saved["step"] == 3 and saved["version"] == 3 and saved["prompts"]["index"] > 0
@@ -209,46 +213,51 @@ def test_ctrl_c_saves_and_leaves_no_processes(tmp_path):
     assert not alive, [p.cmdline() for p in alive]
 
 
-def test_broken_rollouts_stop_the_run_with_a_clear_error(tmp_path):
+@pytest.fixture(scope="module")
+def services(loop, tmp_path_factory):
+    """One set of GRPO services for the tests that run `train` on them: the partial-credit
+    reward and `grpo_rollouts:sandboxed`, whose sandbox crashes for half the prompts."""
+    from apps.grpo import Services
+
+    cfg = load_config(CONFIG, small(tmp_path_factory.mktemp("grpo"), rewards=SANDBOXED), Config)
+    s = loop.run_until_complete(Services.start(cfg))
+    yield s
+    loop.run_until_complete(s.shutdown())
+
+
+def test_broken_rollouts_stop_the_run_with_a_clear_error(tmp_path, loop, services):
     """A rollout that returns a malformed score, one that always raises and one that never
     returns each end the run within bounded time, with an error that says what went wrong."""
-    import asyncio
     import time
 
-    from apps.grpo import Services, train
+    from apps.grpo import train
     from forge.checkpoint import RunStopped
 
     cases = {
         "grpo_rollouts:score_without_reward": r"rollout 'grpo_rollouts:score_without_reward': scores\[0\] has no field 'reward'",
         "grpo_rollouts:always_raises": r"\d+ rollouts failed in a row \(config key 'max_rollout_failures'\); the last: "
         r"ConnectionError: tool server unreachable",
-        "grpo_rollouts:never_returns": r"no batch of 8 episodes usable by policy version 0 within 3.0 s \(config key "
+        "grpo_rollouts:never_returns": r"no batch of 8 episodes usable by policy version \d+ within 3.0 s \(config key "
         r"'sample_timeout_s'\): the buffer holds 0 .*; rollouts last failed with: nothing",
     }
-    cfgs = {
-        name: load_config(
+    for name, message in cases.items():
+        cfg = load_config(
             CONFIG,
-            small(tmp_path, rollout=name, max_rollout_failures=5, sample_timeout_s=3, run_name=name.split(":")[1]),
+            small(
+                tmp_path,
+                rollout=name,
+                max_rollout_failures=5,
+                sample_timeout_s=3,
+                run_name=name.split(":")[1],
+                rewards=SANDBOXED,
+            ),
             Config,
         )
-        for name in cases
-    }
-
-    async def main():
-        services = await Services.start(next(iter(cfgs.values())))
-        try:
-            for name, cfg in cfgs.items():
-                start = time.monotonic()
-                with pytest.raises(RunStopped, match=cases[name]) as e:
-                    await train(cfg, services)
-                assert "the run stopped at step 0" in str(e.value) and "It saved no checkpoint to resume" in str(
-                    e.value
-                )
-                assert time.monotonic() - start < 60, name
-        finally:
-            await services.shutdown()
-
-    asyncio.run(main())
+        start = time.monotonic()
+        with pytest.raises(RunStopped, match=message) as e:
+            loop.run_until_complete(train(cfg, services))
+        assert "the run stopped at step 0" in str(e.value) and "It saved no checkpoint to resume" in str(e.value)
+        assert time.monotonic() - start < 60, name
 
 
 def test_run_stopped_names_the_checkpoint_to_resume(tmp_path):
@@ -264,39 +273,15 @@ def test_run_stopped_names_the_checkpoint_to_resume(tmp_path):
     )
 
 
-def test_unavailable_rewards_mask_their_group_or_score_zero(tmp_path):
+def test_unavailable_rewards_mask_their_group_or_score_zero(tmp_path, loop, services):
     """A reward whose sandbox crashes for some prompts (RewardUnavailable): `mask` keeps their
     groups out of training (`groups_masked`), `zero` trains on them with that reward at 0;
     both count `reward_failures/sandbox`."""
-    import asyncio
+    from apps.grpo import train
 
-    from apps.grpo import Services, train
-
-    cfgs = {
-        mode: load_config(
-            CONFIG,
-            small(
-                tmp_path,
-                steps=2,
-                checkpoint_every=0,
-                run_name=mode,
-                reward_unavailable=mode,
-                rewards="{task: 1.0, grpo_rollouts:sandboxed: 1.0}",
-            ),
-            Config,
-        )
-        for mode in ("mask", "zero")
-    }
-
-    async def main():
-        services = await Services.start(cfgs["mask"])
-        try:
-            for cfg in cfgs.values():
-                await train(cfg, services)
-        finally:
-            await services.shutdown()
-
-    asyncio.run(main())
+    for mode in ("mask", "zero"):
+        over = small(tmp_path, steps=2, checkpoint_every=0, run_name=mode, reward_unavailable=mode, rewards=SANDBOXED)
+        loop.run_until_complete(train(load_config(CONFIG, over, Config), services))
     masked, zero = rows(tmp_path / "mask"), rows(tmp_path / "zero")
     for r in (masked, zero):
         assert [x["step"] for x in r] == [1, 2]

@@ -152,6 +152,7 @@ def test_two_host_process_job_placement():
     async def main():
         actor = await Probe.options(procs=2, hosts=hosts).as_actor("a")
         svc = await Probe.options(replicas=2, hosts=hosts).as_service("s")
+        spread = await Probe.options(replicas=4, hosts=hosts, spread=True).as_service("p")
         try:
             pids = [v for _, v in (await actor.pid.call()).items()]
             parents = [psutil.Process(p).ppid() for p in pids]
@@ -159,9 +160,14 @@ def test_two_host_process_job_placement():
             assert [p for p in parents].count(parents[0]) == 2
             assert len(set(await svc.pid.fanout())) == 2
             assert await svc.echo.route(1) == ("s", 1)
+            # spread: each replica on one host, in turn (each of the others spans both hosts)
+            assert len(await spread.pid.call()) == 1 and len(await svc.pid.call()) == 2
+            spread_parents = [psutil.Process(p).ppid() for p in await spread.pid.fanout()]
+            assert spread_parents[:2] == spread_parents[2:] and len(set(spread_parents)) == 2
         finally:
             await actor.shutdown()
             await svc.shutdown()
+            await spread.shutdown()
         return pids + parents
 
     try:

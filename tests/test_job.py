@@ -1,0 +1,122 @@
+"""The `job` section: roles placed on Monarch job host meshes (ProcessJob here; SLURM and
+Kubernetes as documented configs whose keys are checked)."""
+
+import asyncio
+import os
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_grpo import CONFIG, MODEL, rows, small
+
+from apps.grpo import Config
+from forge import checkpoint
+from forge.config import ConfigError, load_config
+
+PROCESS_JOB = {
+    "job.kind": "process",
+    "job.meshes": "{trainer: 1, generator: 1}",
+    "job.placement": "{trainer: trainer, store: trainer, generator: generator}",
+    "trainer.transport": "torchstore",  # the generator is on another host
+}
+
+
+@pytest.mark.parametrize(
+    "config", ["configs/grpo_qwen3_1.7b_gsm8k_slurm.yaml", "configs/grpo_qwen3_1.7b_gsm8k_k8s.yaml"]
+)
+def test_cluster_configs_are_valid(tmp_path, tiny_model_dir, config):
+    """The documented cluster configs load (their `base`, the GSM8K GPU config, beneath them)
+    with only the model and data paths replaced; their job arguments fit Monarch's job classes."""
+    from test_data import gsm8k_like
+
+    data = gsm8k_like(tmp_path / "train.jsonl")
+    cfg = load_config(config, [f"model.path={tiny_model_dir}", f"dataset.path={data}"], Config)
+    assert cfg.task == "gsm8k" and cfg.rewards == {"math": 1.0}  # from the base
+    assert cfg.job.placement["generator"] == "generator" and cfg.generator_replicas == 16
+    assert cfg.trainer.transport == "torchstore" and cfg.batch_size == 128
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"job.kind": "pbs"}, "config key 'job.kind': 'pbs' is not one of local, process, slurm, kubernetes"),
+        ({"job.meshes": "{a: 1}"}, "config key 'job.meshes': a local job runs every role on this host"),
+        ({**PROCESS_JOB, "job.meshes": "{trainer: 0}"}, "config key 'job.meshes': name each host mesh"),
+        ({**PROCESS_JOB, "job.placement": "{trainr: trainer}"}, "config key 'job.placement.trainr': not a role"),
+        ({**PROCESS_JOB, "job.placement": "{trainer: gpus}"}, "config key 'job.placement.trainer': no mesh 'gpus'"),
+        (
+            {"job.kind": "slurm", "job.meshes": "{t: 1}", "job.args": "{partion: gpu}"},
+            "config key 'job.args': SlurmJob: got an unexpected keyword argument 'partion'",
+        ),
+        (
+            {"job.kind": "kubernetes", "job.meshes": "{t: 1}"},
+            "config key 'job.args': KubernetesJob: missing a required argument: 'namespace'",
+        ),
+        (
+            {
+                "job.kind": "kubernetes",
+                "job.meshes": "{t: 1}",
+                "job.args": "{namespace: n}",
+                "job.mesh_args": "{prt: 1}",
+            },
+            "config key 'job.mesh_args': KubernetesJob.add_mesh: got an unexpected keyword argument 'prt'",
+        ),
+    ],
+)
+def test_bad_job_configs_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, [f"{k}={v}" for k, v in overrides.items()], Config)
+    assert message in str(e.value)
+
+
+def test_a_base_cycle_is_named(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\napp: grpo\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="config key 'base' makes a cycle"):
+        load_config(tmp_path / "a.yaml", [], Config)
+    (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(ConfigError, match="config file not found: .*missing.yaml"):
+        load_config(tmp_path / "c.yaml", [], Config)
+
+
+def host_of(title: str) -> str:
+    """The ProcessJob host (its worker's HYPERACTOR_PROCESS_NAME) of this test's process titled `title`."""
+    [proc] = [p for p in psutil.Process().children(recursive=True) if p.cmdline()[:1] == [title]]
+    for parent in proc.parents():
+        if parent.pid == os.getpid():
+            break
+        name = parent.environ().get("HYPERACTOR_PROCESS_NAME")
+        if name is not None:
+            return name
+    return "this host"
+
+
+def test_grpo_with_the_trainer_and_the_generator_on_two_process_job_hosts(tmp_path):
+    """A short GRPO run with the trainer (and the weight store) on one ProcessJob host and the
+    generator on another, weights through TorchStore: parameters change, versions advance, and
+    the job's processes end with the run."""
+    from apps.grpo import Services, train
+
+    cfg = load_config(CONFIG, small(tmp_path, steps=2, checkpoint_every=2, **PROCESS_JOB), Config)
+    placed: dict[str, str] = {}
+    spawned: list[psutil.Process] = []
+
+    async def main():
+        services = await Services.start(cfg)
+        try:
+            spawned.extend(psutil.Process().children(recursive=True))
+            placed.update({role: host_of(f"forge:{role}") for role in ("trainer", "generator", "store", "rewards")})
+            await train(cfg, services)
+        finally:
+            await services.shutdown()
+
+    asyncio.run(main())
+    assert placed == {"trainer": "trainer_0", "generator": "generator_0", "store": "trainer_0", "rewards": "this host"}
+    assert [r["step"] for r in rows(cfg.run_dir)] == [1, 2]
+    saved = checkpoint.load_run_state(checkpoint.latest(cfg.run_dir))
+    assert saved["version"] == 2
+    trained, initial = load_file(cfg.run_dir / "model/model.safetensors"), load_file(MODEL / "model.safetensors")
+    assert any(not torch.equal(trained[k], initial[k]) for k in initial)
+    _, alive = psutil.wait_procs([p for p in spawned if p.pid != os.getpid()], timeout=60)
+    assert not alive, [p.cmdline() for p in alive]
