@@ -164,35 +164,39 @@ class Services:
     async def start(cls, cfg: Config) -> Services:
         model = str(cfg.model.resolve())
         job = Job(cfg.job)
-        hosts = job.hosts
-        store = await start_store(hosts("store"))
-        weights = WeightStore(cfg.trainer.weights, transport=cfg.trainer.transport)  # the run's versions
-        trainer = await Trainer.options(
-            procs=cfg.trainer_procs, hosts=hosts("trainer"), max_restores=cfg.trainer_restores
-        ).as_service(model, cfg.trainer, weights)
-        gen = await Generator.options(
-            replicas=cfg.generator_replicas, hosts=hosts("generator"), spread=True
-        ).as_service(model, cfg.generator, weights)
-        rewards = await Rewards.options(hosts=hosts("rewards")).as_service(
-            cfg.task, dict(cfg.rewards), cfg.judge, cfg.code_tests
-        )
-        ref = (
-            await Reference.options(hosts=hosts("reference")).as_service(model)
-            if cfg.trainer.loss.kl_coef > 0
-            else None
-        )
-        s = cls(store, trainer, gen, rewards, ref, job=job)
-        if cfg.eval.enabled and cfg.eval.rewards:
-            s.eval_rewards = await Rewards.options().as_service(
-                cfg.task, dict(cfg.eval.rewards), cfg.judge, cfg.code_tests
+        try:
+            hosts = job.hosts
+            store = await start_store(hosts("store"))
+            weights = WeightStore(cfg.trainer.weights, transport=cfg.trainer.transport)  # the run's versions
+            trainer = await Trainer.options(
+                procs=cfg.trainer_procs, hosts=hosts("trainer"), max_restores=cfg.trainer_restores
+            ).as_service(model, cfg.trainer, weights)
+            gen = await Generator.options(
+                replicas=cfg.generator_replicas, hosts=hosts("generator"), spread=True
+            ).as_service(model, cfg.generator, weights)
+            rewards = await Rewards.options(hosts=hosts("rewards")).as_service(
+                cfg.task, dict(cfg.rewards), cfg.judge, cfg.code_tests
             )
-        if cfg.agentic.enabled:
-            s.gateway = await Gateway.start(gen, model, cfg.agentic.gateway, cfg.generator)
-        if cfg.agentic.env:
-            s.envs = await EnvPool.options(
-                replicas=cfg.agentic.env_replicas, hosts=hosts("envs"), spread=True
-            ).as_service(cfg.agentic.env, cfg.agentic.envs_per_replica)
-        return s
+            ref = (
+                await Reference.options(hosts=hosts("reference")).as_service(model)
+                if cfg.trainer.loss.kl_coef > 0
+                else None
+            )
+            s = cls(store, trainer, gen, rewards, ref, job=job)
+            if cfg.eval.enabled and cfg.eval.rewards:
+                s.eval_rewards = await Rewards.options().as_service(
+                    cfg.task, dict(cfg.eval.rewards), cfg.judge, cfg.code_tests
+                )
+            if cfg.agentic.enabled:
+                s.gateway = await Gateway.start(gen, model, cfg.agentic.gateway, cfg.generator)
+            if cfg.agentic.env:
+                s.envs = await EnvPool.options(
+                    replicas=cfg.agentic.env_replicas, hosts=hosts("envs"), spread=True
+                ).as_service(cfg.agentic.env, cfg.agentic.envs_per_replica)
+            return s
+        except BaseException:
+            job.stop()  # its hosts, and whatever already runs on them, go with it: no orphan workers
+            raise
 
     async def shutdown(self) -> None:
         if self.gateway is not None:
