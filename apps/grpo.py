@@ -30,7 +30,7 @@ from forge.job import Job, JobConfig
 from forge.metrics import DEFAULT_BACKENDS, MetricWriter, Reduce, discard_pending, plot_rewards, record_metric
 from forge.rollout import REWARD_UNAVAILABLE, OnPolicyGate, RolloutError, check_rollout, make_group, masked
 from forge.service import ReplicaRestored, ServiceError
-from forge.store import WeightStore, start_store, stop_store
+from forge.store import start_store, stop_store
 from forge.tasks import get_task
 from forge.tiny_model import ModelConfig
 from forge.types import collate
@@ -40,7 +40,7 @@ from services.judge import JudgeConfig
 from services.reference import Reference
 from services.rewards import Rewards, check_rewards
 from services.sandbox import CodeTestsConfig
-from services.trainer import Trainer, TrainerConfig
+from services.trainer import Trainer, TrainerConfig, weight_store
 
 
 @dataclass
@@ -167,7 +167,7 @@ class Services:
         try:
             hosts = job.hosts
             store = await start_store(hosts("store"))
-            weights = WeightStore(cfg.trainer.weights, transport=cfg.trainer.transport)  # the run's versions
+            weights = weight_store(cfg.trainer)  # the run's versions
             trainer = await Trainer.options(
                 procs=cfg.trainer_procs, hosts=hosts("trainer"), max_restores=cfg.trainer_restores
             ).as_service(model, cfg.trainer, weights)

@@ -116,3 +116,7 @@ class Job:
         if self.job is not None:
             self.job.kill()
             self.job = None
+            if self.cfg.kind == "process":  # its hosts' directories in this machine's /dev/shm (weight copies)
+                from forge.shm import sweep_dead_runs
+
+                sweep_dead_runs()

@@ -77,11 +77,13 @@ def run_dir() -> Path:
     return _RUN_DIR
 
 
-def owned_dir(root: Path, mode: int = 0o755) -> Path:
-    """root/run-<pid>-<start time>: a directory of this process's, made after removing those
-    of processes that are gone (the sandbox keeps its working directories this way too)."""
+def owned_dir(root: Path, mode: int = 0o755, pid: int | None = None) -> Path:
+    """root/run-<pid>-<start time>: a directory of process `pid`'s (default: this one), made
+    after removing those of processes that are gone (the sandbox keeps its working
+    directories this way too)."""
     sweep_dead_runs(root)
-    d = root / f"run-{os.getpid()}-{_start_time(os.getpid())}"
+    pid = os.getpid() if pid is None else pid
+    d = root / f"run-{pid}-{_start_time(pid)}"
     d.mkdir(parents=True, exist_ok=True)
     d.chmod(mode)
     return d

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import inspect
 import os
-import socket
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,7 +24,9 @@ import torchstore  # noqa: F401  (its import sets HYPERACTOR_CODEC_MAX_FRAME_LEN
 from monarch.actor import endpoint
 from torchstore.controller import Controller
 
+from forge.metrics import Reduce, record_metric
 from forge.shm import forget_mapping, read_safetensors, remove_run_dir, run_dir, safetensors_size, write_safetensors
+from forge.transfer import FileServer, host_cache_dir, host_copy, host_id
 
 
 def _make_controller_endpoints_async() -> None:
@@ -80,10 +82,12 @@ class WeightStore:
     never see a half-written version. Transports:
       - "torchstore": the tensors go into TorchStore (works across hosts).
       - "shm": the tensors go into one safetensors file in /dev/shm and TorchStore holds only
-        the version record. Same host only, and much faster with torchstore 0.1.2, whose RPC
-        transport moves 0.2-0.3 GB/s here; `open` and a generator's vLLM worker map the file
-        (no copy). Dropped versions' files are reused, so a reader checks `check_intact` after
-        reading (`open` and `fetch` do).
+        the version record; much faster than torchstore 0.1.2's RPC transport (0.2-0.3 GB/s
+        here). `open` and a generator's vLLM worker map the file (no copy). Dropped versions'
+        files are reused, so a reader checks `check_intact` after reading (`open` and `fetch`
+        do). Readers on other hosts (`forge.transfer.host_id`) stream the file from the
+        writer's FileServer, bound to `serve_on` ("0.0.0.0" on a cluster), once per host:
+        the copy in the host's cache is what they map.
         Files live in the run's directory (`forge.shm.run_dir()` of the process that made
         this WeightStore, which is removed at `stop_store` and swept once its owner is gone)
         and carry a token of this writer. Make the WeightStore in the controller and pass it
@@ -94,13 +98,19 @@ class WeightStore:
     name: str = "policy"
     transport: str = "shm"
     shm_dir: str | None = None  # None: this process's run directory
+    serve_on: str = "127.0.0.1"  # the address other hosts' readers fetch "shm" versions from
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown weights transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
+        self._dir_host = host_id()
         if self.shm_dir is None and self.transport == "shm":
             self.shm_dir = str(run_dir())
         self._token = uuid.uuid4().hex[:8]
+        self._server: FileServer | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_server": None}  # the writer's server stays in its process
 
     def _key(self, version: int) -> str:
         return f"{self.name}/v{version}"
@@ -116,8 +126,13 @@ class WeightStore:
     async def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
         """Store `state_dict` as `version` and make it the latest. Returns the bytes written."""
         nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
-        record = {"version": version, "transport": self.transport, "host": socket.gethostname(), "bytes": nbytes}
+        record = {"version": version, "transport": self.transport, "host": host_id(), "bytes": nbytes}
         if self.transport == "shm":
+            if self._dir_host != host_id():  # made elsewhere (the controller's host): use this host's own
+                self.shm_dir, self._dir_host = str(run_dir()), host_id()
+            if self._server is None or self._server.directory != Path(self.shm_dir):
+                self._server = FileServer(self.shm_dir, self.serve_on)
+            record["addr"] = list(self._server.addr)
             path = self._path(version)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -148,8 +163,32 @@ class WeightStore:
             ) from None
 
     async def local_path(self, version: int) -> str | None:
-        """The safetensors file holding `version`, if it is readable from this host (shm)."""
-        return _local_path(await self.record(version))
+        """The safetensors file holding `version` on this host ("shm" transport): the writer's
+        own, or this host's copy (fetched now if no reader of this host has yet)."""
+        return await self._local_path(await self.record(version))
+
+    async def _local_path(self, rec: dict) -> str | None:
+        if rec["transport"] != "shm":
+            return None
+        if rec["host"] == host_id():
+            return rec["path"] if os.path.exists(rec["path"]) else None
+        start = time.perf_counter()
+        name = Path(rec["path"]).name
+        path, moved = await asyncio.to_thread(host_copy, rec["addr"], name)
+        if moved:
+            await self.check_intact(rec["version"])  # the writer did not reuse the file while it was sent
+            record_metric("weights/host_copy_s", time.perf_counter() - start, Reduce.MAX)
+            record_metric("weights/host_copy_bytes", moved, Reduce.SUM)
+            for old in path.parent.glob(f"{self.name}-*-v*.safetensors"):
+                if _version_of(old) < rec["version"] - 1:  # the version before stays for readers still on it
+                    forget_mapping(old)
+                    old.unlink(missing_ok=True)
+        return str(path)
+
+    @staticmethod
+    def is_host_copy(path: str) -> bool:
+        """A copy in this host's cache: never rewritten, so it needs no `check_intact`."""
+        return Path(path).parent == host_cache_dir()
 
     def _spare(self, size: int) -> Path | None:
         return next((f for f in self._spares() if f.stat().st_size == size), None)
@@ -171,14 +210,13 @@ class WeightStore:
 
     @contextlib.asynccontextmanager
     async def _open(self, rec: dict) -> AsyncIterator[dict[str, torch.Tensor]]:
-        path = _local_path(rec)
+        path = await self._local_path(rec)
         if path is not None:
             yield read_safetensors(path)
-            await self.check_intact(rec["version"])
+            if not self.is_host_copy(path):
+                await self.check_intact(rec["version"])
         elif rec["transport"] == "shm":
-            raise RuntimeError(
-                f"weights version {rec['version']} are in /dev/shm on host {rec['host']}; use transport='torchstore' across hosts"
-            )
+            raise KeyError(f"weights version {rec['version']} of {self.name!r}: its file is gone")
         else:
             yield await torchstore.get_state_dict(self._key(rec["version"]))
 
@@ -210,6 +248,9 @@ class WeightStore:
         """Drop every version and free this writer's files (the end of a run)."""
         for v in await self.versions():
             await self.drop(v)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         for f in self._spares():
             forget_mapping(f)
             f.unlink(missing_ok=True)
@@ -239,10 +280,8 @@ class WeightStore:
                 await torchstore.delete(f"{self._key(version)}/{key}")
 
 
-def _local_path(rec: dict) -> str | None:
-    if rec["transport"] == "shm" and rec["host"] == socket.gethostname() and os.path.exists(rec["path"]):
-        return rec["path"]
-    return None
+def _version_of(path: Path) -> int:
+    return int(path.name.rsplit("-v", 1)[1].split(".")[0])
 
 
 def _copy_into(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

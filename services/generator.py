@@ -164,12 +164,13 @@ class Generator(ForgeActor):
             return
         start = asyncio.get_running_loop().time()
         path = await self.store.local_path(version)
-        if path is not None:  # same-host shm: vLLM's worker reads the published file itself
+        if path is not None:  # shm (the writer's file or this host's copy): vLLM's worker maps it itself
             paused = await self.swap_from_file(path, version, follow=True)
             if paused is None:
                 return
             try:
-                await self.store.check_intact(version)
+                if not self.store.is_host_copy(path):  # a host's copy is never rewritten
+                    await self.store.check_intact(version)
             except KeyError:  # dropped (and its file reused) while we read it: take the newer one
                 log.warning("forge: weights version %d was replaced while loading; loading the latest", version)
                 return await self._pull_latest()

@@ -53,6 +53,9 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     weights: str = "policy"  # WeightStore name push_weights publishes to
     transport: str = "shm"
+    # Where generators on other hosts fetch versions from ("shm"): this host's loopback by
+    # default; "0.0.0.0" on a cluster (every interface, advertised as the trainer's host name).
+    serve_weights_on: str = "127.0.0.1"
     keep_versions: int = 2  # versions kept in the store (>= the staleness window + 1)
     threads: int = 0  # torch threads per rank (0: the cores divided by the ranks)
     param_dtype: str = "float32"  # FSDP2 compute dtype of parameters (bfloat16 on GPU); grads reduce in fp32
@@ -62,6 +65,11 @@ class TrainerConfig:
             raise ValueError(f"config key 'trainer.lr_decay': {self.lr_decay!r} is not one of {', '.join(DECAYS)}")
         if self.grad_accum < 1:
             raise ValueError(f"config key 'trainer.grad_accum' must be >= 1, got {self.grad_accum}")
+
+
+def weight_store(cfg: TrainerConfig) -> WeightStore:
+    """The WeightStore `push_weights` publishes to, as the config says."""
+    return WeightStore(cfg.weights, transport=cfg.transport, serve_on=cfg.serve_weights_on)
 
 
 DECAYS = {"none": "linear", "linear": "linear", "cosine": "cosine", "sqrt": "sqrt"}  # ours -> torchtitan's
@@ -106,7 +114,7 @@ class Trainer(ForgeActor):
         self.model_dir, self.cfg = str(model), cfg
         # The WeightStore push_weights writes to (rank 0). Made by the caller, so a respawned
         # trainer writes as the same writer (its files, its run directory).
-        self.store = store if store is not None else WeightStore(cfg.weights, transport=cfg.transport)
+        self.store = store if store is not None else weight_store(cfg)
         self.step = 0
         self.version = 0
 

@@ -13,3 +13,13 @@ class Fetcher(Actor):
     async def fetch(self, key: str) -> tuple[int, list[float]]:
         sd = await torchstore.get_state_dict(key)
         return os.getpid(), [v.sum().item() for v in sd.values()]
+
+
+class HostReader(Actor):
+    """Reads a weights version as a generator on another host would."""
+
+    @endpoint
+    async def read(self, store, version: int) -> tuple[list[float], str]:
+        async with store.open(version) as sd:
+            sums = [t.sum().item() for t in sd.values()]
+        return sums, await store.local_path(version)

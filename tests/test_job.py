@@ -13,12 +13,12 @@ from test_grpo import CONFIG, MODEL, rows, small
 from apps.grpo import Config
 from forge import checkpoint
 from forge.config import ConfigError, load_config
+from forge.shm import ROOT
 
 PROCESS_JOB = {
     "job.kind": "process",
     "job.meshes": "{trainer: 1, generator: 1}",
     "job.placement": "{trainer: trainer, store: trainer, generator: generator}",
-    "trainer.transport": "torchstore",  # the generator is on another host
 }
 
 
@@ -34,7 +34,7 @@ def test_cluster_configs_are_valid(tmp_path, tiny_model_dir, config):
     cfg = load_config(config, [f"model.path={tiny_model_dir}", f"dataset.path={data}"], Config)
     assert cfg.task == "gsm8k" and cfg.rewards == {"math": 1.0}  # from the base
     assert cfg.job.placement["generator"] == "generator" and cfg.generator_replicas == 16
-    assert cfg.trainer.transport == "torchstore" and cfg.batch_size == 128
+    assert cfg.trainer.serve_weights_on == "0.0.0.0" and cfg.batch_size == 128
 
 
 @pytest.mark.parametrize(
@@ -94,8 +94,8 @@ def host_of(title: str) -> str:
 
 def test_grpo_with_the_trainer_and_the_generator_on_two_process_job_hosts(tmp_path):
     """A short GRPO run with the trainer (and the weight store) on one ProcessJob host and the
-    generator on another, weights through TorchStore: parameters change, versions advance, and
-    the job's processes end with the run."""
+    generator on another, weights streamed across them (forge.transfer): parameters change,
+    versions advance, and the job's processes and their /dev/shm directories end with the run."""
     from apps.grpo import Services, train
 
     cfg = load_config(CONFIG, small(tmp_path, steps=2, checkpoint_every=2, **PROCESS_JOB), Config)
@@ -114,9 +114,12 @@ def test_grpo_with_the_trainer_and_the_generator_on_two_process_job_hosts(tmp_pa
     asyncio.run(main())
     assert placed == {"trainer": "trainer_0", "generator": "generator_0", "store": "trainer_0", "rewards": "this host"}
     assert [r["step"] for r in rows(cfg.run_dir)] == [1, 2]
+    streamed = [r["weights/host_copy_bytes"] for r in rows(cfg.run_dir) if "weights/host_copy_bytes" in r]
+    assert streamed and all(b > 0 for b in streamed)  # the generator's host fetched versions from the trainer's
     saved = checkpoint.load_run_state(checkpoint.latest(cfg.run_dir))
     assert saved["version"] == 2
     trained, initial = load_file(cfg.run_dir / "model/model.safetensors"), load_file(MODEL / "model.safetensors")
     assert any(not torch.equal(trained[k], initial[k]) for k in initial)
     _, alive = psutil.wait_procs([p for p in spawned if p.pid != os.getpid()], timeout=60)
     assert not alive, [p.cmdline() for p in alive]
+    assert not [d for d in ROOT.glob("run-*") if d.name.split("-")[1] in {str(p.pid) for p in spawned}]

@@ -60,6 +60,48 @@ def test_store_roundtrip_both_transports():
     asyncio.run(main())
 
 
+def test_readers_on_another_host_share_one_transfer(tmp_path):
+    """Readers on another host (procs that count as another job host) stream a "shm" version
+    from the writer's FileServer once for their host, read it intact, and keep the newest two
+    versions in the host's cache; the server serves only its directory's weight files."""
+    from store_actors import HostReader
+
+    from forge.actor import spawn_procs, stop_procs
+    from forge.transfer import fetch_file
+
+    async def main():
+        procs = await start_store()
+        other_host = {"_MONARCH_WORKER_ADDR": "ipc:///forge-test/host-b"}
+        readers = [spawn_procs(1, env=other_host) for _ in range(2)]
+        ws = WeightStore("xh")
+        try:
+            sd = {"a.weight": torch.randn(512, 1024), "b.bias": torch.randn(5)}
+            sums = lambda v: [(t + v).sum().item() for t in sd.values()]  # noqa: E731
+            await ws.publish(1, {k: t + 1 for k, t in sd.items()})
+            actors = [p.spawn("reader", HostReader) for p in readers]
+            got = await asyncio.gather(*(a.read.call_one(ws, 1) for a in actors))
+            assert [g[0] for g in got] == [sums(1), sums(1)]
+            (copy, _), (same, _) = [(g[1], None) for g in got]
+            assert copy == same and Path(copy).parent != Path(ws.shm_dir)  # one copy for the host
+            assert ws._server.requests == 1
+            for v in (2, 3):
+                await ws.publish(v, {k: t + v for k, t in sd.items()})
+                assert (await actors[0].read.call_one(ws, v))[0] == sums(v)
+            assert ws._server.requests == 3
+            cached = sorted(p.name for p in Path(copy).parent.glob("xh-*.safetensors"))
+            assert cached == [f"xh-{ws._token}-v2.safetensors", f"xh-{ws._token}-v3.safetensors"]
+            for bad in ("../../etc/passwd", "missing.safetensors"):
+                with pytest.raises(FileNotFoundError, match="has no file"):
+                    fetch_file(ws._server.addr, bad, tmp_path / "out")
+        finally:
+            await ws.clear()
+            for p in readers:
+                await stop_procs(p)
+            await stop_store(procs)
+
+    asyncio.run(main())
+
+
 def test_generator_follows_latest_while_generating(tiny_model_dir):
     base = load_file(tiny_model_dir / "model.safetensors")
 
