@@ -9,16 +9,23 @@ For each size: a torch copy of the same bytes (memcpy bandwidth, measured in thi
 maps the file, no copy) and the "torchstore" transport (tensors through TorchStore 0.1.2's
 RPC; the pull is the transfer). `fraction_of_memcpy` is memcpy time / push+pull time at the
 largest size; `fraction_with_copy_into_params` adds the copy a generator makes in its swap.
+Across hosts: the largest version streamed by forge.transfer (the writer's FileServer to a
+reader's host cache) next to the same bytes through a plain loopback TCP socket, received
+into memory that is already mapped (`cross_host_fraction_of_tcp`).
 Then the stall one sync causes in a generator that follows the store (tiny model): time from
-publish to the new version being live, and how long generation was paused. Writes
+publish to the new version being live, and how long generation was paused; also for a
+generator that counts as another host (it streams each version first). Writes
 benchmarks/results/weight_sync.json.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,22 +78,74 @@ async def sync_s(store, sd: dict[str, torch.Tensor], repeats: int) -> dict[str, 
     return {k: statistics.median(t[4:]) for k, t in times.items()}
 
 
+def tcp_s(sd: dict[str, torch.Tensor], repeats: int) -> float:
+    """Median seconds to send the state dict's bytes through a loopback TCP socket into a
+    buffer that is already mapped: the link's speed, the yardstick for the cross-host path."""
+    data = [memoryview(t.view(-1).view(torch.uint8).numpy()) for t in sd.values()]
+    size = sum(d.nbytes for d in data)
+    dst = memoryview(bytearray(size))
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        sender = threading.Thread(target=lambda: _send_all(srv, data, repeats + 1), daemon=True)
+        sender.start()
+        times = []
+        with socket.create_connection(srv.getsockname()) as s:
+            for _ in range(repeats + 1):
+                t, got = time.perf_counter(), 0
+                while got < size:
+                    got += s.recv_into(dst[got:], min(size - got, 8 << 20))
+                times.append(time.perf_counter() - t)
+        sender.join()
+    return statistics.median(times[1:])
+
+
+def _send_all(srv: socket.socket, data: list[memoryview], repeats: int) -> None:
+    conn, _ = srv.accept()
+    with conn:
+        for _ in range(repeats):
+            for d in data:
+                conn.sendall(d)
+
+
+async def cross_host_s(sd: dict[str, torch.Tensor], repeats: int) -> float:
+    """Median seconds for a reader on another host to stream one published version into a
+    new file of its host's cache (forge.transfer: sendfile from the writer's /dev/shm file)."""
+    from forge.store import WeightStore
+    from forge.transfer import fetch_file, host_cache_dir
+
+    store = WeightStore("bench-xhost")
+    await store.publish(1, sd)
+    rec = await store.record(1)
+    dest = host_cache_dir() / "bench-xhost.safetensors"
+    times = []
+    try:
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            await asyncio.to_thread(fetch_file, rec["addr"], Path(rec["path"]).name, dest)
+            times.append(time.perf_counter() - t)
+            os.unlink(dest)  # each version lands in a new file, as in a run
+    finally:
+        await store.clear()
+    return statistics.median(times[1:])
+
+
 MEDIUM = dict(
     hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4
 )
 
 
-async def generator_stall(model: str, versions: int = 6) -> dict:
+async def generator_stall(model: str, versions: int = 6, cross_host: bool = False) -> dict:
     """A generator follows the store while 8 request streams run: per version, the time from
     publish to live and how long generation was paused. The writer keeps 2 versions, as the
-    trainer does; the first two versions go into new files (cold), the rest reuse them."""
+    trainer does; the first two versions go into new files (cold), the rest reuse them.
+    `cross_host`: the generator counts as another host's, so it streams each version first."""
     from safetensors.torch import load_file
 
     from forge.store import WeightStore
     from services.generator import Generator
 
     store = WeightStore("bench-gen")
-    gen = await Generator.options().as_service(model, None, store)
+    env = {"_MONARCH_WORKER_ADDR": "ipc:///forge-bench/generator-host"} if cross_host else None
+    gen = await Generator.options(env=env).as_service(model, None, store)
     sd = load_file(Path(model) / "model.safetensors")
     stop = asyncio.Event()
 
@@ -113,6 +172,7 @@ async def generator_stall(model: str, versions: int = 6) -> dict:
         await gen.shutdown()
         await store.clear()
     return {
+        "cross_host": cross_host,
         "model_mb": sum(t.numel() * t.element_size() for t in sd.values()) / 2**20,
         "publish_to_live_s": live,
         "paused_s": paused,
@@ -121,7 +181,7 @@ async def generator_stall(model: str, versions: int = 6) -> dict:
     }
 
 
-async def measure(sizes: list[int], repeats: int, models: list[str]) -> dict:
+async def measure(sizes: list[int], repeats: int, models: list[str], placements: tuple[bool, ...]) -> dict:
     from forge.store import WeightStore, start_store, stop_store
 
     procs = await start_store()
@@ -138,8 +198,12 @@ async def measure(sizes: list[int], repeats: int, models: list[str]) -> dict:
                 row[f"{transport}_with_copy_fraction_of_memcpy"] = row["memcpy_s"] / sum(t.values())
             row["memcpy_gb_s"] = mb / 1024 / row["memcpy_s"]
             rows.append(row)
+            if mb == sizes[-1]:
+                row["tcp_s"] = tcp_s(sd, 3 * repeats)
+                row["cross_host_s"] = await cross_host_s(sd, 3 * repeats)
+                row["cross_host_fraction_of_tcp"] = row["tcp_s"] / row["cross_host_s"]
             del sd
-        stall = [await generator_stall(m) for m in models]
+        stall = [await generator_stall(m, cross_host=x) for m in models for x in placements]
     finally:
         await stop_store(procs)
     largest = rows[-1]
@@ -148,6 +212,9 @@ async def measure(sizes: list[int], repeats: int, models: list[str]) -> dict:
         "fraction_of_memcpy": largest["shm_fraction_of_memcpy"],
         "fraction_with_copy_into_params": largest["shm_with_copy_fraction_of_memcpy"],
         "torchstore_fraction_of_memcpy": largest["torchstore_fraction_of_memcpy"],
+        "cross_host_fraction_of_tcp": largest["cross_host_fraction_of_tcp"],
+        "cross_host_gb_s": largest["mb"] / 1024 / largest["cross_host_s"],
+        "tcp_gb_s": largest["mb"] / 1024 / largest["tcp_s"],
         "largest_mb": largest["mb"],
         "generator_sync": stall,
         "repeats": repeats,
@@ -158,7 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
     a = parse_args("weight_sync", __doc__, "sizes up to 64 MB, one repeat (smoke run)", argv)
     models = [tiny_model()] + ([] if a.quick else [tiny_model(**MEDIUM)])
     sizes = [1, 16, 64] if a.quick else [1, 16, 64, 256, 500]
-    result = asyncio.run(measure(sizes, 1 if a.quick else 3, models))
+    # --quick: only the generator on another host (the path a same-host swap runs is inside it)
+    result = asyncio.run(measure(sizes, 1 if a.quick else 3, models, (True,) if a.quick else (False, True)))
     print(
         "push + pull as a fraction of one memcpy of the same bytes; '+copy': also the consumer's copy into its parameters"
     )
@@ -172,9 +240,14 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['shm_fraction_of_memcpy']:>12.2f}{r['shm_with_copy_fraction_of_memcpy']:>7.2f}"
             f"{r['torchstore_fraction_of_memcpy']:>19.3f}{r['torchstore_with_copy_fraction_of_memcpy']:>7.3f}"
         )
+    print(
+        f"across hosts, {result['largest_mb']} MB: forge.transfer {result['cross_host_gb_s']:.2f} GB/s, plain loopback "
+        f"TCP {result['tcp_gb_s']:.2f} GB/s: {result['cross_host_fraction_of_tcp']:.2f} of TCP"
+    )
     for g in result["generator_sync"]:
         print(
-            f"generator ({g['model_mb']:.0f} MB model), median after 2 cold versions: publish -> live "
+            f"generator ({g['model_mb']:.0f} MB model{', another host' if g['cross_host'] else ''}), median after 2 "
+            "cold versions: publish -> live "
             f"{g['publish_to_live_s_median'] * 1e3:.0f} ms, generation paused {g['paused_s_median'] * 1e3:.0f} ms; "
             f"cold: {', '.join(f'{x * 1e3:.0f}' for x in g['paused_s'][:2])} ms paused"
         )

@@ -35,7 +35,7 @@ def test_generation_quick_writes_json(tmp_path):
 @pytest.mark.parametrize(
     "name, keys",
     [
-        ("weight_sync", ("fraction_of_memcpy", "torchstore_fraction_of_memcpy", "generator_sync")),
+        ("weight_sync", ("fraction_of_memcpy", "cross_host_fraction_of_tcp", "generator_sync")),
         ("trainer", ("bare_torchtitan_step_s", "forge_train_step_s", "overhead")),
         ("gateway", ("gateway_fraction_of_direct", "added_latency_ms_p50", "added_latency_ms_p99", "models")),
         ("sandbox", ("fraction_of_bare", "fraction_of_bare_exec", "rows")),
