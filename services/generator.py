@@ -69,6 +69,10 @@ class GeneratorConfig:
     cache_dir: str = ".cache/forge/vllm"  # vLLM's compile cache survives between runs here
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     poll_s: float = 0.1  # how often a replica that follows a WeightStore looks for a new version
+    # True: a swap prepares the new weights beside the live ones while generation goes on and
+    # pauses only to install them (services/vllm_staging.py); needs memory for a second copy
+    # of the weights meanwhile. False: vLLM's in-place reload, all of it while generation waits.
+    staged_swap: bool = True
     engine: dict[str, Any] = field(default_factory=dict)  # any other vllm AsyncEngineArgs field
 
     def engine_args(self, model: str) -> Any:
@@ -342,12 +346,16 @@ class Generator(ForgeActor):
         async with self._swap:
             if follow and self._held():
                 return None
+            staged = self.cfg.staged_swap and await self._stage(path, keep_mapping)
             start = loop.time()
             # AsyncLLM.pause_generation is this call plus a 20 ms sleep that only orders log
             # output (its comment says so) and a multimodal-cache reset text models do not need.
             await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
             try:
-                await self.engine.collective_rpc("forge_reload", args=(path, keep_mapping))
+                if staged:
+                    await self.engine.collective_rpc("forge_commit")
+                else:
+                    await self.engine.collective_rpc("forge_reload", args=(path, keep_mapping))
                 # Prefix-cache entries hold KV computed with the old weights.
                 await self.engine.reset_prefix_cache()
                 self.version = version
@@ -355,6 +363,20 @@ class Generator(ForgeActor):
                 await self.engine.resume_generation()
             self._pauses.append(loop.time() - start)
             return self._pauses[-1]
+
+    async def _stage(self, path: str, keep_mapping: bool) -> bool:
+        """Prepare the weights of `path` in vLLM's worker while generation goes on. False when
+        they cannot be staged: the swap then reloads in place."""
+        start = time.perf_counter()
+        await self.engine.collective_rpc("forge_stage", args=(path, keep_mapping))
+        while None in (status := await self.engine.collective_rpc("forge_staged")):
+            await asyncio.sleep(0.01)
+        errors = [s for s in status if s]
+        if errors:
+            log.warning("forge: cannot stage new weights (%s); reloading them while generation waits", errors[0])
+            return False
+        record_metric("generator/weight_stage_s", time.perf_counter() - start, Reduce.MAX)
+        return True
 
     @endpoint
     async def policy_version(self) -> int:

@@ -10,8 +10,10 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from forge.shm import forget_mapping, read_safetensors
+from services.vllm_staging import commit, stage
 
 
 def _alive(pid: int) -> bool:
@@ -49,7 +51,42 @@ logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter
 
 
 class WeightReloader:
-    """Mixed into vLLM's worker; called through `AsyncLLM.collective_rpc`."""
+    """Mixed into vLLM's worker; called through `AsyncLLM.collective_rpc`. Two ways to swap:
+    `forge_stage` + `forge_commit` (the new weights are prepared while generation goes on, the
+    commit is a copy and a pointer swap) or `forge_reload` (vLLM's own reload, all of it while
+    generation waits)."""
+
+    _stager: ThreadPoolExecutor | None = None
+    _staging: Future | None = None
+    _replaced: list = []
+
+    def forge_stage(self, path: str, keep_mapping: bool = True) -> None:
+        """Start staging the weights of `path` in a thread of this process and return."""
+        if self._stager is None:
+            self._stager = ThreadPoolExecutor(1, thread_name_prefix="forge-stage")
+        self._replaced = []  # the previous version's handlers, kept past its commit's pause
+        self._staging = self._stager.submit(self._stage, path, keep_mapping)
+
+    def _stage(self, path: str, keep_mapping: bool):
+        staged = stage(self.model_runner.get_model(), read_safetensors(path).items())
+        if not keep_mapping:
+            forget_mapping(path)
+        return staged
+
+    def forge_staged(self) -> str | None:
+        """None while staging runs; then "" if it succeeded, else its error."""
+        if self._staging is None or not self._staging.done():
+            return None
+        error = self._staging.exception()
+        return "" if error is None else f"{type(error).__name__}: {error}"
+
+    def forge_commit(self) -> int:
+        """Install the staged weights (call while the engine is paused); raises staging's error."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            raise RuntimeError("forge_commit: nothing staged")
+        self._replaced = commit(staging.result())
+        return len(self._replaced)
 
     def forge_reload(self, path: str, keep_mapping: bool = True) -> int:
         # Tensors cannot pass through collective_rpc in multiprocess mode ("cannot pickle
