@@ -174,29 +174,32 @@ class WeightStore:
             return rec["path"] if os.path.exists(rec["path"]) else None
         start = time.perf_counter()
         name = Path(rec["path"]).name
-        path, moved = await asyncio.to_thread(host_copy, rec["addr"], name)
+        # Copies older than the version before go (readers may still be loading that one).
+        stale = functools.partial(_older_than, rec["version"] - 1)
+        path, moved = await asyncio.to_thread(host_copy, rec["addr"], name, stale)
         if moved:
-            await self.check_intact(rec["version"])  # the writer did not reuse the file while it was sent
+            try:
+                await self.check_intact(rec["version"])  # the writer did not reuse the file while it was sent
+            except KeyError:
+                path.unlink(missing_ok=True)  # a torn copy: no reader of this host may take it
+                raise
             record_metric("weights/host_copy_s", time.perf_counter() - start, Reduce.MAX)
             record_metric("weights/host_copy_bytes", moved, Reduce.SUM)
-            for old in path.parent.glob(f"{self.name}-*-v*.safetensors"):
-                if _version_of(old) < rec["version"] - 1:  # the version before stays for readers still on it
-                    forget_mapping(old)
-                    old.unlink(missing_ok=True)
         return str(path)
-
-    @staticmethod
-    def is_host_copy(path: str) -> bool:
-        """A copy in this host's cache: never rewritten, so it needs no `check_intact`."""
-        return Path(path).parent == host_cache_dir()
 
     def _spare(self, size: int) -> Path | None:
         return next((f for f in self._spares() if f.stat().st_size == size), None)
 
-    async def check_intact(self, version: int) -> None:
-        """Call after reading a shm version: its record is deleted before its file is reused,
-        so a record that still exists means nothing overwrote what was read."""
-        if not await torchstore.exists(f"{self._key(version)}/record"):
+    async def check_intact(self, version: int, path: str | None = None) -> None:
+        """Call after reading a shm version from `path`: the writer deletes a version's record
+        before it reuses its file, and a host's copy loses its name before it is rewritten, so
+        a record (a name) that still exists means nothing overwrote what was read."""
+        if path is not None and Path(path).parent == host_cache_dir():
+            if not os.path.exists(path):
+                raise KeyError(
+                    f"weights version {version} of {self.name!r}: this host's copy was replaced while it was read"
+                )
+        elif not await torchstore.exists(f"{self._key(version)}/record"):
             raise KeyError(f"weights version {version} of {self.name!r} was dropped while it was read")
 
     @contextlib.asynccontextmanager
@@ -213,8 +216,7 @@ class WeightStore:
         path = await self._local_path(rec)
         if path is not None:
             yield read_safetensors(path)
-            if not self.is_host_copy(path):
-                await self.check_intact(rec["version"])
+            await self.check_intact(rec["version"], path)
         elif rec["transport"] == "shm":
             raise KeyError(f"weights version {rec['version']} of {self.name!r}: its file is gone")
         else:
@@ -280,8 +282,8 @@ class WeightStore:
                 await torchstore.delete(f"{self._key(version)}/{key}")
 
 
-def _version_of(path: Path) -> int:
-    return int(path.name.rsplit("-v", 1)[1].split(".")[0])
+def _older_than(version: int, name: str) -> bool:
+    return int(name.rsplit("-v", 1)[1].split(".")[0]) < version
 
 
 def _copy_into(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -173,8 +173,7 @@ class Generator(ForgeActor):
             if paused is None:
                 return
             try:
-                if not self.store.is_host_copy(path):  # a host's copy is never rewritten
-                    await self.store.check_intact(version)
+                await self.store.check_intact(version, path)
             except KeyError:  # dropped (and its file reused) while we read it: take the newer one
                 log.warning("forge: weights version %d was replaced while loading; loading the latest", version)
                 return await self._pull_latest()

@@ -23,3 +23,11 @@ class HostReader(Actor):
         async with store.open(version) as sd:
             sums = [t.sum().item() for t in sd.values()]
         return sums, await store.local_path(version)
+
+    @endpoint
+    async def check_intact(self, store, version: int, path: str) -> str:
+        try:
+            await store.check_intact(version, path)
+        except KeyError as e:
+            return str(e)
+        return ""

@@ -62,8 +62,9 @@ def test_store_roundtrip_both_transports():
 
 def test_readers_on_another_host_share_one_transfer(tmp_path):
     """Readers on another host (procs that count as another job host) stream a "shm" version
-    from the writer's FileServer once for their host, read it intact, and keep the newest two
-    versions in the host's cache; the server serves only its directory's weight files."""
+    from the writer's FileServer once for their host and read it intact; the host keeps the
+    newest two versions, rewriting the oldest copy's file as the newest; a reader of a copy
+    rewritten meanwhile is told; the server serves only its directory's weight files."""
     from store_actors import HostReader
 
     from forge.actor import spawn_procs, stop_procs
@@ -84,12 +85,16 @@ def test_readers_on_another_host_share_one_transfer(tmp_path):
             (copy, _), (same, _) = [(g[1], None) for g in got]
             assert copy == same and Path(copy).parent != Path(ws.shm_dir)  # one copy for the host
             assert ws._server.requests == 1
+            first_inode = os.stat(copy).st_ino
             for v in (2, 3):
                 await ws.publish(v, {k: t + v for k, t in sd.items()})
                 assert (await actors[0].read.call_one(ws, v))[0] == sums(v)
             assert ws._server.requests == 3
             cached = sorted(p.name for p in Path(copy).parent.glob("xh-*.safetensors"))
             assert cached == [f"xh-{ws._token}-v2.safetensors", f"xh-{ws._token}-v3.safetensors"]
+            assert os.stat(Path(copy).with_name(cached[1])).st_ino == first_inode  # v1's pages, rewritten
+            assert "this host's copy was replaced while it was read" in await actors[1].check_intact.call_one(ws, 1, copy)
+            assert await actors[1].check_intact.call_one(ws, 3, str(Path(copy).with_name(cached[1]))) == ""
             for bad in ("../../etc/passwd", "missing.safetensors"):
                 with pytest.raises(FileNotFoundError, match="has no file"):
                     fetch_file(ws._server.addr, bad, tmp_path / "out")
