@@ -25,6 +25,7 @@ def test_service_overhead_quick_writes_json(tmp_path):
     assert data["route_latency_ratio"] > 0
 
 
+@pytest.mark.slow  # 60 s; the generator's figures are checked by tests/test_generator.py
 def test_generation_quick_writes_json(tmp_path):
     _, data = bench(tmp_path, "generation")
     for row in ("hf_generate", "bare_vllm", "service_1_replica"):
@@ -35,9 +36,17 @@ def test_generation_quick_writes_json(tmp_path):
 @pytest.mark.parametrize(
     "name, keys",
     [
-        ("weight_sync", ("fraction_of_memcpy", "cross_host_fraction_of_tcp", "generator_sync")),
+        pytest.param(
+            "weight_sync",
+            ("fraction_of_memcpy", "cross_host_fraction_of_tcp", "generator_sync"),
+            marks=pytest.mark.slow,
+        ),
         ("trainer", ("bare_torchtitan_step_s", "forge_train_step_s", "overhead")),
-        ("gateway", ("gateway_fraction_of_direct", "added_latency_ms_p50", "added_latency_ms_p99", "models")),
+        pytest.param(
+            "gateway",
+            ("gateway_fraction_of_direct", "added_latency_ms_p50", "added_latency_ms_p99", "models"),
+            marks=pytest.mark.slow,
+        ),
         ("sandbox", ("fraction_of_bare", "fraction_of_bare_exec", "rows")),
     ],
 )
@@ -46,6 +55,7 @@ def test_quick_benchmark_writes_json(tmp_path, name, keys):
     assert all(k in data for k in keys)
 
 
+@pytest.mark.slow  # 110 s: the GRPO loop itself runs in tests/test_grpo.py
 def test_async_vs_sync_quick_through_forge_bench(tmp_path):
     """Both variants: single-turn rollouts, and two-turn environment episodes through the gateway."""
     _, data = bench(tmp_path, "async_vs_sync", through_cli=True)

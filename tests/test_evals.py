@@ -90,7 +90,9 @@ def test_held_out_prompts_differ_from_training_and_files_keep_their_columns(tmp_
     assert sorted((s.prompt, s.answer) for s in samples) == [(f"say {i}", str(i)) for i in range(5)]
 
 
-@pytest.mark.parametrize("config", ["configs/grpo_tiny.yaml", "configs/sft_tiny.yaml"])
+@pytest.mark.parametrize(
+    "config", ["configs/grpo_tiny.yaml", pytest.param("configs/sft_tiny.yaml", marks=pytest.mark.slow)]
+)  # 40 s each (an engine apiece); make test runs the GRPO one
 def test_forge_eval_command_prints_a_table_and_writes_json(tmp_path, tiny_model_dir, config):
     out = tmp_path / "eval.json"
     cmd = [sys.executable, "-m", "forge.cli", "eval", config, "--model", str(tiny_model_dir)]

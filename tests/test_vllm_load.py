@@ -14,7 +14,13 @@ def test_vllm_loads_tiny_model(tiny_model_dir):
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     # CPU: vLLM's memory check cannot size the KV cache itself, so it is given explicitly.
-    llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=256)
+    llm = LLM(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        kv_cache_memory_bytes=64 * 2**20,
+        max_model_len=256,
+        enforce_eager=True,  # as forge's generator runs it; torch.compile added ~50 s here
+    )
     try:
         out = llm.generate(
             ["12+7=", "rev abc="], SamplingParams(temperature=0, max_tokens=8, logprobs=0), use_tqdm=False

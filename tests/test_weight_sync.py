@@ -93,7 +93,9 @@ def test_readers_on_another_host_share_one_transfer(tmp_path):
             cached = sorted(p.name for p in Path(copy).parent.glob("xh-*.safetensors"))
             assert cached == [f"xh-{ws._token}-v2.safetensors", f"xh-{ws._token}-v3.safetensors"]
             assert os.stat(Path(copy).with_name(cached[1])).st_ino == first_inode  # v1's pages, rewritten
-            assert "this host's copy was replaced while it was read" in await actors[1].check_intact.call_one(ws, 1, copy)
+            assert "this host's copy was replaced while it was read" in await actors[1].check_intact.call_one(
+                ws, 1, copy
+            )
             assert await actors[1].check_intact.call_one(ws, 3, str(Path(copy).with_name(cached[1]))) == ""
             for bad in ("../../etc/passwd", "missing.safetensors"):
                 with pytest.raises(FileNotFoundError, match="has no file"):
