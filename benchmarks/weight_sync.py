@@ -12,9 +12,10 @@ largest size; `fraction_with_copy_into_params` adds the copy a generator makes i
 Across hosts: the largest version streamed by forge.transfer (the writer's FileServer to a
 reader's host cache) next to the same bytes through a plain loopback TCP socket, received
 into memory that is already mapped (`cross_host_fraction_of_tcp`).
-Then the stall one sync causes in a generator that follows the store (tiny model): time from
-publish to the new version being live, and how long generation was paused; also for a
-generator that counts as another host (it streams each version first). Writes
+Then the stall one sync causes in a generator that follows the store (the tiny model and a
+465 MB one): time from publish to the new version being live, and how long generation was
+paused, for a staged swap and, beside it, vLLM's in-place reload; also for a generator that
+counts as another host (it streams each version first). Writes
 benchmarks/results/weight_sync.json.
 """
 
@@ -141,19 +142,20 @@ MEDIUM = dict(
 )
 
 
-async def generator_stall(model: str, versions: int = 6, cross_host: bool = False) -> dict:
+async def generator_stall(model: str, versions: int = 6, cross_host: bool = False, staged: bool = True) -> dict:
     """A generator follows the store while 8 request streams run: per version, the time from
     publish to live and how long generation was paused. The writer keeps 2 versions, as the
     trainer does; the first two versions go into new files (cold), the rest reuse them.
-    `cross_host`: the generator counts as another host's, so it streams each version first."""
+    `cross_host`: the generator counts as another host's, so it streams each version first.
+    `staged`: the swap stages the new weights first (the default), else vLLM reloads in place."""
     from safetensors.torch import load_file
 
     from forge.store import WeightStore
-    from services.generator import Generator
+    from services.generator import Generator, GeneratorConfig
 
     store = WeightStore("bench-gen")
     env = {"_MONARCH_WORKER_ADDR": "ipc:///forge-bench/generator-host"} if cross_host else None
-    gen = await Generator.options(env=env).as_service(model, None, store)
+    gen = await Generator.options(env=env).as_service(model, GeneratorConfig(staged_swap=staged), store)
     sd = load_file(Path(model) / "model.safetensors")
     stop = asyncio.Event()
 
@@ -181,6 +183,7 @@ async def generator_stall(model: str, versions: int = 6, cross_host: bool = Fals
         await store.clear()
     return {
         "cross_host": cross_host,
+        "staged": staged,
         "model_mb": sum(t.numel() * t.element_size() for t in sd.values()) / 2**20,
         "publish_to_live_s": live,
         "paused_s": paused,
@@ -189,7 +192,7 @@ async def generator_stall(model: str, versions: int = 6, cross_host: bool = Fals
     }
 
 
-async def measure(sizes: list[int], repeats: int, models: list[str], placements: tuple[bool, ...]) -> dict:
+async def measure(sizes: list[int], repeats: int, models: list[str], swaps: list[tuple[bool, bool]]) -> dict:
     from forge.store import WeightStore, start_store, stop_store
 
     procs = await start_store()
@@ -212,7 +215,7 @@ async def measure(sizes: list[int], repeats: int, models: list[str], placements:
                 row["cross_host_fraction_of_tcp"] = row["tcp_s"] / row["cross_host_s"]
                 row["cross_host_new_file_fraction_of_tcp"] = row["tcp_s"] / row["cross_host_new_file_s"]
             del sd
-        stall = [await generator_stall(m, cross_host=x) for m in models for x in placements]
+        stall = [await generator_stall(m, cross_host=x, staged=s) for m in models for x, s in swaps]
     finally:
         await stop_store(procs)
     largest = rows[-1]
@@ -235,8 +238,10 @@ def main(argv: list[str] | None = None) -> dict:
     a = parse_args("weight_sync", __doc__, "sizes up to 64 MB, one repeat (smoke run)", argv)
     models = [tiny_model()] + ([] if a.quick else [tiny_model(**MEDIUM)])
     sizes = [1, 16, 64] if a.quick else [1, 16, 64, 256, 500]
-    # --quick: only the generator on another host (the path a same-host swap runs is inside it)
-    result = asyncio.run(measure(sizes, 1 if a.quick else 3, models, (True,) if a.quick else (False, True)))
+    # (another host, staged) per model: same host staged, and in place (vLLM's reload) beside it;
+    # another host. --quick: only another host's (the path a same-host swap runs is inside it).
+    swaps = [(True, True)] if a.quick else [(False, True), (False, False), (True, True)]
+    result = asyncio.run(measure(sizes, 1 if a.quick else 3, models, swaps))
     print(
         "push + pull as a fraction of one memcpy of the same bytes; '+copy': also the consumer's copy into its parameters"
     )
@@ -257,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for g in result["generator_sync"]:
         print(
-            f"generator ({g['model_mb']:.0f} MB model{', another host' if g['cross_host'] else ''}), median after 2 "
+            f"generator ({g['model_mb']:.0f} MB model{', another host' if g['cross_host'] else ''}"
+            f"{'' if g['staged'] else ', in-place reload'}), median after 2 "
             "cold versions: publish -> live "
             f"{g['publish_to_live_s_median'] * 1e3:.0f} ms, generation paused {g['paused_s_median'] * 1e3:.0f} ms; "
             f"cold: {', '.join(f'{x * 1e3:.0f}' for x in g['paused_s'][:2])} ms paused"
