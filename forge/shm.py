@@ -45,11 +45,15 @@ ROOT = Path("/dev/shm/forge") if os.path.isdir("/dev/shm") else Path("/tmp/forge
 
 
 def _start_time(pid: int) -> str | None:
+    """The start time of live process `pid` (None once it has exited, zombies included)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time in clock ticks
-    except (OSError, IndexError):
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    # field 3: the state (a killed child its parent has not reaped yet is a zombie, "Z");
+    # field 22: the start time in clock ticks
+    return None if len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
 
 
 def _owner_alive(d: Path) -> bool:

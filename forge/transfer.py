@@ -62,6 +62,7 @@ class FileServer:
             threading.Thread(target=self._send, args=(conn,), daemon=True).start()
 
     def _send(self, conn: socket.socket) -> None:
+        conn.settimeout(60.0)  # a reader that stalls does not hold a thread forever
         with conn, contextlib.suppress(OSError):
             name = conn.makefile("rb").readline(256).decode().strip()
             self.requests += 1

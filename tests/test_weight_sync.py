@@ -257,14 +257,22 @@ def test_shm_mappings_of_unlinked_files_are_dropped(tmp_path):
 
 def test_run_directories_of_dead_processes_are_swept(tmp_path):
     """Weight files live in a directory per controller process; a later run removes the
-    directories whose owner is gone (a reused pid has another start time), never a live one's."""
+    directories whose owner is gone (a reused pid has another start time; a killed child not
+    yet reaped is a zombie), never a live one's."""
+    import subprocess
+
     from forge import shm
 
+    child = subprocess.Popen(["sleep", "0.3"])
     mine = tmp_path / f"run-{os.getpid()}-{shm._start_time(os.getpid())}"
+    zombie = tmp_path / f"run-{child.pid}-{shm._start_time(child.pid)}"
     reused = tmp_path / f"run-{os.getpid()}-1"  # this pid, another process's start time
     gone = tmp_path / "run-4000000-5"  # no such process
-    for d in (mine, reused, gone):
+    for d in (mine, zombie, reused, gone):
         d.mkdir()
         (d / "policy-abc-v3.safetensors").write_bytes(b"x" * 100)
-    assert sorted(shm.sweep_dead_runs(tmp_path)) == sorted([reused, gone])
-    assert mine.is_dir() and not reused.exists() and not gone.exists()
+    time.sleep(0.8)  # the child has exited; not waited for, it stays a zombie
+    assert psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
+    assert sorted(shm.sweep_dead_runs(tmp_path)) == sorted([zombie, reused, gone])
+    assert mine.is_dir() and not zombie.exists() and not reused.exists() and not gone.exists()
+    child.wait()
