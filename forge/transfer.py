@@ -48,7 +48,10 @@ class FileServer:
 
     def __init__(self, directory: str | Path, host: str = "127.0.0.1"):
         self.directory = Path(directory)
-        self.sock = socket.create_server((host, 0))
+        try:
+            self.sock = socket.create_server((host, 0))
+        except OSError as e:
+            raise ValueError(f"cannot serve weights on {host!r} (trainer.serve_weights_on): {e}") from None
         self.addr = (socket.gethostname() if host == "0.0.0.0" else host, self.sock.getsockname()[1])
         self.requests = 0
         threading.Thread(target=self._accept, daemon=True, name="forge-weights-server").start()
@@ -71,11 +74,8 @@ class FileServer:
                 conn.sendall(_SIZE.pack(-1))
                 return
             with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                conn.sendall(_SIZE.pack(size))
-                sent = 0
-                while sent < size:
-                    sent += os.sendfile(conn.fileno(), f.fileno(), sent, size - sent)
+                conn.sendall(_SIZE.pack(os.fstat(f.fileno()).st_size))
+                conn.sendfile(f)  # os.sendfile, waiting on the socket's timeout
 
     def close(self) -> None:
         self.sock.close()

@@ -100,6 +100,8 @@ def test_readers_on_another_host_share_one_transfer(tmp_path):
             for bad in ("../../etc/passwd", "missing.safetensors"):
                 with pytest.raises(FileNotFoundError, match="has no file"):
                     fetch_file(ws._server.addr, bad, tmp_path / "out")
+            with pytest.raises(ValueError, match=r"cannot serve weights on '256.0.0.1' \(trainer.serve_weights_on\)"):
+                await WeightStore("bad", serve_on="256.0.0.1").publish(1, sd)
         finally:
             await ws.clear()
             for p in readers:
