@@ -116,7 +116,6 @@ class Job:
         if self.job is not None:
             self.job.kill()
             self.job = None
-            if self.cfg.kind == "process":  # its hosts' directories in this machine's /dev/shm (weight copies)
-                from forge.shm import sweep_dead_runs
+            from forge.shm import sweep_dead_runs
 
-                sweep_dead_runs()
+            sweep_dead_runs()  # the directories its hosts had here in /dev/shm (weight copies)
