@@ -79,6 +79,7 @@ async def bare_vllm_rate(model: str, ps: list[str], n: int, max_tokens: int, rep
     from services.generator import GeneratorConfig
 
     os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache/forge/vllm"))
+    os.environ.update(GeneratorConfig().engine_env())  # the engine the service runs, in this process
     engine = AsyncLLM.from_engine_args(GeneratorConfig().engine_args(model))
     params = SamplingParams(
         n=n, max_tokens=max_tokens, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, **SAMPLING

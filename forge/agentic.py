@@ -108,11 +108,9 @@ class AgenticRollouts:
         return out
 
     async def episode(self, task: dict[str, Any]) -> EpisodeResult:
-        import openai
-
         kind = "agent" if self.agent else "env"
         session = self.gateway.open_session()
-        client = openai.AsyncOpenAI(base_url=self.gateway.base_url, api_key=session, max_retries=0)
+        client = self.gateway.client(session)
         start = time.monotonic()
         score, error, stats = None, None, EpisodeStats()
         try:

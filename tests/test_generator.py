@@ -91,6 +91,17 @@ def test_completion_fields_seed_and_stop(loop, gen, tokenizer):
     assert cut.text == tokenizer.decode(cut.token_ids, skip_special_tokens=True)
 
 
+def test_the_engine_runs_in_one_process_on_cpu(loop, gen):
+    """generator.cpu_threads: the model runs in vLLM's engine-core process, with no worker process
+    of its own beside it (whose engine core busy-waits on it for a second after each step)."""
+    import psutil
+
+    pids = loop.run_until_complete(gen.engine_pids.route())
+    assert [psutil.Process(p).name() for p in pids] == ["VLLM::EngineCore"]
+    with pytest.raises(ValueError, match="'generator.cpu_threads' must be >= 0"):
+        GeneratorConfig(cpu_threads=-1).validate()
+
+
 def test_logprobs_match_transformers_fp32(loop, gen, tiny_model_dir):
     """processed_logprobs = log_softmax(logits / T): what the trainer computes."""
     temperature = 0.7
