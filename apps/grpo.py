@@ -241,7 +241,7 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
     )
     trainer, gen, rewards, ref = s.trainer, s.gen, s.rewards, s.ref
     buffer = await ReplayBuffer.options().as_actor(
-        capacity=cfg.batch_size * (cfg.max_staleness + 1),
+        capacity=cfg.groups_per_step * (cfg.max_staleness + 1),
         max_staleness=cfg.max_staleness,
         max_tokens=cfg.max_episode_tokens,
         dynamic_sampling=cfg.dynamic_sampling,
@@ -252,7 +252,7 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
     prompts.reset()
     version = await trainer.policy_version.route()  # 0, unless these services already trained
     state = {"step": 0, "version": version}
-    gate = OnPolicyGate(gen, cfg.batch_size, version) if cfg.max_staleness == 0 else None
+    gate = OnPolicyGate(gen, cfg.groups_per_step, version) if cfg.max_staleness == 0 else None
     failures = {"streak": 0, "last": None}  # rollouts failing in a row, and the last error
 
     async def rewind(ckpt: Path, trainer_restored: bool = False) -> None:
@@ -308,8 +308,8 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
         if gate is None:
             await rollout_group()
             return
-        async with gate.place(cfg.group_size) as place:  # on-policy: the next batch's weights, and room in it
-            place.kept = await rollout_group()
+        async with gate.place() as place:  # on-policy: the next batch's weights, and room in it
+            place.kept = await rollout_group() > 0
 
     async def rollout_group() -> int:
         """One group into the buffer; returns how many of its episodes the buffer kept."""
@@ -335,7 +335,7 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
 
     async def sample_batch() -> list:
         """The next batch, or the reason none will come: a rollout loop that stopped, or a timeout."""
-        get = asyncio.ensure_future(buffer.sample.call_one(cfg.batch_size, state["version"]))
+        get = asyncio.ensure_future(buffer.sample.call_one(cfg.groups_per_step, state["version"]))
         done, _ = await asyncio.wait(
             [get, *rollouts], timeout=cfg.sample_timeout_s, return_when=asyncio.FIRST_COMPLETED
         )
@@ -348,7 +348,7 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
         raise RunStopped(
             run_dir,
             state["step"],
-            f"no batch of {cfg.batch_size} episodes usable by policy version "
+            f"no batch of {cfg.groups_per_step} groups usable by policy version "
             f"{state['version']} within {cfg.sample_timeout_s} s (config key 'sample_timeout_s'): the "
             f"buffer holds {held['size']} ({held}); rollouts last failed with: "
             f"{failures['last'] or 'nothing (none failed)'}",
@@ -380,7 +380,7 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
         if gate is not None:
             gate.advance(trained_on + 1)  # rollouts from here on are for the next batch
         t1 = time.perf_counter()
-        batch = collate(episodes, pad_id=0)
+        batch = collate(episodes, pad_id=0, rows_multiple_of=cfg.trainer_procs * cfg.trainer.grad_accum)
         if ref is not None:
             batch.ref_logprobs = await ref.logprobs.route(batch)
         t2 = time.perf_counter()

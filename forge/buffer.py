@@ -1,16 +1,18 @@
-"""Replay buffer: groups of episodes in, training batches out, with a staleness bound.
+"""Replay buffer: GRPO groups in, training batches of whole groups out, with a staleness bound.
 
-    buffer = await ReplayBuffer.options().as_actor(capacity=128, max_staleness=1)
+    buffer = await ReplayBuffer.options().as_actor(capacity=16, max_staleness=1)
     await buffer.add.call_one(group)                       # a GRPO group (list of Episodes)
-    episodes = await buffer.sample.call_one(64, version)   # waits until 64 fresh ones exist
+    episodes = await buffer.sample.call_one(8, version)   # waits until 8 fresh groups exist
 
-An episode generated under policy version p may train the policy at version v only if
-v - p <= max_staleness (0: on-policy). `sample` drops the stale ones first and checks the
-bound on what it returns. Places are counted per kept episode: a group whose episodes are
-all filtered out (too long; zero reward variance with `dynamic_sampling`) takes no place and blocks
-nobody. When full, `add` waits for room (back-pressure on the rollout loops). A group enters
-whenever the buffer is not full, so it may overshoot `capacity` by up to a group: groups of
-multi-turn episodes vary in size, and a buffer short of a batch must always take the next one.
+A group is the unit: its advantages are relative to each other, so a batch that held part of a
+group would push its episodes up or down alone (one failed episode of eight, advantage -2.6,
+with no siblings to balance it). Groups vary in size (multi-turn episodes of several samples,
+failed episodes left out, episodes too long to train on), so batches are counted in groups.
+A group generated under policy version p (its oldest episode's) may train the policy at
+version v only if v - p <= max_staleness (0: on-policy). `sample` drops the stale ones first
+and checks the bound on what it returns. A group whose episodes are all filtered out (too
+long; zero reward variance with `dynamic_sampling`) takes no place. When `capacity` groups are
+held, `add` waits for room (back-pressure on the rollout loops).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class StalenessError(AssertionError):
 
 
 class ReplayBuffer(ForgeActor):
-    """FIFO of episodes, bounded by `capacity`, with a staleness bound at sampling time."""
+    """FIFO of groups, bounded by `capacity` groups, with a staleness bound at sampling time."""
 
     @classmethod
     def check_args(cls, capacity: int, max_staleness: int, max_tokens: int = 0, dynamic_sampling: bool = False) -> None:
@@ -42,9 +44,9 @@ class ReplayBuffer(ForgeActor):
     def __init__(self, capacity: int, max_staleness: int, max_tokens: int = 0, dynamic_sampling: bool = False):
         self.capacity, self.max_staleness, self.max_tokens = capacity, max_staleness, max_tokens
         self.dynamic_sampling = dynamic_sampling
-        self.episodes: deque[Episode] = deque()
+        self.groups: deque[list[Episode]] = deque()
         self.changed = asyncio.Condition()
-        self.stats = {"added": 0, "dropped_stale": 0, "dropped_filtered": 0, "sampled": 0}
+        self.stats = {"added": 0, "dropped_stale": 0, "dropped_filtered": 0, "sampled": 0}  # episodes
 
     def _keep(self, group: list[Episode]) -> list[Episode]:
         kept = [e for e in group if not (self.max_tokens and len(e.tokens) > self.max_tokens)]
@@ -57,69 +59,76 @@ class ReplayBuffer(ForgeActor):
     async def add(self, group: list[Episode]) -> int:
         """Add one group; returns how many of its episodes were kept."""
         kept = self._keep(group)
+        if not kept:
+            return 0
         async with self.changed:
-            await self.changed.wait_for(lambda: len(self.episodes) < self.capacity)
-            self.episodes.extend(kept)
+            await self.changed.wait_for(lambda: len(self.groups) < self.capacity)
+            self.groups.append(kept)
             self.stats["added"] += len(kept)
             self.changed.notify_all()
         return len(kept)
 
+    def _fresh(self, group: list[Episode], version: int) -> bool:
+        return version - min(e.policy_version for e in group) <= self.max_staleness
+
     def _drop_stale(self, version: int) -> None:
         """Call with `changed` held. Wakes the adds waiting for the room this frees: without
-        that, a `sample` that drops a full buffer of stale episodes and then waits deadlocks
+        that, a `sample` that drops a full buffer of stale groups and then waits deadlocks
         with them."""
-        fresh = [e for e in self.episodes if version - e.policy_version <= self.max_staleness]
-        if len(fresh) < len(self.episodes):
-            self.stats["dropped_stale"] += len(self.episodes) - len(fresh)
-            self.episodes = deque(fresh)
+        fresh = [g for g in self.groups if self._fresh(g, version)]
+        if len(fresh) < len(self.groups):
+            self.stats["dropped_stale"] += sum(len(g) for g in self.groups) - sum(len(g) for g in fresh)
+            self.groups = deque(fresh)
             self.changed.notify_all()
 
     @concurrent_endpoint
-    async def sample(self, batch_size: int, version: int, timeout_s: float | None = None) -> list[Episode]:
-        """The `batch_size` oldest episodes usable by policy `version`, once there are enough."""
-        if batch_size > self.capacity:
-            raise ValueError(f"ReplayBuffer: batch of {batch_size} is larger than capacity {self.capacity}")
+    async def sample(self, groups: int, version: int, timeout_s: float | None = None) -> list[Episode]:
+        """The episodes of the `groups` oldest groups usable by policy `version`, once there are enough."""
+        if groups > self.capacity:
+            raise ValueError(f"ReplayBuffer: a batch of {groups} groups is larger than capacity {self.capacity}")
         async with self.changed:
 
             def ready() -> bool:
                 self._drop_stale(version)
-                return len(self.episodes) >= batch_size
+                return len(self.groups) >= groups
 
             try:
                 await asyncio.wait_for(self.changed.wait_for(ready), timeout_s)
             except TimeoutError:
                 raise TimeoutError(
-                    f"ReplayBuffer.sample: fewer than {batch_size} episodes usable by policy "
-                    f"version {version} after {timeout_s}s ({len(self.episodes)} held)"
+                    f"ReplayBuffer.sample: fewer than {groups} groups usable by policy "
+                    f"version {version} after {timeout_s}s ({len(self.groups)} held)"
                 ) from None
-            batch = [self.episodes.popleft() for _ in range(batch_size)]
-            self.stats["sampled"] += batch_size
+            taken = [self.groups.popleft() for _ in range(groups)]
             self.changed.notify_all()  # room for waiting adds
-        worst = max(version - e.policy_version for e in batch)
-        if worst > self.max_staleness:
+        if not all(self._fresh(g, version) for g in taken):
             raise StalenessError(
-                f"episode {worst} versions old in a batch for version {version} (max_staleness={self.max_staleness})"
+                f"a group older than max_staleness={self.max_staleness} in a batch for version {version}"
             )
+        batch = [e for g in taken for e in g]
+        self.stats["sampled"] += len(batch)
         return batch
 
     @endpoint
     async def notify_version(self, version: int) -> int:
-        """The trainer moved to `version`: drop what it can no longer use (frees room for adds)."""
+        """The trainer moved to `version`: drop what it can no longer use (frees room for adds).
+        Returns the groups held."""
         async with self.changed:
             self._drop_stale(version)
-        return len(self.episodes)
+        return len(self.groups)
 
     @endpoint
     async def state_dict(self) -> dict[str, Any]:
-        return {"episodes": list(self.episodes), "stats": dict(self.stats)}
+        return {"groups": list(self.groups), "stats": dict(self.stats)}
 
     @endpoint
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         async with self.changed:
-            self.episodes = deque(state["episodes"])
+            self.groups = deque(state["groups"])
             self.stats = dict(state["stats"])
             self.changed.notify_all()
 
     @endpoint
     async def get_stats(self) -> dict[str, int]:
-        return {**self.stats, "size": len(self.episodes)}
+        """Episodes added, dropped and sampled; `size`: groups held, `episodes`: their episodes."""
+        return {**self.stats, "size": len(self.groups), "episodes": sum(len(g) for g in self.groups)}

@@ -72,15 +72,15 @@ class OnPolicyGate:
     start extra groups, the batch fills with the fastest ones and the slow ones are thrown away:
     wasted generation, and a batch biased to short episodes.
 
-        async with gate.place(group_size) as place:   # waits for the version's weights and room
-            ...; place.kept = await buffer.add.call_one(episodes)
+        async with gate.place() as place:              # waits for the version's weights and room
+            ...; place.kept = await buffer.add.call_one(episodes) > 0
         gate.advance(version + 1)                      # the step took its batch: rollouts for the next
 
-    A group that fails, or whose episodes the buffer does not keep, gives its room back."""
+    A group that fails, or that the buffer does not keep, gives its room back."""
 
-    def __init__(self, gen: Any, batch_size: int, version: int, poll_s: float = 0.02):
-        self.gen, self.batch_size, self.version, self.poll_s = gen, batch_size, version, poll_s
-        self.planned: defaultdict[int, int] = defaultdict(int)  # version -> episodes started or kept
+    def __init__(self, gen: Any, groups: int, version: int, poll_s: float = 0.02):
+        self.gen, self.groups, self.version, self.poll_s = gen, groups, version, poll_s
+        self.planned: defaultdict[int, int] = defaultdict(int)  # version -> groups started or kept
         self._live: dict[int, asyncio.Future] = {}
         self._changed = asyncio.Event()  # set when room may have opened: waiters look again
 
@@ -97,12 +97,12 @@ class OnPolicyGate:
             await asyncio.sleep(self.poll_s)
 
     @contextlib.asynccontextmanager
-    async def place(self, episodes: int) -> AsyncIterator[_Place]:
-        while self.planned[self.version] >= self.batch_size:
+    async def place(self) -> AsyncIterator[_Place]:
+        while self.planned[self.version] >= self.groups:
             self._changed.clear()
             await self._changed.wait()
         place = _Place(self.version)
-        self.planned[place.version] += episodes
+        self.planned[place.version] += 1
         try:
             live = self._live.get(place.version)
             if live is None or (live.done() and (live.cancelled() or live.exception())):
@@ -112,13 +112,13 @@ class OnPolicyGate:
             await asyncio.shield(live)
             yield place
         finally:
-            self.planned[place.version] -= episodes - place.kept
+            if not place.kept:
+                self.planned[place.version] -= 1
+                self._changed.set()
             if place.version < self.version:
                 self.planned.pop(place.version, None)
-            if place.kept < episodes:
-                self._changed.set()
 
 
 class _Place:
     def __init__(self, version: int):
-        self.version, self.kept = version, 0
+        self.version, self.kept = version, False

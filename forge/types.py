@@ -189,8 +189,9 @@ class Batch:
 def collate(episodes: Sequence[Episode], pad_id: int, pack_to: int = 0, rows_multiple_of: int = 1) -> Batch:
     """One episode per row, padded to the longest; or, with `pack_to`, episodes packed into
     rows of up to `pack_to` tokens (first fit, longest first; a longer episode gets a row of its
-    own), each attending only within itself (`positions`), and at least `rows_multiple_of` rows,
-    a multiple of it (empty rows pad the rest). Episode i is doc i and policy_versions[i]."""
+    own), each attending only within itself (`positions`). Empty rows make the row count a
+    multiple of `rows_multiple_of` (the trainer's ranks x micro-batches: a batch of whole groups
+    holds any number of episodes). Episode i is doc i and policy_versions[i]."""
     if not episodes:
         raise ValueError("collate() got no episodes")
     rows: list[list[int]] = [[i] for i in range(len(episodes))]
@@ -205,7 +206,7 @@ def collate(episodes: Sequence[Episode], pad_id: int, pack_to: int = 0, rows_mul
             else:
                 rows[fit].append(i)
                 used[fit] += n
-        rows += [[] for _ in range(-len(rows) % rows_multiple_of)]
+    rows += [[] for _ in range(-len(rows) % rows_multiple_of)]
     width = max(sum(len(episodes[i].tokens) for i in row) for row in rows)
     shape = (len(rows), width)
     b = dict(

@@ -1,6 +1,7 @@
 import asyncio
 
 import pytest
+import torch
 
 from forge.buffer import ReplayBuffer
 from forge.types import Episode, Score
@@ -21,7 +22,7 @@ def group(version: int, rewards=(0.0, 1.0), tokens: int = 4) -> list[Episode]:
 
 def test_staleness_capacity_and_state():
     async def main():
-        buf = await ReplayBuffer.options().as_actor(capacity=4, max_staleness=1)
+        buf = await ReplayBuffer.options().as_actor(capacity=2, max_staleness=1)
         try:
             for v in (0, 1):
                 assert await buf.add.call_one(group(v)) == 2
@@ -29,18 +30,18 @@ def test_staleness_capacity_and_state():
             blocked = asyncio.ensure_future(buf.add.call_one(group(2)))
             await asyncio.sleep(0.3)
             assert not blocked.done()
-            # Policy version 2: the version-0 episodes are too old and are dropped, not trained on.
-            batch = await buf.sample.call_one(2, 2, timeout_s=5)
+            # Policy version 2: the version-0 group is too old and is dropped, not trained on.
+            batch = await buf.sample.call_one(1, 2, timeout_s=5)
             assert [e.policy_version for e in batch] == [1, 1]
             assert await blocked == 2
             state = await buf.state_dict.call_one()
             stats = await buf.get_stats.call_one()
-            assert stats["dropped_stale"] == 2 and stats["size"] == 2
-            other = await ReplayBuffer.options().as_actor(capacity=4, max_staleness=1)
+            assert stats["dropped_stale"] == 2 and stats["size"] == 1 and stats["episodes"] == 2
+            other = await ReplayBuffer.options().as_actor(capacity=2, max_staleness=1)
             await other.load_state_dict.call_one(state)
-            assert [e.policy_version for e in await other.sample.call_one(2, 2, timeout_s=5)] == [2, 2]
+            assert [e.policy_version for e in await other.sample.call_one(1, 2, timeout_s=5)] == [2, 2]
             await other.shutdown()
-            with pytest.raises(Exception, match="fewer than 1 episodes usable by policy version 5"):
+            with pytest.raises(Exception, match="fewer than 1 groups usable by policy version 5"):
                 await buf.sample.call_one(1, 5, timeout_s=0.5)  # nothing fresh enough for version 5
         finally:
             await buf.shutdown()
@@ -53,12 +54,12 @@ def test_filtered_group_releases_its_place():
     buffer keeps accepting and sampling instead of waiting for it (a known deadlock elsewhere)."""
 
     async def main():
-        buf = await ReplayBuffer.options().as_actor(capacity=2, max_staleness=0, max_tokens=6, dynamic_sampling=True)
+        buf = await ReplayBuffer.options().as_actor(capacity=1, max_staleness=0, max_tokens=6, dynamic_sampling=True)
         try:
             assert await buf.add.call_one(group(0, rewards=(1.0, 1.0))) == 0  # zero variance
             assert await buf.add.call_one(group(0, tokens=9)) == 0  # too long
             assert await asyncio.wait_for(buf.add.call_one(group(0)), 5) == 2
-            assert len(await buf.sample.call_one(2, 0, timeout_s=5)) == 2
+            assert len(await buf.sample.call_one(1, 0, timeout_s=5)) == 2
             assert (await buf.get_stats.call_one())["dropped_filtered"] == 4
         finally:
             await buf.shutdown()
@@ -67,17 +68,17 @@ def test_filtered_group_releases_its_place():
 
 
 def test_sample_that_drops_stale_wakes_blocked_adds():
-    """Full of stale episodes with an add waiting for room: the sample that drops them must let
+    """Full of stale groups with an add waiting for room: the sample that drops them must let
     the add in (it used to wait forever, as a synchronous GRPO run did at step 20)."""
 
     async def main():
-        buf = await ReplayBuffer.options().as_actor(capacity=2, max_staleness=0)
+        buf = await ReplayBuffer.options().as_actor(capacity=1, max_staleness=0)
         try:
             await buf.add.call_one(group(0))  # full, version 0
             blocked = asyncio.ensure_future(buf.add.call_one(group(1)))  # waits for room
             await asyncio.sleep(0.5)
             assert not blocked.done()
-            batch = await buf.sample.call_one(2, 1, timeout_s=10)  # drops the stale pair, takes the fresh one
+            batch = await buf.sample.call_one(1, 1, timeout_s=10)  # drops the stale group, takes the fresh one
             assert [e.policy_version for e in batch] == [1, 1] and await blocked == 2
         finally:
             await buf.shutdown()
@@ -85,19 +86,33 @@ def test_sample_that_drops_stale_wakes_blocked_adds():
     asyncio.run(main())
 
 
-def test_groups_of_any_size_never_wedge_a_batch():
-    """Agentic groups vary in size (an episode whose turns do not extend is several samples):
-    a buffer short of a batch takes the next group even when it overshoots capacity."""
+def test_batches_are_whole_groups():
+    """A batch never holds part of a group, whatever the groups' sizes (an agentic episode of
+    several samples, episodes left out): a lone episode of a group would be pushed by its
+    advantage with no siblings to balance it (this split groups at every batch boundary once one
+    group was not `group_size` long). A group is as old as its oldest episode: it goes whole."""
 
     async def main():
-        buf = await ReplayBuffer.options().as_actor(capacity=4, max_staleness=0)
+        buf = await ReplayBuffer.options().as_actor(capacity=8, max_staleness=0)
         try:
-            assert await buf.add.call_one(group(0, rewards=(0.0, 1.0, 0.5))) == 3
-            assert await asyncio.wait_for(buf.add.call_one(group(0, rewards=(0.0, 1.0, 0.5))), 5) == 3
-            blocked = asyncio.ensure_future(buf.add.call_one(group(0)))  # 6 held: full until a sample
-            await asyncio.sleep(0.3)
-            assert not blocked.done()
-            assert len(await buf.sample.call_one(4, 0, timeout_s=5)) == 4 and await blocked == 2
+            sizes = [(0.0, 1.0, 1.0), (1.0, 0.0), (0.0, 0.0, 1.0, 1.0, 1.0), (1.0, 0.0)]
+            for rewards in sizes:
+                g = group(1, rewards)
+                for e, a in zip(g, torch.tensor(rewards) - torch.tensor(rewards).mean()):
+                    e.advantage = float(a)
+                await buf.add.call_one(g)
+            mixed = group(1, (0.0, 1.0, 0.5))
+            mixed[1].policy_version = 0  # its second episode's first turn was on version 0
+            await buf.add.call_one(mixed)
+            first = await buf.sample.call_one(2, 1, timeout_s=5)
+            second = await buf.sample.call_one(2, 1, timeout_s=5)
+            assert [e.reward for e in first] == [*sizes[0], *sizes[1]]
+            assert [e.reward for e in second] == [*sizes[2], *sizes[3]]
+            for batch in (first, second):
+                assert sum(e.advantage for e in batch) == pytest.approx(0, abs=1e-6)
+            with pytest.raises(Exception, match="fewer than 1 groups"):
+                await buf.sample.call_one(1, 1, timeout_s=0.5)  # the mixed group went whole
+            assert (await buf.get_stats.call_one())["dropped_stale"] == 3
         finally:
             await buf.shutdown()
 

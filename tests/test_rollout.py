@@ -18,12 +18,12 @@ class Replicas:
         return list(self.versions)
 
 
-async def started(gate: OnPolicyGate, tries: int, episodes: int = 4, kept=lambda i: 4, fail=()) -> list[int]:
+async def started(gate: OnPolicyGate, tries: int, kept=lambda i: True, fail=()) -> list[int]:
     """Run `tries` groups through the gate concurrently; the versions of those that started."""
     began: list[int] = []
 
     async def group(i: int) -> None:
-        async with gate.place(episodes) as place:
+        async with gate.place() as place:
             began.append(place.version)
             await asyncio.sleep(0.01)
             if i in fail:
@@ -41,10 +41,10 @@ async def started(gate: OnPolicyGate, tries: int, episodes: int = 4, kept=lambda
 def test_a_batch_gets_exactly_its_groups_once_every_replica_has_its_weights():
     async def main():
         gen = Replicas(0, 1)  # one replica still on version 0
-        gate = OnPolicyGate(gen, batch_size=8, version=1, poll_s=0.005)
+        gate = OnPolicyGate(gen, groups=2, version=1, poll_s=0.005)
         assert await started(gate, 5) == []  # nothing starts on old weights
         gen.versions = [1, 1]
-        assert await started(gate, 5) == [1, 1]  # 2 groups of 4: the batch, no more
+        assert await started(gate, 5) == [1, 1]  # 2 groups: the batch, no more
         gate.advance(2)
         gen.versions = [2, 2]
         assert await started(gate, 5) == [2, 2]
@@ -55,14 +55,14 @@ def test_a_batch_gets_exactly_its_groups_once_every_replica_has_its_weights():
 @pytest.mark.parametrize(
     "kept, fail, expected",
     [
-        (lambda i: 4, {0}, 3),  # a failed group gives its room back: one more starts
-        (lambda i: 2 if i == 0 else 4, (), 3),  # half of a group filtered out: room for more
-        (lambda i: 0, (), 5),  # nothing kept (masked groups): every try starts
+        (lambda i: True, {0}, 3),  # a failed group gives its room back: one more starts
+        (lambda i: i != 1, (), 3),  # a group the buffer did not keep (filtered, masked): room for another
+        (lambda i: False, (), 5),  # nothing kept: every try starts
     ],
 )
 def test_a_group_that_is_not_kept_gives_its_room_back(kept, fail, expected):
     async def main():
-        gate = OnPolicyGate(Replicas(3), batch_size=8, version=3, poll_s=0.005)
+        gate = OnPolicyGate(Replicas(3), groups=2, version=3, poll_s=0.005)
         assert len(await started(gate, 5, kept=kept, fail=fail)) == expected
 
     asyncio.run(main())
@@ -70,7 +70,7 @@ def test_a_group_that_is_not_kept_gives_its_room_back(kept, fail, expected):
 
 def test_a_rewind_starts_that_versions_batch_anew():
     async def main():
-        gate = OnPolicyGate(Replicas(5), batch_size=4, version=5, poll_s=0.005)
+        gate = OnPolicyGate(Replicas(5), groups=1, version=5, poll_s=0.005)
         assert await started(gate, 2) == [5]
         gate.advance(5)  # restored from a checkpoint at the same version
         assert await started(gate, 2) == [5]

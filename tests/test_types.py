@@ -67,6 +67,9 @@ def test_collate_packs_episodes_into_rows():
     alone = collate(eps, pad_id=0, pack_to=3)  # longer than pack_to: a row of its own
     assert alone.input_ids.shape == (4, 4) and alone.doc_ids[:, 0].tolist() == [1, 2, 3, 0]
     assert collate(eps, pad_id=0).positions is None  # unpacked: one episode per row from column 0
+    rows = collate(eps, pad_id=0, rows_multiple_of=3)  # unpacked too: empty rows pad the count
+    assert rows.input_ids.shape == (6, 4) and rows.doc_ids[4:].tolist() == [[-1] * 4] * 2
+    assert rows.loss_mask[4:].sum() == 0 and rows.policy_versions.tolist() == [5, 1, 2, 2]
 
 
 def test_collate_ref_logprobs_and_device():
