@@ -32,6 +32,24 @@ def test_tokenizer_round_trip(tiny_model_dir):
     assert chat == "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_tool_tags_are_single_tokens_as_in_qwen3(tiny_model_dir):
+    """The chat template's newline is a token of its own (not <|unk|>), and the tool and reasoning
+    tags are one token each that decoding keeps (vLLM's tool and reasoning parsers read them):
+    a tool result sits one token after its tag, not fifteen."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for tag in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"):
+        assert len(tok(tag, add_special_tokens=False)["input_ids"]) == 1, tag
+    text = 'a\n<tool_call>{"name": "f"}</tool_call><think>x</think>'
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.unk_token_id not in ids and tok.decode(ids, skip_special_tokens=True) == text
+    turn = [{"role": "user", "content": "1+1="}, {"role": "tool", "content": "2", "tool_call_id": "c"}]
+    ids = tok.apply_chat_template(turn, tokenize=True, return_dict=False)
+    tokens = tok.convert_ids_to_tokens(ids)
+    assert tok.unk_token_id not in ids and tokens[tokens.index("<tool_response>") + 1 : -2] == ["2", "</tool_response>"]
+
+
 def test_deterministic_and_cached(tmp_path):
     spec = TinyModelSpec(num_hidden_layers=1, seed=3)
     a = make_tiny_model(tmp_path / "a", spec)
