@@ -151,6 +151,60 @@ class CalcTool(Task):
         ]
 
 
+class Guess(Task):
+    """`guess ???=`: find a hidden word of three letters from `abcd` in turns. Each guess is
+    answered with its letters that are in their right place (`.a.`: only the middle one); the
+    environment (services/envs/guess.py) ends the episode when a guess is right or after
+    `max_turns` guesses. The canonical play keeps every letter the last answer confirmed and
+    moves every other one to the next letter of the alphabet: it needs 1 + the highest letter's
+    rank turns (`best_turns`: 4 for `dab`, 3.4 on average), which no play that ignores the
+    answers can match; `reward` is best_turns / turns taken (at most 1), 0 unsolved."""
+
+    name = "guess"
+    ALPHABET = LETTERS[:4]
+    LENGTH = 3
+    max_turns = 6
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        return f"guess {'?' * self.LENGTH}=", "".join(rng.choice(self.ALPHABET) for _ in range(self.LENGTH))
+
+    def score(self, response: str, answer: str) -> float:
+        return float(response.strip() == answer)
+
+    def feedback(self, guess: str, secret: str) -> str:
+        """The environment's answer: the guess's letters in their right place, `.` elsewhere."""
+        guess = guess.strip()
+        return "".join(g if g == s else "." for g, s in zip(guess.ljust(len(secret)), secret))
+
+    def best_turns(self, secret: str) -> int:
+        return 1 + max(self.ALPHABET.index(c) for c in secret)
+
+    def reward(self, secret: str, turns: int, solved: bool) -> float:
+        return min(1.0, self.best_turns(secret) / turns) if solved else 0.0
+
+    def next_guess(self, guess: str, feedback: str) -> str:
+        """The canonical play: keep what the feedback confirms, advance the rest."""
+        a = self.ALPHABET
+        return "".join(
+            f if f != "." else a[(a.index(g) + 1) % len(a)] if g in a else a[0] for g, f in zip(guess, feedback)
+        )
+
+    def conversation(self, sample: Sample, noise: float, rng: random.Random) -> list[dict[str, str]]:
+        """A demonstration of the canonical play in which each letter the model writes is a random
+        one with probability `noise`; the environment answers the guess made."""
+        messages = [{"role": "user", "content": sample.prompt}]
+        guess = self.ALPHABET[0] * self.LENGTH
+        for turn in range(1, self.max_turns + 1):
+            guess = "".join(rng.choice(self.ALPHABET) if rng.random() < noise else c for c in guess)
+            messages.append({"role": "assistant", "content": guess})
+            if guess == sample.answer or turn == self.max_turns:  # the environment's end
+                break
+            reply = self.feedback(guess, sample.answer)
+            messages.append({"role": "user", "content": reply})
+            guess = self.next_guess(guess, reply)
+        return messages
+
+
 class PrintReverse(Reverse):
     """`py rev abc=` -> `print('cba')`: a Python line that prints the reversed string. Its
     `expected_output` column lets the `code_tests` reward run the program in the sandbox and
@@ -167,7 +221,7 @@ class PrintReverse(Reverse):
         return f"print('{corrupt(answer[7:-2], noise, rng)}')"
 
 
-TASKS: dict[str, Task] = {t.name: t for t in (Reverse(), Add(), Sort(), CalcTool(), PrintReverse())}
+TASKS: dict[str, Task] = {t.name: t for t in (Reverse(), Add(), Sort(), CalcTool(), Guess(), PrintReverse())}
 
 
 def chat_tokens(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:

@@ -4,6 +4,7 @@ recorded becomes the episodes; a failing or hanging environment or agent costs i
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,7 +18,9 @@ from openenv.core.env_server import Action, Environment, Observation, State, cre
 from forge.agentic import AgenticConfig, AgenticRollouts
 from forge.metrics import MetricWriter
 from forge.rollout import RolloutError
+from forge.tasks import get_task
 from services.envs import EnvPool
+from services.envs.guess import GuessWord, guess_agent
 
 TASK = {"prompt": "rev abc=", "answer": "cba", "task": "reverse"}
 
@@ -231,3 +234,56 @@ def test_the_calculator_environment():
     env.reset({"prompt": "345+678=", "answer": "1023", "task": "calc"})
     bad = env.step({"role": "assistant", "content": "1023"})  # no call
     assert bad.done and bad.reward == 0.0 and bad.info["malformed_call"] == 1.0
+
+
+class _GuessingClient:
+    """An OpenAI client stand-in whose model plays `guess`: the best play (reading each answer),
+    or always `aaa`. It records the histories it was sent."""
+
+    def __init__(self, best: bool):
+        self.game, self.best, self.sent = get_task("guess"), best, []
+        self.models = SimpleNamespace(list=self._models)
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
+
+    async def _models(self):
+        return SimpleNamespace(data=[SimpleNamespace(id="tiny")])
+
+    async def _create(self, model, messages, **kw):
+        self.sent.append([dict(m) for m in messages])
+        guess = "aaa"
+        if self.best and len(messages) > 1:
+            guess = self.game.next_guess(messages[-2]["content"].strip(), messages[-1]["content"])
+        content = guess + "\n"  # as a model might: the next history must carry it as sampled
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=content))])
+
+
+def test_the_guess_environment_and_agent(loop):
+    """`guess` as a MessageEnv: each wrong guess gets its letters in place as a user message, the
+    right word ends the episode at the best play's turns / the turns taken, and the sixth wrong
+    guess at 0. The agent plays the same game with an openai-style client and sends its replies
+    back as sampled (so the gateway's turns extend token for token)."""
+    task = {"prompt": "guess ???=", "answer": "dab", "task": "guess"}
+    env = GuessWord()
+    messages, tools = env.reset(task)
+    assert messages == [{"role": "user", "content": "guess ???="}] and tools is None
+    first = env.step({"role": "assistant", "content": "aaa"})
+    assert not first.done and first.messages == [{"role": "user", "content": ".a."}]
+    for guess in ("bab", "cab"):
+        assert env.step({"role": "assistant", "content": guess}).messages[0]["content"] == ".ab"
+    solved = env.step({"role": "assistant", "content": " dab\n"})
+    assert solved.done and solved.reward == 1.0 and solved.info == {"correct": 1.0, "turns": 4.0}
+    env.reset(task)
+    steps = [env.step({"role": "assistant", "content": "ccc"}) for _ in range(6)]
+    assert [s.done for s in steps] == [False] * 5 + [True] and steps[-1].reward == 0.0
+    assert steps[-1].info["correct"] == 0.0
+
+    best, blind = _GuessingClient(best=True), _GuessingClient(best=False)
+    assert loop.run_until_complete(guess_agent(best, task)) == {"reward": 1.0, "correct": 1.0, "turns": 4.0}
+    assert best.sent[-1][1:5] == [
+        {"role": "assistant", "content": "aaa\n"},
+        {"role": "user", "content": ".a."},
+        {"role": "assistant", "content": "bab\n"},
+        {"role": "user", "content": ".ab"},
+    ]
+    assert loop.run_until_complete(guess_agent(blind, task)) == {"reward": 0.0, "correct": 0.0, "turns": 6.0}
+    assert len(blind.sent) == 6

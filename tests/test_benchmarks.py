@@ -1,8 +1,10 @@
 """Each benchmark's --quick smoke run writes its JSON (the full runs are `forge bench NAME`)."""
 
+import asyncio
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -79,3 +81,55 @@ def test_scale_quick_runs_the_loop_over_simulated_replicas(tmp_path):
         assert run["modes"][f"max_staleness={k}"]["staleness_max"] <= k
     assert data["speedup_async_vs_sync"] > 1.5 and 0 < data["share_of_ideal"] and data["ideal_speedup"] > 2
     assert data["controller_cpu_ms_per_episode"] > 0
+
+
+def test_async_vs_sync_bounds_the_work_its_rollouts_do(monkeypatch):
+    """The ideal's bound comes from the work the runs do: the single-turn rollout generates each
+    sample's drawn length, waits its drawn latency and records its group's least time (the slowest
+    sample's generation alone plus its latency, then scoring); an agentic episode's tool waits its
+    task's latency and records it; the bound is the longer of training and that work over the
+    rollout slots."""
+    from benchmarks import async_vs_sync as avs
+    from forge.metrics import _drain, reduce_states
+    from forge.tasks import Sample
+    from forge.types import Completion, Score
+
+    sample = Sample("rev abcd=", "dcba", "reverse")
+    asked, slept = [], []
+
+    async def generate(prompt, n, sampling):
+        asked.append(sampling["max_tokens"])
+        return [Completion([1], [2], [-0.5], "x", "length")]
+
+    async def score(inputs):
+        return [Score(0.0)] * len(inputs)
+
+    async def sleep(seconds):
+        slept.append(seconds)
+
+    gen = SimpleNamespace(generate=SimpleNamespace(route=generate))
+    rewards = SimpleNamespace(score=SimpleNamespace(route=score))
+    monkeypatch.setattr(avs.asyncio, "sleep", sleep)
+    alone = {"generate_s": {n: 0.01 * n for n in (*range(2, 9), avs.CAP)}, "score_s": 0.002, "episode_s": 0.1}
+    monkeypatch.setattr(avs, "ALONE", alone)
+    _drain()  # this process's metrics so far
+    group, _ = asyncio.run(avs.heavy_tail_rollout(sample, gen, rewards, None))
+    draws = avs.sample_draws(sample.prompt)
+    assert len(group) == avs.GROUP_SIZE and sorted(asked) == sorted(n for n, _ in draws)
+    assert sorted(slept) == sorted(latency for _, latency in draws)
+    least = max(0.01 * n + latency for n, latency in draws) + 0.002
+    assert reduce_states([_drain()])["bench/least_group_s"] == pytest.approx(least)
+
+    env, slept[:] = avs.SlowToolEnv(), []
+    env.reset(sample.row())
+    for _ in range(2):  # the tool call, then the answer
+        asyncio.run(env.step({"role": "assistant", "content": "x"}))
+    recorded = reduce_states([_drain()])
+    assert slept == [avs.task_latency(sample.prompt)] and recorded == {"bench/episodes": 1, "bench/tool_s": slept[0]}
+
+    def run(least_rollouts_s, train_s_per_step):
+        return {"wall_s": 10.0, "least_rollouts_s": least_rollouts_s, "train_push_s_per_step": train_s_per_step}
+
+    r = avs.compare({0: run(9.0, 0.2), 1: run(3.0, 0.3), 4: run(4.0, 0.3)}, 10)
+    assert r["least_wall_s"] == {"rollouts_s": 4.0, "training_s": 2.0, "wall_s": 4.0}  # the async run's work
+    assert r["ideal_speedup"] == 2.5 and r["async_fraction_of_ideal"] == 0.4

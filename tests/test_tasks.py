@@ -1,4 +1,6 @@
+import itertools
 import random
+import statistics
 
 import pytest
 
@@ -117,3 +119,35 @@ def test_pyrev_asks_for_a_program_and_keeps_what_it_must_print():
     noisy = [t.corrupt("print('abcde')", 0.5, rng) for _ in range(50)]
     assert all(n.startswith("print('") and n.endswith("')") and len(n) == 14 for n in noisy)  # only letters change
     assert any(n != "print('abcde')" for n in noisy)
+
+
+def test_guess_answers_and_the_best_play():
+    """The environment's answer shows the guess's letters in their right place; the best play,
+    which keeps them and moves the rest on, finds every one of the 64 words in exactly
+    `best_turns` guesses (3.4 on average), and a clean demonstration is that play; guessing
+    `aaa`, `bbb`, ... without reading the answers finds only the words of one letter."""
+    g = tasks.get_task("guess")
+    assert (
+        g.feedback("aab", "cab") == ".ab" and g.feedback(" abc\n", "abc") == "abc" and g.feedback("a", "cab") == "..."
+    )
+    assert g.best_turns("dab") == 4 and g.best_turns("aaa") == 1
+    assert g.reward("dab", 4, True) == g.reward("dab", 2, True) == 1.0 and g.reward("dab", 5, True) == 0.8
+    assert g.reward("dab", 6, False) == 0.0
+    words = ["".join(w) for w in itertools.product(g.ALPHABET, repeat=g.LENGTH)]
+    for w in words:
+        conv = g.conversation(tasks.Sample("guess ???=", w, "guess"), 0.0, random.Random(0))
+        guesses = [m["content"] for m in conv[1::2]]
+        assert [m["role"] for m in conv] == ["user"] + ["assistant", "user"] * (len(guesses) - 1) + ["assistant"]
+        assert guesses[-1] == w and len(guesses) == g.best_turns(w) and guesses[0] == "aaa"
+        assert all(conv[k]["content"] == g.feedback(conv[k - 1]["content"], w) for k in range(2, len(conv), 2))
+    assert statistics.mean(g.best_turns(w) for w in words) == pytest.approx(3.44, abs=0.01)
+    blind = [w for w in words if any(w == c * g.LENGTH for c in g.ALPHABET[: g.max_turns])]
+    assert len(blind) == 4  # the rest need the answers
+
+    for s in tasks.generate("guess", 100, seed=3):
+        assert s.prompt == "guess ???=" and len(s.answer) == 3 and set(s.answer) <= set(g.ALPHABET)
+    noisy = [g.conversation(tasks.Sample("guess ???=", "dcb", "guess"), 0.5, random.Random(k)) for k in range(20)]
+    assert any(len(c) != 7 for c in noisy) and all(
+        len(c) <= 2 * g.max_turns and c[-1]["role"] == "assistant" for c in noisy
+    )
+    assert all(set(m["content"]) <= set(g.ALPHABET) for c in noisy for m in c[1::2])
