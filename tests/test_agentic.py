@@ -3,6 +3,7 @@ multi-turn episodes through the gateway (the fixture `served`); what the gateway
 recorded becomes the episodes; a failing or hanging environment or agent costs its episode."""
 
 import asyncio
+import json
 import time
 from types import SimpleNamespace
 
@@ -287,3 +288,40 @@ def test_the_guess_environment_and_agent(loop):
     ]
     assert loop.run_until_complete(guess_agent(blind, task)) == {"reward": 0.0, "correct": 0.0, "turns": 6.0}
     assert len(blind.sent) == 6
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "((9**64)**64)**64",  # each power under the old exponent check, the result ~10**(61*64*64) digits
+        "2**64**64",
+        "(10**300 * 10**300) * (10**300 * 10**300)",  # products past the bound
+        "10**308 * 1e10",  # a float past its range: inf
+        "(" * 5000 + "1" + ")" * 5000,  # past the length bound (and the parser's recursion)
+    ],
+)
+def test_the_calculator_bounds_every_intermediate_result(expression):
+    """Whatever a policy writes, an expression is refused within milliseconds with a ValueError (the
+    tool message) instead of taking the environment replica's CPU and memory."""
+    from services.envs.calculator import MathWithCalculator, evaluate
+
+    start = time.monotonic()
+    with pytest.raises(ValueError):
+        evaluate(expression)
+    assert time.monotonic() - start < 0.5
+    env = MathWithCalculator()
+    env.reset({"prompt": "?", "answer": "#### 4"})
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "c",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})},
+            }
+        ],
+    }
+    step = env.step(call)
+    assert not step.done and "error" in step.messages[0]["content"].lower()
+    assert evaluate("(48 + 24) * 3 / 2") == 108 and evaluate("2**1000") == 2**1000 and evaluate("-3**2") == -9

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 from typing import Any
 
@@ -86,26 +87,46 @@ _OPS = {
 }
 
 
+MAX_EXPRESSION_CHARS = 1000
+MAX_BITS = 1024  # every intermediate integer; floats overflow on their own at ~1e308
+
+
+def _bounded(x: float) -> float:
+    if (isinstance(x, int) and x.bit_length() > MAX_BITS) or (isinstance(x, float) and not math.isfinite(x)):
+        raise ValueError(f"a result over {MAX_BITS} bits")
+    return x
+
+
+def _power(left: float, right: float) -> float:
+    # Refused before it is computed: ((9**64)**64)**64 would take the replica's memory and CPU to
+    # find out. Past this check the result has at most 2 x MAX_BITS bits.
+    if isinstance(left, int) and isinstance(right, int) and (abs(left).bit_length() - 1) * right > MAX_BITS:
+        raise ValueError(f"a result over {MAX_BITS} bits")
+    return _bounded(operator.pow(left, right))
+
+
 def evaluate(expression: str) -> float:
-    """An arithmetic expression's value; anything else (names, calls, huge powers) is a ValueError.
-    Walked by hand because `eval` would run whatever the model writes."""
+    """An arithmetic expression's value; anything else (names, calls, results over MAX_BITS bits,
+    expressions over MAX_EXPRESSION_CHARS) is a ValueError. Walked by hand because `eval` would
+    run whatever the model writes."""
 
     def value(node: ast.AST) -> float:
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-            return node.value
+            return _bounded(node.value)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](value(node.operand))
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+            return _power(value(node.left), value(node.right))
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > 64:
-                raise ValueError("exponent too large")
-            return _OPS[type(node.op)](left, right)
+            return _bounded(_OPS[type(node.op)](value(node.left), value(node.right)))
         raise ValueError(f"not arithmetic: {ast.unparse(node)[:40]!r}")
 
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"an expression over {MAX_EXPRESSION_CHARS} characters")
     try:
         return value(ast.parse(expression.strip(), mode="eval").body)
-    except (SyntaxError, ZeroDivisionError, OverflowError) as e:
-        raise ValueError(str(e)) from None
+    except (SyntaxError, ZeroDivisionError, OverflowError, RecursionError) as e:
+        raise ValueError(str(e) or type(e).__name__) from None
 
 
 class MathWithCalculator:
