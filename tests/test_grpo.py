@@ -313,3 +313,23 @@ def test_code_configs_are_valid(tmp_path, tiny_model_dir):
     sample = next(iter(FilePrompts(cfg.dataset, cfg.seed)))
     assert "Your code should pass this test:\nassert double(2) == 4\n" in sample.prompt
     assert sample.answer == row["code"] and sample.row()["test_list"] == row["test_list"]
+
+
+@pytest.mark.parametrize(
+    "path, task, env, agent",
+    [
+        ("configs/grpo_tool_tiny.yaml", "calc", "services.envs.calculator:Calculator", None),
+        ("configs/grpo_tool_agent_tiny.yaml", "calc", None, "services.envs.calculator:calculator_agent"),
+        ("configs/grpo_guess_tiny.yaml", "guess", "services.envs.guess:GuessWord", None),
+        ("configs/grpo_guess_agent_tiny.yaml", "guess", None, "services.envs.guess:guess_agent"),
+    ],
+)
+def test_agentic_toy_configs_are_valid(path, task, env, agent):
+    """The agentic toys load as documented: an agent config is its environment config with the
+    agent in the environment's place (`base:`), the same task, model and training."""
+    from forge.cli import app_config
+
+    module, cfg = app_config(path, [])
+    assert module.__name__ == "apps.grpo" and cfg.task == task and cfg.model.tiny.task == task
+    assert cfg.agentic.env == env and cfg.agentic.agent == agent
+    assert cfg.groups_per_step * cfg.group_size == 32 and cfg.trainer.lr == 1e-4
