@@ -54,7 +54,6 @@ from forge.actor import ForgeActor
 from forge.config import ConfigError
 from forge.shm import owned_dir
 from forge.types import RewardInput, RewardUnavailable
-from services.sandbox_launcher import SETUP_FAILED
 
 log = logging.getLogger("forge")
 
@@ -163,11 +162,16 @@ def default_python() -> str:
 @dataclass
 class _Started:
     pid: int  # the run's first process (its session leader; its child is pid 1 of the namespace)
-    exited: asyncio.Future  # its exit code, as a shell gives it (negative: killed itself)
+    exited: asyncio.Future  # (its exit code as a shell gives it (negative: killed itself), its set-up error)
 
     @property
     def returncode(self) -> int:
-        return self.exited.result()
+        return self.exited.result()[0]
+
+    @property
+    def setup_error(self) -> str | None:
+        """Why the sandbox could not be set up, from the launcher's own channel (never the program's)."""
+        return self.exited.result()[1]
 
 
 class _Launcher:
@@ -234,7 +238,7 @@ class _Launcher:
             started.set_result(msg["pid"])
         else:
             del self.waiting[msg["id"]]
-            exited.set_result(os.waitstatus_to_exitcode(msg["status"]))
+            exited.set_result((os.waitstatus_to_exitcode(msg["status"]), msg["setup_error"]))
 
     async def stop(self) -> None:
         if self.sock is not None:
@@ -392,8 +396,8 @@ class SandboxPool:
             for fd in ours + theirs:
                 os.close(fd)
             _empty(work)
-        if run.returncode == SETUP_FAILED and err.startswith(b"forge sandbox launcher:"):
-            raise SandboxError(f"sandbox: could not set up the run: {err.decode(errors='replace').strip()}")
+        if run.setup_error is not None:
+            raise SandboxError(f"sandbox: could not set up the run: {run.setup_error}")
         return self._result(run.returncode, out, err, wall, timed_out, truncated, req, report)
 
     def _write_files(self, work: Path, req: _Request, uid: int) -> list[str]:

@@ -36,7 +36,7 @@ from typing import NoReturn
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
-SETUP_FAILED = 125  # the exit code of a run whose sandbox could not be set up (stderr says why)
+SETUP_FAILED = 125  # the exit code of a run whose sandbox could not be set up (its setup pipe says why)
 libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -80,8 +80,10 @@ def slot_netns(uid: int) -> None:
             os.close(fd)
 
 
-def run(req: dict, fds: list[int]) -> NoReturn:
-    """The forked child: sets up the sandbox, then execs the program or runs it here (Python)."""
+def run(req: dict, fds: list[int], setup: int) -> NoReturn:
+    """The forked child: sets up the sandbox, then execs the program or runs it here (Python).
+    A set-up failure is written to `setup`, a pipe the program never holds (closed before it
+    starts, and by pid 1 once it forked), so no program can pass for a sandbox that failed."""
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -91,11 +93,13 @@ def run(req: dict, fds: list[int]) -> NoReturn:
             check(libc.setns(NETNS[req["uid"]], CLONE_NEWNET), "setns (the slot's network namespace)")
         for target, fd in enumerate(fds):  # stdin, stdout, stderr, the harness's report fd (3)
             os.dup2(fd, target)
-        os.closerange(len(fds), os.sysconf("SC_OPEN_MAX"))
+        os.closerange(len(fds), setup)  # the launcher's fds, but for `setup` (numbered above these)
+        os.closerange(setup + 1, os.sysconf("SC_OPEN_MAX"))
         if req["namespaces"]:
             check(libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWPID), "unshare")
             pid = os.fork()
             if pid:
+                os.close(setup)
                 os._exit(exit_code(pid))
             # pid 1 of the run's namespace: its mounts, then the program as its child
             check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
@@ -110,6 +114,7 @@ def run(req: dict, fds: list[int]) -> NoReturn:
                         os.chown(name, req["uid"], req["uid"])
         pid = os.fork()
         if pid:
+            os.close(setup)
             os._exit(exit_code(pid))
         for name, value in req["rlimits"].items():
             resource.setrlimit(getattr(resource, name), (value, value))
@@ -122,10 +127,11 @@ def run(req: dict, fds: list[int]) -> NoReturn:
             # Dumpable again, as exec would make it: setuid() made /proc/self root's
             check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "dumpable")
         if not req["python"]:
-            os.execve(req["argv"][0], req["argv"], req["env"])
+            os.execve(req["argv"][0], req["argv"], req["env"])  # `setup` is close-on-exec
     except BaseException as e:  # noqa: BLE001 - whatever failed, the run ends with why
-        os.write(2, f"forge sandbox launcher: {type(e).__name__}: {e}\n".encode())
+        os.write(setup, f"{type(e).__name__}: {e}".encode()[:4000])
         os._exit(SETUP_FAILED)
+    os.close(setup)
     run_python(req["argv"], req["env"])
 
 
@@ -194,6 +200,17 @@ def without_launcher_frames(kind, value, tb, _launcher=__file__) -> None:
     sys.__excepthook__(kind, value.with_traceback(tb), tb)  # it prints the exception's own traceback
 
 
+def setup_error(fd: int) -> str | None:
+    """What a run's set-up wrote to its pipe (None: it set up); closes the pipe."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 4096).decode(errors="replace") or None
+    except BlockingIOError:  # a writer left (cannot be: all closed or exited); nothing written
+        return None
+    finally:
+        os.close(fd)
+
+
 def main(fd: int) -> None:
     parent = os.getppid()
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")  # the pool's process gone: so is this
@@ -205,7 +222,7 @@ def main(fd: int) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through wake_w
-    running: dict[int, int] = {}  # pid -> request id
+    running: dict[int, tuple[int, int]] = {}  # pid -> request id, the read end of its setup pipe
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in ready:
@@ -214,7 +231,8 @@ def main(fd: int) -> None:
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
                     break
-                sock.send(json.dumps({"id": running.pop(pid), "status": status}).encode())
+                run_id, setup_r = running.pop(pid)
+                sock.send(json.dumps({"id": run_id, "status": status, "setup_error": setup_error(setup_r)}).encode())
         if sock in ready:
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
             if not msg:
@@ -225,13 +243,14 @@ def main(fd: int) -> None:
                     slot_netns(req["uid"])
                 except OSError:
                     pass  # the run's setns fails and says so
+            setup_r, setup_w = os.pipe()
             pid = os.fork()
             if pid == 0:
                 sock.close()
-                run(req, fds)
-            for f in fds:
+                run(req, fds, setup_w)
+            for f in (*fds, setup_w):
                 os.close(f)
-            running[pid] = req["id"]
+            running[pid] = (req["id"], setup_r)
             sock.send(json.dumps({"id": req["id"], "pid": pid}).encode())
 
 

@@ -352,3 +352,23 @@ def test_reward_service_scores_with_code_tests(loop):
         assert [(s.reward, s.correct, s.unavailable) for s in scores] == [(1.0, 1.0, None), (0.0, 0.0, None)]
     finally:
         loop.run_until_complete(rewards.shutdown())
+
+
+def test_a_program_cannot_pass_for_a_sandbox_that_failed(loop):
+    """The sentinel attack: a program that prints the launcher's set-up message and exits with its
+    code used to raise SandboxError, so its reward was 'unavailable' and GRPO masked its whole
+    group (a policy could escape every bad group this way). Set-up failures now travel on a pipe
+    the program never holds: the fake is an ordinary failing program, and a real set-up failure
+    (here: a working directory that does not exist) is still reported as one."""
+    from forge.types import RewardInput, RewardUnavailable
+    from services.sandbox import CodeTests, CodeTestsConfig
+
+    reward = CodeTests(CodeTestsConfig(sandbox=SandboxConfig(workers=2, uid_base=61500)))
+    fake = "import sys\nprint('forge sandbox launcher: OSError: boom', file=sys.stderr)\nsys.exit(125)\n"
+    assert loop.run_until_complete(reward(RewardInput(MBPP_ROW, fake)))["reward"] == 0.0
+    spec = reward.pool._spec
+    reward.pool._spec = lambda *a: {**spec(*a), "cwd": "/nonexistent-forge-cwd"}
+    with pytest.raises(RewardUnavailable) as e:
+        loop.run_until_complete(reward(RewardInput(MBPP_ROW, "def f(x): return 2 * x")))
+    assert "could not set up the run" in str(e.value) and "nonexistent-forge-cwd" in str(e.value)
+    assert sandbox_pids() == []
