@@ -58,36 +58,10 @@ from forge.types import RewardInput, RewardUnavailable
 log = logging.getLogger("forge")
 
 LANGUAGES = {"python": "main.py", "bash": "main.sh"}
+TESTS_FILE = ".forge_tests.json"
 # What a program prints when the address-space limit stops an allocation (Python, libc, C++).
 _OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-
-# Runs the program's code, then each test in its namespace (MBPP/HumanEval asserts), and
-# reports the counts through the file descriptor in argv[1]. The tests run in the program's
-# process, as those datasets' own evaluators run them.
-_HARNESS = """\
-import json, os, sys
-_fd, _tests, _main = int(sys.argv[1]), json.load(open(sys.argv[2])), sys.argv[3]
-sys.argv = [_main]
-def _report(passed):
-    os.write(_fd, json.dumps({"passed": passed}).encode())
-    os.close(_fd)
-_ns = {"__name__": "__main__", "__file__": _main}
-try:
-    exec(compile(open(_main).read(), _main, "exec"), _ns)
-except BaseException:
-    _report(0)
-    raise
-_passed = 0
-for _i, _t in enumerate(_tests):
-    try:
-        exec(compile(_t, f"<test {_i}>", "exec"), _ns)
-        _passed += 1
-    except Exception as _e:
-        print(f"test {_i} failed: {type(_e).__name__}: {_e}", file=sys.stderr)
-_report(_passed)
-sys.exit(0 if _passed == len(_tests) else 1)
-"""
 
 
 class SandboxError(RuntimeError):
@@ -307,7 +281,7 @@ class SandboxPool:
             await self.launcher.start(self.python)
         except OSError as e:
             raise SandboxError(f"sandbox: could not start its launcher: {e}") from e
-        self.harness.write_text(_HARNESS)
+        self.harness.write_text(Path(__file__).with_name("sandbox_harness.py").read_text())
         self.harness.chmod(0o644)
         for uid in self._take_uids(self.cfg.workers):
             self.slots.put_nowait(uid)
@@ -368,7 +342,7 @@ class SandboxPool:
     async def _run(self, req: _Request, uid: int) -> RunResult:
         self.runs += 1
         work = self.dir / str(uid)  # the slot's: a directory made and removed per run costs ~3 ms
-        ours, theirs = [], []  # pipe ends: read here / given to the run (stdin, stdout, stderr, report)
+        ours, theirs = [], []  # read here / given to the run (stdin, stdout, stderr, report, tests)
         try:
             argv = self._write_files(work, req, uid)
             if req.stdin:
@@ -378,7 +352,9 @@ class SandboxPool:
                 r, w = os.pipe()
                 ours.append(r)
                 theirs.append(w)
-            if not req.tests:
+            if req.tests:  # the tests' file, which only root may open: the harness reads them from this fd
+                theirs.append(os.open(work / TESTS_FILE, os.O_RDONLY))
+            else:
                 theirs.append(os.open(os.devnull, os.O_WRONLY))
             start = time.perf_counter()
             if self.launcher.sock is None:  # it died (its runs then failed): a new one for this run
@@ -407,7 +383,7 @@ class SandboxPool:
         Without, this directory is the working directory, the slot's uid owns it all."""
         own = work / "files" if self.namespaces else work  # what the program's uid owns
         main = work / LANGUAGES[req.language]
-        tests = work / ".forge_tests.json"
+        tests = work / TESTS_FILE
         try:
             work.mkdir(mode=0o750, exist_ok=True)
             main.write_text(req.code)
@@ -422,15 +398,15 @@ class SandboxPool:
                 owned = [own, *own.rglob("*")] if req.files or own == work else []
                 for path in [work, *written]:
                     os.chown(path, uid if path in owned else 0, uid)
-                    path.chmod(0o750 if path.is_dir() else 0o640)
+                    path.chmod(0o750 if path.is_dir() else 0o600 if path == tests else 0o640)
                 for path in owned:
                     os.chown(path, uid, uid)
         except OSError as e:
             raise SandboxError(f"sandbox: could not write the working directory {work}: {e}") from e
         if req.language == "bash":
             return ["/bin/bash", str(main)]
-        if req.tests:  # the launcher gives the report pipe as fd 3
-            return [str(self.harness), "3", str(tests), str(main)]
+        if req.tests:  # the launcher gives the report pipe as fd 3, the tests' file as fd 4
+            return [str(self.harness), "3", "4", str(main)]
         return [str(main)]  # a Python script: the launcher runs it in a forked interpreter
 
     def _spec(self, work: Path, req: _Request, uid: int, argv: list[str]) -> dict:
@@ -534,7 +510,7 @@ class SandboxPool:
             wall_s=wall,
             signal=_signal_name(sig),
             truncated=truncated,
-            tests_passed=int((report or {}).get("passed", 0)),
+            tests_passed=_passed(report, len(req.tests)),
             tests_total=len(req.tests),
         )
 
@@ -648,6 +624,12 @@ async def _read(fd: int, cap: int) -> tuple[bytes, bool]:
     finally:
         transport.close()
     return bytes(kept), dropped
+
+
+def _passed(report: dict | None, total: int) -> int:
+    """The harness's count, checked: an int in [0, total], else 0."""
+    passed = (report or {}).get("passed") if isinstance(report, dict) else None
+    return passed if type(passed) is int and 0 <= passed <= total else 0
 
 
 def _read_report(fd: int) -> dict | None:

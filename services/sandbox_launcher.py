@@ -91,7 +91,7 @@ def run(req: dict, fds: list[int], setup: int) -> NoReturn:
         os.setsid()  # its own session and process group, away from the launcher's
         if req["namespaces"]:  # before the fds are closed: its namespace is one
             check(libc.setns(NETNS[req["uid"]], CLONE_NEWNET), "setns (the slot's network namespace)")
-        for target, fd in enumerate(fds):  # stdin, stdout, stderr, the harness's report fd (3)
+        for target, fd in enumerate(fds):  # stdin, stdout, stderr, the harness's report (3) and tests (4)
             os.dup2(fd, target)
         os.closerange(len(fds), setup)  # the launcher's fds, but for `setup` (numbered above these)
         os.closerange(setup + 1, os.sysconf("SC_OPEN_MAX"))
@@ -234,7 +234,7 @@ def main(fd: int) -> None:
                 run_id, setup_r = running.pop(pid)
                 sock.send(json.dumps({"id": run_id, "status": status, "setup_error": setup_error(setup_r)}).encode())
         if sock in ready:
-            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 5)
             if not msg:
                 return  # the pool is gone
             req = json.loads(msg)

@@ -90,6 +90,51 @@ def test_unit_tests_count_passes(loop, sandbox):
     assert r.tests_passed == 0  # the program ended before its tests ran: none passed
 
 
+def test_plain_data_crosses_to_the_tests(loop, sandbox):
+    """Tests compare the program's results as plain data, outside its process: tuples stay tuples,
+    sets, dicts with tuple keys, bytes, floats (nan, inf), the program's constants and stdlib
+    modules it imported; an exception the program raises fails its test, not the others."""
+    code = (
+        "import math\nLIMIT = 3\n"
+        "def f(x):\n    return (x, [x], {x}, {(x, 1): b'a'}, math.inf, float('nan'))\n"
+        "def g(x):\n    raise ValueError(x)\n"
+    )
+    tests = [
+        "assert f(2)[:5] == (2, [2], {2}, {(2, 1): b'a'}, math.inf) and f(2)[5] != f(2)[5]",
+        "assert LIMIT == 3 and math.isclose(math.sqrt(LIMIT) ** 2, 3)",
+        "assert all(f(i)[0] == i for i in range(LIMIT))",
+        "g(1)",
+        "assert sorted(f(1)[1] * 3) == [1, 1, 1] and f(x=4)[0] == 4",
+    ]
+    r = run(loop, sandbox, code, tests=tests)
+    assert (r.tests_passed, r.tests_total) == (4, 5) and "test 3 failed: ProgramError: ValueError: 1" in r.stderr
+
+
+# A program that games its grade: each passed every test on the old harness (the tests ran in the
+# program's process, which held the report fd 3, and the tests' file was readable to the run).
+GRADE_ATTACKS = {
+    "writes the report fd": "import os\nos.write(3, b'{\"passed\": 999}')\nos._exit(0)",
+    "writes the report fd, then fails": "import os\nos.write(3, b'{\"passed\": 2}' + b' ' * 5000)\ndef f(x):\n    return 0",
+    "an object equal to anything": "class E:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return E()",
+    "an int equal to anything": "class E(int):\n    __eq__ = lambda self, other: True\ndef f(x):\n    return E(0)",
+    "reads the expected values": (
+        "import json, os, re\ntable = {}\n"
+        "try:\n    tests = json.load(open(os.path.join(os.path.dirname(__file__), '.forge_tests.json')))\n"
+        "except OSError:\n    tests = []\n"
+        "for t in tests:\n    m = re.match(r'assert f\\((.*)\\) == (.*)', t)\n    if m:\n        table[int(m[1])] = int(m[2])\n"
+        "def f(x):\n    return table[x]"
+    ),
+    "shadows a builtin the tests use": "def f(x):\n    return [0]\ndef len(x):\n    return 3",
+}
+
+
+@pytest.mark.parametrize("name", GRADE_ATTACKS)
+def test_a_program_cannot_grade_itself(loop, sandbox, name):
+    tests = ["assert len(f(3)) == 3"] if "builtin" in name else ["assert f(1) == 2", "assert f(2) == 5"]
+    r = run(loop, sandbox, GRADE_ATTACKS[name], tests=tests)
+    assert (r.tests_passed, r.tests_total) == (0, len(tests)), (r.stdout, r.stderr)
+
+
 # Python programs run in an interpreter the launcher forked, already started: each must end as
 # under its own `python3 -I` (exit status, stdout, stderr up to the script's path).
 AS_OWN_PROCESS = {
@@ -372,3 +417,17 @@ def test_a_program_cannot_pass_for_a_sandbox_that_failed(loop):
         loop.run_until_complete(reward(RewardInput(MBPP_ROW, "def f(x): return 2 * x")))
     assert "could not set up the run" in str(e.value) and "nonexistent-forge-cwd" in str(e.value)
     assert sandbox_pids() == []
+
+
+def test_a_program_faking_its_counts_scores_at_most_its_tests(loop):
+    """The reward of the fd attack (it was 499.5): 0, and never past 1 whatever the report says."""
+    from forge.types import RewardInput
+    from services.sandbox import CodeTests, CodeTestsConfig, _passed
+
+    reward = CodeTests(CodeTestsConfig(sandbox=SandboxConfig(workers=1, uid_base=61600)))
+    spoof = "import os\nos.write(3, b'{\"passed\": 999}')\nos._exit(0)"
+    assert loop.run_until_complete(reward(RewardInput(MBPP_ROW, spoof))) == {"reward": 0.0, "correct": False}
+    assert [_passed(r, 3) for r in ({"passed": 999}, {"passed": -1}, {"passed": True}, {"passed": 2.0}, [], None)] == [
+        0
+    ] * 6
+    assert _passed({"passed": 2}, 3) == 2
