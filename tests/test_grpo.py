@@ -237,7 +237,7 @@ def test_broken_rollouts_stop_the_run_with_a_clear_error(tmp_path, loop, service
         "grpo_rollouts:score_without_reward": r"rollout 'grpo_rollouts:score_without_reward': scores\[0\] has no field 'reward'",
         "grpo_rollouts:always_raises": r"\d+ rollouts failed in a row \(config key 'max_rollout_failures'\); the last: "
         r"ConnectionError: tool server unreachable",
-        "grpo_rollouts:never_returns": r"no batch of 8 episodes usable by policy version \d+ within 3.0 s \(config key "
+        "grpo_rollouts:never_returns": r"no batch of 2 groups usable by policy version \d+ within 3.0 s \(config key "
         r"'sample_timeout_s'\): the buffer holds 0 .*; rollouts last failed with: nothing",
     }
     for name, message in cases.items():

@@ -14,7 +14,14 @@ from services.rewards import Rewards
 
 SAMPLE = RewardInput({"prompt": "rev abc=", "answer": "cba", "task": "reverse", "level": "easy"}, "cbb")
 RUBRIC = "Grade {prompt} -> {completion} (want {answer}, {level}). Score:"
-SEVEN = {"logit_bias": {"29": 100}}  # token 29 is '7' in the tiny model's vocabulary: it answers 7s
+
+
+@pytest.fixture(scope="module")
+def seven(tiny_model_dir):
+    """Sampling that makes the tiny model answer 7s (its token for '7' biased up)."""
+    from transformers import AutoTokenizer
+
+    return {"logit_bias": {str(AutoTokenizer.from_pretrained(tiny_model_dir).convert_tokens_to_ids("7")): 100}}
 
 
 def score(loop, cfg, rewards=None, samples=(SAMPLE,)):
@@ -33,17 +40,17 @@ def judge_cfg(gw, **kw):
     return JudgeConfig(base_url=gw.base_url, api_key=gw.open_session(), rubric=RUBRIC, max_tokens=6, **kw)
 
 
-def test_the_judge_scores_by_its_rubric(loop, served):
+def test_the_judge_scores_by_its_rubric(loop, served, seven):
     """The reward is the score the pattern finds in the judge's answer over max_score; the judge
     answers as it does to the same request made directly (temperature 0)."""
     gw, _, _ = served
-    cfg = judge_cfg(gw, pattern=r"(\d)", max_score=9, extra_body=SEVEN)
+    cfg = judge_cfg(gw, pattern=r"(\d)", max_score=9, extra_body=seven)
 
     async def direct():
         c = openai.AsyncOpenAI(base_url=gw.base_url, api_key=cfg.api_key, max_retries=0)
         prompt = RUBRIC.format(**SAMPLE.task, completion=SAMPLE.completion)
         r = await c.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=6, extra_body=SEVEN
+            model="tiny", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=6, extra_body=seven
         )
         return r.choices[0].message.content
 
