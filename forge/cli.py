@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--host", default="127.0.0.1", help="set it to listen beyond this machine")
     v.add_argument("--replicas", type=int, default=1, help="generator replicas (vLLM engines)")
-    v.add_argument("--api-key", help="the key clients must send (default: none needed)")
+    v.add_argument(
+        "--api-key",
+        default=os.environ.get("FORGE_API_KEY"),
+        help="the key clients must send (default: $FORGE_API_KEY; none needed on 127.0.0.1, required beyond)",
+    )
     v.add_argument("--max-model-len", type=int, help="default: the model's own context length")
     v.add_argument("--dtype", default="float32")
     v.add_argument("--chat-template", help="a Jinja file or string (default: the tokenizer's)")

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hmac
+import ipaddress
 import json
 import logging
 import socket
@@ -41,6 +43,13 @@ PUBLIC_PATHS = ("/health", "/ping", "/version")  # answered without a key
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")  # counted against max_inflight
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
 @dataclass
 class GatewayConfig:
     host: str = "127.0.0.1"  # set it explicitly to listen beyond this machine
@@ -57,7 +66,12 @@ class GatewayConfig:
     served_model_name: str | None = None  # default: the model directory's name
 
     def validate(self) -> None:
-        if self.host not in ("127.0.0.1", "localhost", "::1"):
+        if not _loopback(self.host):
+            if not self.sessions and self.api_key is None:  # training's session ids are its keys
+                raise ValueError(
+                    f"the gateway would listen on {self.host}, beyond this machine, with no API key: "
+                    "give one (forge serve --api-key, or FORGE_API_KEY to keep it off the command line)"
+                )
             log.warning("forge: the gateway listens on %s, beyond this machine", self.host)
         for key in ("max_sessions", "max_inflight", "session_timeout_s"):
             if getattr(self, key) <= 0:
@@ -466,7 +480,9 @@ class Gateway:
 
     def _admit(self, token: str | None) -> tuple[_Session | None, tuple[int, bytes] | None]:
         if not self.cfg.sessions:
-            if self.cfg.api_key is not None and token != self.cfg.api_key:
+            if self.cfg.api_key is not None and not hmac.compare_digest(
+                (token or "").encode(), self.cfg.api_key.encode()
+            ):
                 return None, _error(401, "invalid API key", "authentication_error")
             return None, None
         s = self.sessions.get(token or "")
@@ -515,6 +531,7 @@ async def serve(model: str | Path, cfg: GatewayConfig, generator_cfg: Any, repli
 
     from services.generator import Generator
 
+    cfg.validate()  # before any engine starts
     model = model_dir(model)
     if cfg.served_model_name is None:  # a run's exported policy is served under the run's name
         cfg.served_model_name = model.parent.name if model.name == "model" else model.name

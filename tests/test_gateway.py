@@ -465,3 +465,41 @@ def test_forge_serve_with_the_openai_client(tiny_model_dir):
     assert proc.returncode == 0, out[-2000:]
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive
+
+
+def test_forge_serve_beyond_loopback_needs_a_key(tiny_model_dir, monkeypatch, capsys):
+    """Anyone who reaches a non-loopback address could generate on a keyless `forge serve`: it
+    refuses to listen there without a key, before any engine starts, and names both ways to give
+    one; FORGE_API_KEY keeps the key off the command line; loopback stays keyless. (Training's
+    gateway authenticates by session ids, so it only warns.)"""
+    import forge.gateway
+    from forge.cli import main
+    from forge.gateway import GatewayConfig
+    from services.generator import Generator
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine started before the key was checked")
+
+    monkeypatch.setattr(Generator, "options", no_engine)
+    monkeypatch.delenv("FORGE_API_KEY", raising=False)
+    with pytest.raises(SystemExit):
+        main(["serve", str(tiny_model_dir), "--host", "0.0.0.0"])
+    err = capsys.readouterr().err
+    assert "listen on 0.0.0.0, beyond this machine, with no API key" in err and "FORGE_API_KEY" in err
+    for host in ("::", "10.1.2.3", "example.org"):
+        with pytest.raises(ValueError, match="no API key"):
+            GatewayConfig(host=host, sessions=False).validate()
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        GatewayConfig(host=host, sessions=False).validate()
+    GatewayConfig(host="0.0.0.0").validate()  # sessions: their ids are the keys
+
+    seen = []
+
+    async def serve(model, cfg, generator_cfg, replicas):
+        cfg.validate()
+        seen.append(cfg)
+
+    monkeypatch.setattr(forge.gateway, "serve", serve)
+    monkeypatch.setenv("FORGE_API_KEY", "k3")
+    main(["serve", str(tiny_model_dir), "--host", "0.0.0.0"])
+    assert seen[0].api_key == "k3" and seen[0].host == "0.0.0.0"
