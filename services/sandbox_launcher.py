@@ -3,8 +3,10 @@ each run, so a run costs a few forks of this process instead of a chain of util-
 
     python -I [-S] services/sandbox_launcher.py FD     # FD: a SOCK_SEQPACKET socket to the pool
 
-Each request (JSON, with the run's stdin, stdout, stderr and report file descriptors attached)
-is answered with {"id", "pid"} once started and {"id", "status"} (a wait status) once it ended.
+Each request (JSON, with the run's stdin, stdout, stderr, report and tests file descriptors
+attached) is answered with {"id", "pid"} once started and {"id", "status", "setup_error"} (a wait
+status; why the sandbox could not be set up, from a pipe the program never holds, or null) once it
+ended.
 A run is three processes: the first leaves the launcher's session and unshares the namespaces;
 its child is pid 1 of the new pid namespace, mounts the private tmpfs and /proc and waits; its
 child sets the rlimits, drops to the slot's uid and runs the program. When pid 1 exits (or is
