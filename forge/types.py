@@ -7,13 +7,15 @@ shifts once, in one place, and nobody else has to think about it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
 FinishReason = Literal["stop", "length", "abort", "tool_call", "error"]
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass
@@ -73,6 +75,28 @@ class RewardUnavailable(RuntimeError):
         return type(self), (self.kind, str(self))
 
 
+def reward_range(low: float, high: float) -> Callable[[F], F]:
+    """Declares the values a reward function returns (`@reward_range(0, 1)`, or a class attribute
+    `reward_range = (0.0, 1.0)`). The reward service fails any value outside it, so a bug or a
+    graded program that inflates its own count scores 0 for its sample instead of dominating
+    its group."""
+
+    def declare(fn: F) -> F:
+        fn.reward_range = (float(low), float(high))  # type: ignore[attr-defined]
+        return fn
+
+    return declare
+
+
+def check_reward(value: float, where: str, bounds: tuple[float, float] | None = None) -> float:
+    """`value` when it is finite and within `bounds`, else a ValueError naming `where`."""
+    if not math.isfinite(value):
+        raise ValueError(f"{where} is {value}, not a finite number")
+    if bounds is not None and not bounds[0] <= value <= bounds[1]:
+        raise ValueError(f"{where} is {value}, outside its declared range [{bounds[0]}, {bounds[1]}]")
+    return value
+
+
 @dataclass
 class Score:
     """What the reward service, or a custom rollout, says of one sample."""
@@ -89,11 +113,23 @@ class Score:
 
     @classmethod
     def coerce(cls, value: Any, where: str, loose: bool = False) -> Score:
-        """`value` as a Score: a Score, or a mapping of its fields (`reward` required). Anything
-        else is a TypeError that says what `where` returned and which field is wrong.
+        """`value` as a Score: a Score, or a mapping of its fields (`reward` required), its reward
+        and components finite. Anything else is a TypeError that says what `where` returned and
+        which field is wrong.
 
         `loose` is for what a reward function or an agent returns: also a number (the reward),
         and a mapping's other keys are named components, its `reward` defaulting to their sum."""
+        try:
+            score = cls._from(value, where, loose)
+            for k, v in score.components.items():
+                check_reward(v, f"component {k!r}")
+            check_reward(score.reward, "the reward")
+            return score
+        except ValueError as e:
+            raise TypeError(f"{where}: {e}") from None
+
+    @classmethod
+    def _from(cls, value: Any, where: str, loose: bool) -> Score:
         if isinstance(value, cls):
             return value
         names = [f.name for f in fields(cls)]

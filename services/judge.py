@@ -90,6 +90,8 @@ class JudgeConfig:
 class Judge:
     """The `judge` reward function: a RewardInput in, the judge's score / max_score out."""
 
+    reward_range = (0.0, 1.0)  # the reward service fails anything else
+
     def __init__(self, cfg: JudgeConfig):
         self.cfg, self.pattern = cfg, re.compile(cfg.pattern)
         self.client: Any = None  # made on first use, on the event loop that uses it

@@ -9,8 +9,10 @@ A built-in reward is a function (answer, text, finish_reason) -> float (see `mak
 function ("package.module:function") receives the whole sample, a `forge.types.RewardInput`
 (the task row with its columns, prompt, completion, finish reason, the messages of a multi-turn
 episode), and returns a float or a dict of named components (its reward is the dict's `reward`,
-else the sum of the rest); it may be sync (run in a thread) or async. A reward that raises
-scores 0 for that sample and marks its Score failed: it never ends the run. One that raises
+else the sum of the rest); it may be sync (run in a thread) or async, and may declare its
+values with `@forge.types.reward_range(low, high)`. A reward that raises, or returns a value
+that is not finite or outside its declared range, scores 0 for that sample and marks its Score
+failed: it never ends the run. One that raises
 `RewardUnavailable` (its infrastructure failed) also marks the Score `unavailable`.
 """
 
@@ -29,7 +31,7 @@ from forge.actor import ForgeActor
 from forge.config import ConfigError, import_object
 from forge.env import call
 from forge.tasks import TASKS, get_task
-from forge.types import RewardInput, RewardUnavailable, Score
+from forge.types import RewardInput, RewardUnavailable, Score, check_reward, reward_range
 from services.judge import Judge, JudgeConfig
 from services.sandbox import CodeTests, CodeTestsConfig
 
@@ -37,12 +39,14 @@ log = logging.getLogger("forge")
 RewardFn = Callable[[str, str, str], float]
 
 
+@reward_range(0, 1)
 def format_reward(answer: str, text: str, finish_reason: str) -> float:
     """1 when the model stopped by itself and wrote only the answer's kind of characters."""
     allowed = set(string.ascii_lowercase + string.digits)
     return float(finish_reason == "stop" and bool(text) and set(text) <= allowed)
 
 
+@reward_range(0, 1)
 def exact_reward(answer: str, text: str, finish_reason: str) -> float:
     """1 for exactly the answer, else 0: the verifiable reward of RLVR."""
     return float(text.strip() == answer)
@@ -62,6 +66,7 @@ def final_number(text: str) -> float | None:
     return float(numbers[-1].replace(",", "")) if numbers else None
 
 
+@reward_range(0, 1)
 def math_reward(answer: str, text: str, finish_reason: str) -> float:
     """1 when the response's final number equals the reference's (GSM8K: after '####')."""
     want, got = final_number(answer), final_number(text)
@@ -72,7 +77,7 @@ def math_reward(answer: str, text: str, finish_reason: str) -> float:
 
 def _task_reward(task: str) -> RewardFn:
     t = get_task(task)
-    return lambda answer, text, finish_reason: t.score(text, answer)
+    return reward_range(0, 1)(lambda answer, text, finish_reason: t.score(text, answer))
 
 
 def make_rewards(task: str) -> dict[str, RewardFn]:
@@ -150,15 +155,23 @@ class Rewards(ForgeActor):
         `correct`, else the `math` reward when configured, else exact match)."""
         return list(await asyncio.gather(*(self._score(s) for s in samples)))
 
+    async def _one(self, name: str, s: RewardInput) -> Score:
+        """One reward's Score, checked finite and within the range its function declares."""
+        if name in self.builtin:
+            fn: Any = self.builtin[name]
+            out = fn(s.answer, s.completion, s.finish_reason)
+        else:
+            fn = self.on_sample[name]
+            out = await call(fn, s)
+        one = Score.coerce(out, f"returned {out!r}", loose=True)
+        check_reward(one.reward, "its reward", getattr(fn, "reward_range", None))
+        return one
+
     async def _score(self, s: RewardInput) -> Score:
         parts, errors, correct, unavailable = {}, [], None, None
         for name in self.weights:
             try:
-                if name in self.builtin:
-                    one = Score(float(self.builtin[name](s.answer, s.completion, s.finish_reason)))
-                else:
-                    out = await call(self.on_sample[name], s)
-                    one = Score.coerce(out, f"returned {out!r}", loose=True)
+                one = await self._one(name, s)
             except Exception as e:  # a broken reward scores 0 and is counted, the run goes on
                 log.warning("forge: reward %r failed on %r: %s", name, s.completion[:40], e)
                 errors.append(f"{name}: {type(e).__name__}: {e}")

@@ -577,6 +577,8 @@ class CodeTests:
     the reward service's process; a sandbox that cannot run the program makes the reward
     unavailable (RewardUnavailable("sandbox")), never wrong."""
 
+    reward_range = (0.0, 1.0)  # the reward service fails anything else
+
     def __init__(self, cfg: CodeTestsConfig | None = None):
         self.cfg = cfg or CodeTestsConfig()
         self.cfg.sandbox.validate()

@@ -5,7 +5,7 @@ import asyncio
 import zlib
 
 from forge.rollout import generate_and_score
-from forge.types import RewardUnavailable
+from forge.types import RewardUnavailable, reward_range
 
 
 async def score_without_reward(sample, gen, rewards, cfg):
@@ -19,6 +19,17 @@ async def always_raises(sample, gen, rewards, cfg):
 
 async def never_returns(sample, gen, rewards, cfg):
     await asyncio.Event().wait()
+
+
+@reward_range(0, 1)
+def reported_fraction(sample):
+    """A grader that trusts the count a graded program reported (the row's `passed`)."""
+    return sample.task["passed"] / 2
+
+
+def number_in_text(sample):
+    """A reward that parses the completion: 'nan' and 'inf' parse too."""
+    return float(sample.completion)
 
 
 CUTOFF = 3  # not a function: a config naming it fails before anything spawns

@@ -1,14 +1,16 @@
 """Reward functions and the reward service: verifiers, weights, failures scored 0."""
 
 import asyncio
+import math
 
 import pytest
 
 from forge.config import ConfigError
 from forge.rollout import masked
 from forge.types import RewardInput, Score
-from services.judge import JudgeConfig
-from services.rewards import Rewards, check_rewards, final_number, math_reward
+from services.judge import Judge, JudgeConfig
+from services.rewards import Rewards, check_rewards, final_number, make_rewards, math_reward
+from services.sandbox import CodeTests
 
 
 @pytest.mark.parametrize(
@@ -141,3 +143,33 @@ def test_grpo_config_checks_the_judge_and_reward_unavailable(tmp_path):
         load("rewards={judge: 1.0}", "judge.base_url=http://127.0.0.1:1/v1", "judge.rubric='Grade {reply}'")
     cfg = load("rewards={judge: 1.0}", "judge.base_url=http://127.0.0.1:1/v1", "reward_unavailable=zero")
     assert cfg.judge.base_url == "http://127.0.0.1:1/v1" and cfg.reward_unavailable == "zero"
+
+
+def test_every_reward_is_finite_and_within_its_declared_range():
+    """A value outside a reward function's `reward_range` (a program that reported 999 passed
+    tests) or not finite fails that reward: it scores 0 for its sample, marked failed, instead
+    of dominating its group's advantages."""
+
+    async def main():
+        svc = await Rewards.options().as_service(
+            "reverse", {"grpo_rollouts:reported_fraction": 1.0, "grpo_rollouts:number_in_text": 1.0}
+        )
+        try:
+            rows = [(2, "0.5"), (999, "nan"), (1, "inf")]
+            return await svc.score.route([RewardInput({"prompt": "p", "answer": "a", "passed": p}, t) for p, t in rows])
+        finally:
+            await svc.shutdown()
+
+    honest, inflated, infinite = asyncio.run(main())
+    assert honest == Score(1.5, {"grpo_rollouts:reported_fraction": 1.0, "grpo_rollouts:number_in_text": 0.5}, 0.0)
+    assert inflated.reward == 0.0 and inflated.failed
+    assert "reported_fraction: ValueError: its reward is 499.5, outside its declared range [0.0, 1.0]" in inflated.error
+    assert "number_in_text: TypeError: returned nan: the reward is nan, not a finite number" in inflated.error
+    assert infinite.reward == 0.5 and "the reward is inf, not a finite number" in infinite.error
+    assert all(math.isfinite(s.reward) for s in (honest, inflated, infinite))
+
+
+def test_built_in_rewards_declare_their_range():
+    for fn in make_rewards("reverse").values():
+        assert fn.reward_range == (0.0, 1.0)
+    assert Judge.reward_range == CodeTests.reward_range == (0.0, 1.0)

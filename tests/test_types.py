@@ -107,3 +107,9 @@ def test_what_a_reward_function_or_agent_returns_is_loosely_a_score():
         Score.coerce("done", "returned 'done':", loose=True)
     with pytest.raises(TypeError, match="x: could not convert string to float: 'two'"):
         Score.coerce({"a": "two"}, "x", loose=True)
+    with pytest.raises(TypeError, match="x: the reward is nan, not a finite number"):
+        Score.coerce(float("nan"), "x", loose=True)
+    with pytest.raises(TypeError, match="x: component 'a' is inf, not a finite number"):
+        Score.coerce({"reward": 1.0, "a": float("inf")}, "x", loose=True)
+    with pytest.raises(TypeError, match="rollout: scores.0.: the reward is -inf"):
+        Score.coerce(Score(float("-inf")), "rollout: scores[0]")
