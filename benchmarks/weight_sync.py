@@ -122,13 +122,13 @@ async def cross_host_s(sd: dict[str, torch.Tensor], repeats: int) -> tuple[float
     try:
         for _ in range(repeats + 1):
             t = time.perf_counter()
-            await asyncio.to_thread(fetch_file, rec["addr"], Path(rec["path"]).name, dest)
+            await asyncio.to_thread(fetch_file, rec["addr"], Path(rec["path"]).name, dest, rec["key"])
             cold.append(time.perf_counter() - t)
             os.unlink(dest)
-        await asyncio.to_thread(fetch_file, rec["addr"], Path(rec["path"]).name, older)
+        await asyncio.to_thread(fetch_file, rec["addr"], Path(rec["path"]).name, older, rec["key"])
         for _ in range(repeats + 1):
             t = time.perf_counter()
-            await asyncio.to_thread(fetch_file, rec["addr"], Path(rec["path"]).name, dest, older)
+            await asyncio.to_thread(fetch_file, rec["addr"], Path(rec["path"]).name, dest, rec["key"], older)
             warm.append(time.perf_counter() - t)
             os.replace(dest, older)
     finally:

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import inspect
 import os
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,7 +26,15 @@ from monarch.actor import endpoint
 from torchstore.controller import Controller
 
 from forge.metrics import Reduce, record_metric
-from forge.shm import forget_mapping, read_safetensors, remove_run_dir, run_dir, safetensors_size, write_safetensors
+from forge.shm import (
+    check_safetensors,
+    forget_mapping,
+    read_safetensors,
+    remove_run_dir,
+    run_dir,
+    safetensors_size,
+    write_safetensors,
+)
 from forge.transfer import FileServer, host_cache_dir, host_copy, host_id
 
 
@@ -88,6 +97,9 @@ class WeightStore:
         do). Readers on other hosts (`forge.transfer.host_id`) stream the file from the
         writer's FileServer, bound to `serve_on` ("0.0.0.0" on a cluster), once per host:
         the copy in the host's cache is what they map.
+        Each fetch carries the run's key, which readers take from the version record: other
+        peers of the network get nothing. A host's copy is checked (whole, not reused by the
+        writer meanwhile) before it takes its name.
         Files live in the run's directory (`forge.shm.run_dir()` of the process that made
         this WeightStore, which is removed at `stop_store` and swept once its owner is gone)
         and carry a token of this writer. Make the WeightStore in the controller and pass it
@@ -107,6 +119,7 @@ class WeightStore:
         if self.shm_dir is None and self.transport == "shm":
             self.shm_dir = str(run_dir())
         self._token = uuid.uuid4().hex[:8]
+        self._secret = secrets.token_hex(16)  # the run's readers learn it from the version records
         self._server: FileServer | None = None
 
     def __getstate__(self) -> dict:
@@ -131,8 +144,8 @@ class WeightStore:
             if self._dir_host != host_id():  # made elsewhere (the controller's host): use this host's own
                 self.shm_dir, self._dir_host = str(run_dir()), host_id()
             if self._server is None or self._server.directory != Path(self.shm_dir):
-                self._server = FileServer(self.shm_dir, self.serve_on)
-            record["addr"] = list(self._server.addr)
+                self._server = FileServer(self.shm_dir, self.serve_on, self._secret)
+            record["addr"], record["key"] = list(self._server.addr), self._secret
             path = self._path(version)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -176,13 +189,15 @@ class WeightStore:
         name = Path(rec["path"]).name
         # Copies older than the version before go (readers may still be loading that one).
         stale = functools.partial(_older_than, rec["version"] - 1)
-        path, moved = await asyncio.to_thread(host_copy, rec["addr"], name, stale)
+        loop = asyncio.get_running_loop()
+
+        def validate(copy: Path) -> None:  # before the copy takes its name: no reader maps a torn one
+            check_safetensors(copy)
+            # the writer did not reuse its file while it was sent
+            asyncio.run_coroutine_threadsafe(self.check_intact(rec["version"]), loop).result()
+
+        path, moved = await asyncio.to_thread(host_copy, rec["addr"], name, rec["key"], stale, validate)
         if moved:
-            try:
-                await self.check_intact(rec["version"])  # the writer did not reuse the file while it was sent
-            except KeyError:
-                path.unlink(missing_ok=True)  # a torn copy: no reader of this host may take it
-                raise
             record_metric("weights/host_copy_s", time.perf_counter() - start, Reduce.MAX)
             record_metric("weights/host_copy_bytes", moved, Reduce.SUM)
         return str(path)

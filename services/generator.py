@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -26,6 +27,7 @@ import signal
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,14 +193,14 @@ class Generator(ForgeActor):
         start = asyncio.get_running_loop().time()
         path = await self.store.local_path(version)
         if path is not None:  # shm (the writer's file or this host's copy): vLLM's worker maps it itself
-            paused = await self.swap_from_file(path, version, follow=True)
-            if paused is None:
-                return
             try:
-                await self.store.check_intact(version, path)
+                check = functools.partial(self.store.check_intact, version, path)
+                paused = await self.swap_from_file(path, version, follow=True, check=check)
             except KeyError:  # dropped (and its file reused) while we read it: take the newer one
                 log.warning("forge: weights version %d was replaced while loading; loading the latest", version)
                 return await self._pull_latest()
+            if paused is None:
+                return
         else:
             paused = await self.load_weights_local(await self.store.fetch(version), version, follow=True)
             if paused is None:
@@ -359,15 +361,24 @@ class Generator(ForgeActor):
             os.unlink(path)
 
     async def swap_from_file(
-        self, path: str, version: int, keep_mapping: bool = True, follow: bool = False
+        self,
+        path: str,
+        version: int,
+        keep_mapping: bool = True,
+        follow: bool = False,
+        check: Callable[[], Awaitable[None]] | None = None,
     ) -> float | None:
         """Swap in the weights of `path` as `version`; the seconds generation paused. `follow`:
-        the follower's own swap, skipped (None) while an eval holds the current version."""
+        the follower's own swap, skipped (None) while an eval holds the current version.
+        `check` raises if what was read of the file is not the version (the writer reused it):
+        it runs before staged weights go live, or after an in-place reload."""
         loop = asyncio.get_running_loop()
         async with self._swap:
             if follow and self._held():
                 return None
             staged = self.cfg.staged_swap and await self._stage(path, keep_mapping)
+            if staged and check is not None:
+                await check()
             start = loop.time()
             # AsyncLLM.pause_generation is this call plus a 20 ms sleep that only orders log
             # output (its comment says so) and a multimodal-cache reset text models do not need.
@@ -383,6 +394,8 @@ class Generator(ForgeActor):
             finally:
                 await self.engine.resume_generation()
             self._pauses.append(loop.time() - start)
+            if not staged and check is not None:
+                await check()
             return self._pauses[-1]
 
     async def _stage(self, path: str, keep_mapping: bool) -> bool:
