@@ -41,6 +41,9 @@ log = logging.getLogger("forge")
 
 PUBLIC_PATHS = ("/health", "/ping", "/version")  # answered without a key
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")  # counted against max_inflight
+# vLLM's app has more routes that generate (/v1/responses, /v1/messages, /invocations, ...);
+# they would skip the session record and the limits below, so only these are served.
+ROUTES = (*PUBLIC_PATHS, *GENERATION_PATHS, "/v1/models", "/tokenize", "/detokenize")
 
 
 def _loopback(host: str) -> bool:
@@ -60,6 +63,13 @@ class GatewayConfig:
     max_sessions: int = 1024
     session_timeout_s: float = 900.0  # a session idle this long is closed and its record dropped
     max_inflight: int = 512  # generation requests in flight; more get 429
+    # Per request, else 400: the body's bytes, choices (n × prompts) and max_tokens.
+    max_body_bytes: int = 1 << 20
+    max_n: int = 16
+    max_tokens: int = 8192
+    # Per session, else 429: requests in flight, and turns recorded (in flight included).
+    max_session_inflight: int = 16
+    max_turns: int = 256
     chat_template: str | None = None  # a file or a Jinja string; default: the tokenizer's
     tool_parser: str | None = None  # a vLLM tool parser (e.g. "hermes"): tool calls come back as tool_calls
     reasoning_parser: str | None = None  # a vLLM reasoning parser (e.g. "qwen3")
@@ -73,7 +83,8 @@ class GatewayConfig:
                     "give one (forge serve --api-key, or FORGE_API_KEY to keep it off the command line)"
                 )
             log.warning("forge: the gateway listens on %s, beyond this machine", self.host)
-        for key in ("max_sessions", "max_inflight", "session_timeout_s"):
+        limits = ("max_body_bytes", "max_n", "max_tokens", "max_session_inflight", "max_turns")
+        for key in ("max_sessions", "max_inflight", "session_timeout_s", *limits):
             if getattr(self, key) <= 0:
                 raise ValueError(f"config key 'gateway.{key}' must be > 0, got {getattr(self, key)}")
 
@@ -329,36 +340,134 @@ def _error(status: int, message: str, kind: str) -> tuple[int, bytes]:
     return status, json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
 
 
+async def _respond(send: Any, refusal: tuple[int, bytes]) -> None:
+    status, body = refusal
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(receive: Any, limit: int) -> bytes | None:
+    """The request's body, or None once it passes `limit` bytes."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if len(body) > limit:
+            return None
+        if not message.get("more_body"):
+            return body
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """`receive` for the app: the body read already, then the client's own messages (a
+    streaming response waits on them to see the client go)."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def _checked_request(body: bytes, cfg: GatewayConfig) -> tuple[bytes, tuple[int, bytes] | None]:
+    """A generation request's body within the per-request limits, without a client-chosen
+    `request_id` (ids key the generator's requests: the server makes them); else a 400.
+    A body that is not a JSON object goes on as is, for vLLM to name what is wrong."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return body, None
+    if not isinstance(request, dict):
+        return body, None
+    prompt = request.get("prompt")
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+    n = request.get("n") or 1
+    choices = (n if isinstance(n, int) else 1) * prompts
+    if choices > cfg.max_n:
+        return body, _error(
+            400, f"{choices} choices (n × prompts) exceed the gateway's max_n ({cfg.max_n})", "invalid_request_error"
+        )
+    for key in ("max_tokens", "max_completion_tokens"):
+        asked = request.get(key)
+        if isinstance(asked, int) and asked > cfg.max_tokens:
+            return body, _error(
+                400, f"{key}={asked} exceeds the gateway's max_tokens ({cfg.max_tokens})", "invalid_request_error"
+            )
+    if "request_id" in request:
+        del request["request_id"]
+        body = json.dumps(request).encode()
+    return body, None
+
+
 class _Gate:
-    """ASGI middleware in front of vLLM's app: the bearer token names the session (or is the API
-    key), and requests past `max_inflight` are refused (429) instead of queued without bound."""
+    """ASGI middleware in front of vLLM's app: only forge's routes; the bearer token names the
+    session (or is the API key); requests past `max_inflight` (or a session's limits) are
+    refused (429) instead of queued without bound, and bodies past the request limits (400)."""
 
     def __init__(self, app: Any, gateway: Gateway):
         self.app, self.gateway = app, gateway
         self.inflight = 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["path"] not in ROUTES:
+            served = ", ".join(ROUTES)
+            return await _respond(
+                send, _error(404, f"{scope['path']} is not served here (served: {served})", "not_found_error")
+            )
+        if scope["path"] in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         auth = headers.get(b"authorization", b"").decode()
         token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
         session, refusal = self.gateway._admit(token)
         generating = scope["path"] in GENERATION_PATHS
-        if refusal is None and generating and self.inflight >= self.gateway.cfg.max_inflight:
+        if refusal is None and generating:
+            refusal = self._capacity(session)
+        body = await _read_body(receive, self.gateway.cfg.max_body_bytes) if refusal is None else b""
+        if body is None:
+            limit = self.gateway.cfg.max_body_bytes
             refusal = _error(
+                400, f"the request body exceeds the gateway's max_body_bytes ({limit})", "invalid_request_error"
+            )
+        elif generating and refusal is None:
+            body, refusal = _checked_request(body, self.gateway.cfg)
+        if refusal is not None:
+            return await _respond(send, refusal)
+        # vLLM names a request by the client's X-Request-Id when there is one: drop it.
+        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"x-request-id"]}
+        await self._forward(scope, _replay(body, receive), send, session, generating)
+
+    def _capacity(self, session: _Session | None) -> tuple[int, bytes] | None:
+        cfg = self.gateway.cfg
+        if self.inflight >= cfg.max_inflight:
+            return _error(
                 429,
-                f"more than {self.gateway.cfg.max_inflight} requests in flight (gateway max_inflight); retry later",
+                f"more than {cfg.max_inflight} requests in flight (gateway max_inflight); retry later",
                 "rate_limit_error",
             )
-        if refusal is None and generating and not self.gateway.gen.healthy():
-            refusal = _error(503, "no healthy generator replica", "service_unavailable")
-        if refusal is not None:
-            status, body = refusal
-            await send(
-                {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
+        if not self.gateway.gen.healthy():
+            return _error(503, "no healthy generator replica", "service_unavailable")
+        if session is not None and session.inflight >= cfg.max_session_inflight:
+            return _error(
+                429,
+                f"the session has {session.inflight} requests in flight (gateway max_session_inflight)",
+                "rate_limit_error",
             )
-            return await send({"type": "http.response.body", "body": body})
+        if session is not None and len(session.record.turns) + session.inflight >= cfg.max_turns:
+            return _error(
+                429,
+                f"the session has recorded {cfg.max_turns} turns (gateway max_turns): finish it",
+                "rate_limit_error",
+            )
+        return None
+
+    async def _forward(self, scope: dict, receive: Any, send: Any, session: _Session | None, generating: bool) -> None:
         token_ctx = _SESSION.set(session)
         self.inflight += generating
         if session is not None:

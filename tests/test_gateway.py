@@ -312,6 +312,95 @@ def test_refusals_name_what_is_wrong(loop, served):
     assert health.status_code == 200
 
 
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_only_forges_routes_are_served(loop, served):
+    """vLLM's other routes that generate (/v1/responses, /v1/messages, /invocations) would skip
+    max_inflight, the health check, the limits and the session's record: 404, naming what is
+    served."""
+    gw, _, _ = served
+
+    async def main():
+        sid = gw.open_session()
+        root, body = (
+            gw.base_url.removesuffix("/v1"),
+            {"model": MODEL_NAME, "messages": HI, "input": "hi", "max_tokens": 2},
+        )
+        async with httpx.AsyncClient() as h:
+            paths = ("/v1/responses", "/v1/messages", "/invocations", "/v1/chat/completions/render")
+            got = {p: await h.post(root + p, json=body, headers={"Authorization": f"Bearer {sid}"}) for p in paths}
+        return got, await gw.finish(sid)
+
+    got, record = loop.run_until_complete(main())
+    for path, r in got.items():
+        assert r.status_code == 404 and f"{path} is not served here" in r.text and "/v1/chat/completions" in r.text
+    assert record.turns == []
+
+
+def test_request_and_session_limits(loop, served):
+    """Per request (400): choices, max_tokens, body bytes; per session (429): requests in flight
+    and turns recorded. Each names the gateway key; a refused call records nothing."""
+    gw, _, _ = served
+
+    async def main():
+        sid = gw.open_session()
+        c, errors = client(gw, sid), {}
+
+        async def refused(name, **kw):
+            try:
+                await chat(c, HI, **kw)
+            except openai.APIStatusError as e:
+                errors[name] = e
+
+        await refused("n", n=17, max_tokens=2)
+        await refused("max_tokens", max_tokens=10_000)
+        await refused("body", max_tokens=2, extra_body={"pad": "x" * (2 << 20)})
+        saved = gw.cfg.max_session_inflight, gw.cfg.max_turns
+        gw.cfg.max_session_inflight = 1
+        try:
+            slow = asyncio.ensure_future(chat(c, HI, max_tokens=200, extra_body={"ignore_eos": True}))
+            await asyncio.sleep(0.3)
+            await refused("inflight", max_tokens=2)
+            await slow
+            gw.cfg.max_turns = 1
+            await refused("turns", max_tokens=2)
+        finally:
+            gw.cfg.max_session_inflight, gw.cfg.max_turns = saved
+        return errors, await gw.finish(sid)
+
+    errors, record = loop.run_until_complete(main())
+    assert errors["n"].status_code == 400 and "17 choices (n × prompts) exceed the gateway's max_n (16)" in str(
+        errors["n"]
+    )
+    assert errors["max_tokens"].status_code == 400 and "max_tokens=10000 exceeds" in str(errors["max_tokens"])
+    assert errors["body"].status_code == 400 and "max_body_bytes" in str(errors["body"])
+    assert errors["inflight"].status_code == 429 and "max_session_inflight" in str(errors["inflight"])
+    assert errors["turns"].status_code == 429 and "max_turns" in str(errors["turns"])
+    assert len(record.turns) == 1  # the slow call only
+
+
+def test_request_ids_are_the_servers(loop, served):
+    """A client's X-Request-Id or `request_id` would key the generator's request, and a
+    duplicate's cleanup abort another's: the gateway drops both, so vLLM makes its own."""
+    gw, _, _ = served
+
+    async def main():
+        sid = gw.open_session()
+        headers = {"Authorization": f"Bearer {sid}", "X-Request-Id": "theirs"}
+        body = {"model": MODEL_NAME, "messages": HI, "max_tokens": 2, "request_id": "theirs-too"}
+        async with httpx.AsyncClient() as h:
+            got = await asyncio.gather(
+                *(h.post(f"{gw.base_url}/chat/completions", json=body, headers=headers) for _ in range(2))
+            )
+        return got, await gw.finish(sid)
+
+    got, record = loop.run_until_complete(main())
+    assert [r.status_code for r in got] == [200, 200] and len(record.turns) == 2
+    ids = [r.json()["id"] for r in got]
+    assert "theirs" not in ids[0] + ids[1] and ids[0] != ids[1]
+
+
 def test_client_disconnect_mid_stream_aborts_in_vllm(loop, served):
     gw, gen, _ = served
 
