@@ -256,9 +256,9 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
     failures = {"streak": 0, "last": None}  # rollouts failing in a row, and the last error
 
     async def rewind(ckpt: Path, trainer_restored: bool = False) -> None:
-        """Continue from checkpoint `ckpt`: its step and data position, and the trainer's state
-        (loaded here on --resume; a restored trainer replica loaded it itself). The buffer
-        keeps what it holds: its staleness rule judges those episodes."""
+        """Continue from checkpoint `ckpt`: its step, data position and buffer, and the
+        trainer's state (loaded here on --resume; a restored trainer replica loaded it itself
+        and published it as a version past the dead one's, whose versions are then lost)."""
         saved = checkpoint.load_run_state(ckpt)
         if not trainer_restored:
             await trainer.load.route(str(ckpt / "trainer"))
@@ -266,6 +266,8 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
             await trainer.push_weights.route()  # generators resume on the trained policy
         state["step"] = saved["step"]
         state["version"] = await trainer.policy_version.route()
+        if trainer_restored:  # episodes of the replayed prompts, or of the lost versions, must not train
+            await buffer.rewind.call_one(saved["buffer"], (saved["version"], state["version"] - 1))
         if gate is not None:
             gate.advance(state["version"])
         prompts.reset(saved["prompts"])
@@ -303,6 +305,7 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
                         f"{failures['streak']} rollouts failed in a row (config "
                         f"key 'max_rollout_failures'); the last: {failures['last']}",
                     ) from None
+                await asyncio.sleep(min(0.05 * 2 ** (failures["streak"] - 1), 2.0))  # a passing outage backs off
 
     async def rollout_once() -> None:
         if gate is None:
@@ -355,17 +358,21 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
         )
 
     async def save() -> None:
-        path = checkpoint.step_dir(run_dir, state["step"])
-        await trainer.save.fanout(str(path / "trainer"))
-        checkpoint.save_run_state(
-            path, {**state, "prompts": prompts.state_dict(), "buffer": await buffer.state_dict.call_one()}
+        partial = checkpoint.partial_dir(run_dir, state["step"])
+        await trainer.save.fanout(str(partial / "trainer"))
+        path = checkpoint.save_run_state(
+            partial, {**state, "prompts": prompts.state_dict(), "buffer": await buffer.state_dict.call_one()}
         )
         trainer.set_restore_point(str(path / "trainer"))
 
     async def recover(e: ReplicaRestored) -> None:
         died_at = state["step"]
         await evals.cancel()  # its step's rows are about to be dropped
+        for t in rollouts:  # their prompts are replayed from the checkpoint's position
+            t.cancel()
+        await asyncio.gather(*rollouts, return_exceptions=True)
         await rewind(Path(e.restore_point).parent, trainer_restored=True)
+        rollouts[:] = [asyncio.create_task(rollout_loop()) for _ in range(cfg.rollout_tasks)]
         writer.rewind(state["step"])
         record_metric("trainer_restores", 1, Reduce.SUM)
         tqdm.write(

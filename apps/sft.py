@@ -137,7 +137,7 @@ async def train(
     )
 
     async def save() -> None:
-        path = checkpoint.step_dir(run_dir, step)
+        path = checkpoint.partial_dir(run_dir, step)
         await trainer.save.fanout(str(path / "trainer"))
         checkpoint.save_run_state(path, {"step": step, "examples": examples.state_dict()})
 

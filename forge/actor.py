@@ -117,6 +117,7 @@ class SpawnOptions:
     env: dict[str, str] = field(default_factory=dict)
     router: str = "least_loaded"
     max_restores: int = 3  # stateful roles: restores per replica before the run stops
+    respawn_wait_s: float = 300.0  # how long a call waits for a replica while every one is respawning
     # False: every replica spans all hosts of `hosts` (`procs` on each: one FSDP mesh across them);
     # True: replica i runs on host i % len(hosts) alone (generators, a few to each host).
     spread: bool = False

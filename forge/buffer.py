@@ -46,9 +46,18 @@ class ReplayBuffer(ForgeActor):
         self.dynamic_sampling = dynamic_sampling
         self.groups: deque[list[Episode]] = deque()
         self.changed = asyncio.Condition()
-        self.stats = {"added": 0, "dropped_stale": 0, "dropped_filtered": 0, "sampled": 0}  # episodes
+        self.stats = {"added": 0, "dropped_stale": 0, "dropped_filtered": 0, "dropped_lost": 0, "sampled": 0}
+        self.lost: list[tuple[int, int]] = []  # (after, upto]: versions of a trainer that died
+
+    def _lost(self, group: list[Episode]) -> bool:
+        if any(lo < e.policy_version <= hi for e in group for lo, hi in self.lost):
+            self.stats["dropped_lost"] += len(group)
+            return True
+        return False
 
     def _keep(self, group: list[Episode]) -> list[Episode]:
+        if self._lost(group):
+            return []
         kept = [e for e in group if not (self.max_tokens and len(e.tokens) > self.max_tokens)]
         if self.dynamic_sampling and len({e.reward for e in kept}) < 2:
             kept = []  # no reward variance: zero advantage for all, nothing to learn (DAPO's dynamic sampling)
@@ -123,10 +132,21 @@ class ReplayBuffer(ForgeActor):
 
     @endpoint
     async def load_state_dict(self, state: dict[str, Any]) -> None:
+        await self._load(state)
+
+    async def _load(self, state: dict[str, Any]) -> None:
         async with self.changed:
-            self.groups = deque(state["groups"])
-            self.stats = dict(state["stats"])
+            self.groups = deque(g for g in state["groups"] if not self._lost(g))
+            self.stats = {**self.stats, **state["stats"]}
             self.changed.notify_all()
+
+    @endpoint
+    async def rewind(self, state: dict[str, Any], lost_versions: tuple[int, int]) -> None:
+        """After a trainer was restored from a checkpoint: hold what the checkpoint held, and
+        never again take a group sampled by the versions the dead trainer published after it
+        (`(after, upto]`; generators may still be sampling from them)."""
+        self.lost.append(tuple(lost_versions))
+        await self._load(state)
 
     @endpoint
     async def get_stats(self) -> dict[str, int]:

@@ -20,14 +20,27 @@ def latest(run_dir: str | Path) -> Path | None:
     return done[-1].parent if done else None
 
 
-def save_run_state(path: Path, state: dict[str, Any], keep: int = 2) -> None:
-    """Write run_state.pt (after the trainer's DCP files: it marks the checkpoint complete)
-    and delete all but the newest `keep` checkpoints."""
-    tmp = path / "run_state.pt.tmp"
-    torch.save(state, tmp)
-    tmp.rename(path / "run_state.pt")
-    for old in sorted(path.parent.glob("step_*"))[:-keep]:
+def partial_dir(run_dir: str | Path, step: int) -> Path:
+    """Where checkpoint `step` is written until it is complete (`save_run_state` renames it):
+    a crash or a second Ctrl-C meanwhile leaves no `step_*` directory behind."""
+    path = Path(run_dir) / "checkpoints" / f".step_{step:06d}.partial"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def save_run_state(path: Path, state: dict[str, Any], keep: int = 2) -> Path:
+    """Complete the checkpoint being written in `path` (a `partial_dir`, after the trainer's
+    DCP files): write run_state.pt, rename the directory to its step's, and delete all but the
+    newest `keep` checkpoints and any partial ones. Returns the checkpoint's directory."""
+    torch.save(state, path / "run_state.pt")
+    final = step_dir(path.parent.parent, state["step"])
+    if path != final:
+        shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a rewind
+        path.rename(final)
+    for old in sorted(final.parent.glob("step_*"))[:-keep] + list(final.parent.glob(".step_*.partial")):
         shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def load_run_state(path: Path) -> dict[str, Any]:

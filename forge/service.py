@@ -8,8 +8,9 @@
 Every call returns a Monarch Future: `await` it, or `.get()` it from a REPL. An exception
 raised by an endpoint reaches the caller as itself. A replica whose process dies is taken
 out of rotation and respawned with the same constructor arguments, then told
-`on_respawn(restore_point)`. For most roles the calls that were on it are retried once on a
-healthy replica. A `stateful` role's calls are not retried: its new replica restores the
+`on_respawn(restore_point)`; a respawn that fails is tried again, backing off. For most roles
+the calls that were on it are retried once on a healthy replica (the only replica's calls wait
+for its replacement, up to `respawn_wait_s`; so do new calls meanwhile). A `stateful` role's calls are not retried: its new replica restores the
 state saved at the service's restore point (`svc.set_restore_point(p)`, e.g. after each
 checkpoint) and the callers get `ReplicaRestored(p)` to rewind their own state to the same
 point; with no restore point, or after `max_restores`, they get a ServiceError that names
@@ -32,6 +33,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ActorError, ProcMesh, returns_future
 
 from forge.actor import SpawnOptions, stop_procs
+from forge.metrics import Reduce, record_metric
 
 log = logging.getLogger("forge")
 ROUTERS = ("least_loaded", "round_robin")
@@ -39,6 +41,11 @@ ROUTERS = ("least_loaded", "round_robin")
 
 class ServiceError(RuntimeError):
     """No healthy replica could serve a call, or a stateful replica could not be restored."""
+
+
+class DependencyError(RuntimeError):
+    """An endpoint failed because an actor it called died: an error of this call, not the
+    death of the replica that served it."""
 
 
 class ReplicaRestored(RuntimeError):
@@ -104,12 +111,27 @@ class Service:
         idle = [r for r in choices if r.inflight == least]
         return idle[turn % len(idle)]  # ties rotate, so equal load spreads evenly
 
+    async def _ready(self, exclude: Replica | None = None) -> Replica:
+        """A healthy replica (see `_pick`); while none is but some are respawning, wait for
+        one, up to `respawn_wait_s`."""
+        deadline = time.monotonic() + self.options.respawn_wait_s
+        while not self.healthy() and not self._lost and not self._closed:
+            pending = [r.respawned for r in self.replicas if r.respawned is not None and not r.respawned.done()]
+            if not pending or time.monotonic() >= deadline:
+                break
+            await asyncio.wait(pending, timeout=deadline - time.monotonic())
+        return self._pick(exclude)
+
     async def _invoke(self, r: Replica, name: str, args: tuple, kwargs: dict, all_ranks: bool) -> Any:
         r.inflight += 1
         try:
             values = await getattr(r.mesh, name).call(*args, **kwargs)
         except ActorError as e:
             # An endpoint that raised: the caller gets that exception, the replica lives on.
+            if isinstance(e.exception, SupervisionError):
+                raise DependencyError(
+                    f"{self.options.actor.__name__}.{name}: an actor it called died: {e.exception}"
+                ) from None
             raise e.exception from None
         finally:
             r.inflight -= 1
@@ -117,18 +139,25 @@ class Service:
         return ranked if all_ranks else ranked[0]
 
     async def _call(
-        self, name: str, args: tuple, kwargs: dict, *, replica: Replica | None = None, all_ranks: bool = False
+        self,
+        name: str,
+        args: tuple,
+        kwargs: dict,
+        *,
+        replica: Replica | None = None,
+        all_ranks: bool = False,
+        pin: Session | None = None,
     ) -> Any:
-        r = replica if replica is not None and replica.healthy else self._pick()
+        r = replica if replica is not None and replica.healthy else await self._ready()
         try:
             return await self._invoke(r, name, args, kwargs, all_ranks)
         except SupervisionError as first:
             if self.options.actor.stateful:
                 await self._restore(r, first)
             respawn = self._replica_died(r)
-            if not self.healthy() and respawn is not None:
-                await asyncio.shield(respawn)  # the only replica: retry on its replacement
-            retry = self._pick(exclude=r)
+            retry = await self._ready(exclude=r)  # the only replica: its replacement
+            if pin is not None:
+                pin.replica = retry  # the session's later calls go where this one went
             try:
                 return await self._invoke(retry, name, args, kwargs, all_ranks)
             except SupervisionError as second:
@@ -139,9 +168,10 @@ class Service:
                 ) from None
             finally:
                 # A REPL's .get() cancels tasks left on its loop, so the call that saw the
-                # death also sees the respawn through.
+                # death also sees the respawn through (a failed one is its own business:
+                # it is tried again, and this call's result stands).
                 if respawn is not None:
-                    await asyncio.shield(respawn)
+                    await asyncio.wait([respawn], timeout=self.options.respawn_wait_s)
 
     async def _fanout(self, name: str, args: tuple, kwargs: dict) -> list[Any]:
         return list(await asyncio.gather(*(self._call(name, args, kwargs, replica=r) for r in self.healthy())))
@@ -183,6 +213,31 @@ class Service:
         return r.respawned
 
     async def _respawn(self, r: Replica) -> None:
+        """A new replica in `r`'s place. One that fails to come up is tried again, backing off
+        (a stateful one's failure ends its role: the caller says why)."""
+        delay = 1.0
+        while True:
+            try:
+                await self._spawn_again(r)
+                break
+            except Exception as e:
+                if self.options.actor.stateful or self._closed:
+                    raise
+                record_metric("service/respawn_failures", 1, Reduce.SUM)
+                log.warning(
+                    "forge: %s replica %d could not be respawned (%s: %s); trying again in %.0f s",
+                    self.options.actor.__name__,
+                    r.index,
+                    type(e).__name__,
+                    e,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 60.0)
+        record_metric("service/respawns", 1, Reduce.SUM)
+        r.healthy, r.respawned = True, None
+
+    async def _spawn_again(self, r: Replica) -> None:
         with contextlib.suppress(Exception):
             await stop_procs(r.procs)
         r.respawns += 1
@@ -193,7 +248,6 @@ class Service:
             with contextlib.suppress(Exception):
                 await stop_procs(r.procs)
             raise (e.exception if isinstance(e, ActorError) else e) from None
-        r.healthy, r.respawned = True, None
 
     @returns_future
     async def wait_healthy(self, timeout: float = 120.0) -> int:
@@ -216,7 +270,10 @@ class Service:
 
     def pinned(self) -> Session:
         """A Session without a with-block (one that lives as long as something else, e.g. a
-        gateway session): its calls go to the least-loaded replica of now."""
+        gateway session): its calls go to the least-loaded replica of now (while every replica
+        is respawning, its first call waits for one)."""
+        if not self.healthy() and self.replicas and not self._lost:
+            return Session(self, self.replicas[0])
         return Session(self, self._pick())
 
     @returns_future
@@ -253,7 +310,7 @@ class ServiceEndpoint:
 
 class Session:
     """Calls pinned to one replica (multi-turn keeps its KV cache). If that replica dies,
-    the session moves to another one once."""
+    the session moves to the replica that served the retried call."""
 
     def __init__(self, service: Service, replica: Replica):
         self.service, self.replica = service, replica
@@ -263,5 +320,5 @@ class Session:
 
     async def _call(self, name: str, args: tuple, kwargs: dict) -> Any:
         if not self.replica.healthy:
-            self.replica = self.service._pick(exclude=self.replica)
-        return await self.service._call(name, args, kwargs, replica=self.replica)
+            self.replica = await self.service._ready(exclude=self.replica)
+        return await self.service._call(name, args, kwargs, replica=self.replica, pin=self)

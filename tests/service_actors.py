@@ -83,3 +83,32 @@ class Counter(ForgeActor):
     async def on_respawn(self, restore_point=None) -> None:
         with open(restore_point) as f:
             self.count = int(f.read())
+
+
+class Flaky(ForgeActor):
+    """A role whose new replicas fail to start while the file `marker` exists."""
+
+    def __init__(self, marker: str):
+        if os.path.exists(marker):
+            raise RuntimeError(f"cannot start: {marker} exists")
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def nap(self, seconds: float) -> int:
+        await asyncio.sleep(seconds)
+        return os.getpid()
+
+
+class Relay(ForgeActor):
+    """Calls another actor: its death is the call's error, not this replica's."""
+
+    @endpoint
+    async def relay(self, other) -> int:
+        return await other.pid.call_one()
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()

@@ -117,3 +117,29 @@ def test_batches_are_whole_groups():
             await buf.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_rewind_after_a_trainer_restore_drops_the_lost_versions_and_replayed_groups():
+    """The trainer checkpointed at version 10, published 11 and 12, died, and its restored
+    replica publishes 13. The buffer goes back to what the checkpoint held (the prompts after
+    it are replayed: their groups would be there twice), and groups sampled by versions 11-12,
+    which generators may still produce, never train."""
+
+    async def main():
+        buf = await ReplayBuffer.options().as_actor(capacity=8, max_staleness=4)
+        try:
+            await buf.add.call_one(group(10))
+            checkpointed = await buf.state_dict.call_one()
+            for v in (11, 12):
+                await buf.add.call_one(group(v))  # from prompts the run will replay
+            await buf.rewind.call_one(checkpointed, (10, 12))
+            held = await buf.get_stats.call_one()
+            late = [await buf.add.call_one(group(v)) for v in (11, 12, 13)]
+            batch = await buf.sample.call_one(2, 13, timeout_s=5)
+            return held, late, batch, await buf.get_stats.call_one()
+        finally:
+            await buf.shutdown()
+
+    held, late, batch, stats = asyncio.run(main())
+    assert held["size"] == 1 and late == [0, 0, 2]
+    assert sorted({e.policy_version for e in batch}) == [10, 13] and stats["dropped_lost"] == 4

@@ -1,5 +1,5 @@
-"""Chaos: SIGKILL each role of a real GRPO run (tiny model). The run survives a generator and
-a trainer death, rewinds to its checkpoint instead of resetting, and a killed controller leaves
+"""Chaos: SIGKILL each role of a real GRPO run (tiny model). The run survives three deaths of
+its only generator and a trainer death, rewinds to its checkpoint instead of resetting, and a killed controller leaves
 no process and no /dev/shm file once the next run has started."""
 
 import json
@@ -78,11 +78,14 @@ def test_kill_generator_trainer_controller(tmp_path):
     run = Run(args, tmp_path / "run1.log")
     controller = psutil.Process(run.proc.pid)
 
-    # 1. The generator's process: the service respawns it on the latest weights; no step is lost.
-    run.wait_step(run_dir, 4, timeout=600)  # the first run here also builds the model
-    role(controller, "generator").kill()
-    run.wait_step(run_dir, 8)
+    # 1. The only generator's process, three times: the service respawns it on the latest
+    # weights while rollouts wait for it; no step is lost.
+    run.wait_step(run_dir, 2, timeout=600)  # the first run here also builds the model
+    for step in (3, 5, 7):
+        role(controller, "generator").kill()
+        run.wait_step(run_dir, step)
     assert [r["step"] for r in run.rows(run_dir)] == list(range(1, len(run.rows(run_dir)) + 1))
+    assert "rollouts failed in a row" not in run.log.read_text()
 
     # 2. The trainer's process, 4 steps past its checkpoint of step 10: a new trainer restores
     # that checkpoint (weights, optimizer, version) and the run continues from step 10.

@@ -264,13 +264,24 @@ def test_run_stopped_names_the_checkpoint_to_resume(tmp_path):
     from forge.checkpoint import RunStopped
 
     assert "It saved no checkpoint to resume from" in str(RunStopped(tmp_path, 3, "x"))
-    path = checkpoint.step_dir(tmp_path, 20)
-    path.mkdir(parents=True)
-    checkpoint.save_run_state(path, {"step": 20})
+    checkpoint.save_run_state(checkpoint.partial_dir(tmp_path, 20), {"step": 20})
     assert str(RunStopped(tmp_path, 23, "Trainer replica 0 died (Killed)")) == (
         f"the run stopped at step 23: Trainer replica 0 died (Killed). Resume it from its checkpoint of step 20: "
         f"forge run --resume {tmp_path}"
     )
+
+
+def test_a_checkpoint_is_complete_or_absent(tmp_path):
+    """A checkpoint is written under a partial name and renamed once complete: one cut short
+    (a second Ctrl-C) is neither the latest nor counted when the oldest are pruned."""
+    for step in (10, 20):
+        checkpoint.save_run_state(checkpoint.partial_dir(tmp_path, step), {"step": step})
+    (checkpoint.partial_dir(tmp_path, 30) / "trainer").mkdir()  # cut short: no run_state.pt
+    assert checkpoint.latest(tmp_path) == checkpoint.step_dir(tmp_path, 20)
+    assert checkpoint.save_run_state(checkpoint.partial_dir(tmp_path, 40), {"step": 40}) == checkpoint.step_dir(
+        tmp_path, 40
+    )
+    assert sorted(d.name for d in (tmp_path / "checkpoints").iterdir()) == ["step_000020", "step_000040"]
 
 
 def test_unavailable_rewards_mask_their_group_or_score_zero(tmp_path, loop, services):

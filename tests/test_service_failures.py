@@ -1,0 +1,105 @@
+"""Services under failure: the only replica respawning, a respawn that fails, a dependency
+that dies, a session whose replica dies. Each of these once failed calls that could succeed,
+or respawned a healthy replica."""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from service_actors import Flaky, Probe, Relay
+
+from forge.service import DependencyError
+
+
+def test_calls_wait_for_the_only_replica_while_it_respawns():
+    """With one replica (a generator's default), calls made while it respawns wait for the
+    new one instead of failing at once (which stopped runs after max_rollout_failures)."""
+
+    async def main():
+        svc = await Probe.options().as_service("p")
+        try:
+            victim = await svc.pid.route()
+            os.kill(victim, signal.SIGKILL)
+            first = asyncio.ensure_future(svc.echo.route(0))  # sees the death, starts the respawn
+            deadline = time.monotonic() + 30
+            while svc.healthy():  # until the death is seen: then it is respawning
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            during = await asyncio.gather(*(svc.echo.route(i) for i in range(1, 5)))
+            return await first, during, await svc.pid.route(), victim
+        finally:
+            await svc.shutdown()
+
+    first, during, pid, victim = asyncio.run(main())
+    assert first == ("p", 0) and during == [("p", i) for i in range(1, 5)] and pid != victim
+
+
+def test_a_failed_respawn_is_tried_again_and_a_retried_call_stays_succeeded(tmp_path):
+    """A replica whose respawn fails is respawned again, backing off; the call that saw it
+    die succeeded on the other replica, and keeps that result."""
+    marker = tmp_path / "broken"
+
+    async def main():
+        svc = await Flaky.options(replicas=2).as_service(str(marker))
+        try:
+            pids = sorted(await svc.pid.fanout())
+            marker.touch()  # from now on a new replica fails to start
+            calls = [asyncio.ensure_future(svc.nap.route(1.0)) for _ in range(2)]  # one on each
+            await asyncio.sleep(0.3)
+            os.kill(pids[0], signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while max(r.respawns for r in svc.replicas) < 2:  # the first respawn has failed
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            marker.unlink()
+            results = await asyncio.gather(*calls)
+            await svc.wait_healthy(timeout=60)
+            return pids, results, sorted(await svc.pid.fanout()), [r.respawns for r in svc.replicas]
+        finally:
+            await svc.shutdown()
+
+    pids, results, after, respawns = asyncio.run(main())
+    assert all(p == pids[1] for p in results[1:]) and len(results) == 2 and pids[1] in results
+    assert len(after) == 2 and pids[0] not in after and pids[1] in after
+    assert max(respawns) >= 2  # the failed attempt, then the one that came up
+
+
+def test_a_dependency_that_died_is_the_calls_error_not_the_replicas():
+    async def main():
+        probe = await Probe.options().as_actor("p")
+        svc = await Relay.options().as_service()
+        try:
+            os.kill(await probe.pid.call_one(), signal.SIGKILL)
+            await asyncio.sleep(0.5)
+            pid = await svc.pid.route()
+            with pytest.raises(DependencyError, match="Relay.relay: an actor it called died"):
+                await svc.relay.route(probe.mesh)
+            return pid, await svc.pid.route(), svc.replicas[0].respawns
+        finally:
+            await svc.shutdown()
+            await probe.shutdown()
+
+    before, after, respawns = asyncio.run(main())
+    assert before == after and respawns == 0
+
+
+def test_a_session_moves_to_the_replica_that_served_its_retried_call():
+    async def main():
+        svc = await Probe.options(replicas=2).as_service("p")
+        try:
+            session = svc.pinned()
+            home = await session.pid.route()
+            os.kill(home, signal.SIGKILL)
+            moved = await session.pid.route()  # retried on the other replica
+            await svc.wait_healthy(timeout=60)
+            deadline = time.monotonic() + 5
+            later = [await session.pid.route() for _ in range(3)]
+            assert time.monotonic() < deadline
+            return home, moved, later
+        finally:
+            await svc.shutdown()
+
+    home, moved, later = asyncio.run(main())
+    assert moved != home and later == [moved] * 3
