@@ -54,10 +54,12 @@ from forge.actor import ForgeActor
 from forge.config import ConfigError
 from forge.shm import owned_dir
 from forge.types import RewardInput, RewardUnavailable
+from services.sandbox_cgroup import SlotCgroups
 
 log = logging.getLogger("forge")
 
 LANGUAGES = {"python": "main.py", "bash": "main.sh"}
+ISOLATION = ("auto", "unsafe_local")
 TESTS_FILE = ".forge_tests.json"
 # What a program prints when the address-space limit stops an allocation (Python, libc, C++).
 _OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
@@ -80,7 +82,10 @@ class SandboxConfig:
     max_file_MB: int = 64  # the largest file a run may write
     max_open_files: int = 256
     tmpfs_MB: int = 256  # the private /tmp, the working directory (namespaces only)
-    isolation: str = "auto"  # auto: namespaces where the kernel allows, else rlimits; namespaces: required
+    tmpfs_inodes: int = 16384  # files and directories the private /tmp may hold
+    # auto: namespaces, a cgroup per slot and a uid per slot, or an error naming what is missing;
+    # unsafe_local: what the host allows (rlimits at least), with a warning: for trusted code only.
+    isolation: str = "auto"
     uid_base: int = 60000  # slot uids are taken from uid_base up
     # The interpreter of language "python" (3.9+; it also runs the launcher, which forks each
     # Python run from itself), run as the slot's uid, so one every user may run: "" is the
@@ -93,8 +98,10 @@ class SandboxConfig:
         for key in ("workers", "run_timeout", "memory_limit_MB", "max_output_bytes", "max_processes"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"config key 'sandbox.{key}' must be > 0, got {getattr(self, key)}")
-        if self.isolation not in ("auto", "namespaces"):
-            raise ConfigError(f"config key 'sandbox.isolation' must be auto or namespaces, got {self.isolation!r}")
+        if self.isolation not in ISOLATION:
+            raise ConfigError(
+                f"config key 'sandbox.isolation' must be one of {', '.join(ISOLATION)}, got {self.isolation!r}"
+            )
 
 
 @dataclass
@@ -240,7 +247,10 @@ class Sandbox(ForgeActor):
 
     @endpoint
     async def isolation(self) -> dict[str, bool]:
-        return {"namespaces": self.pool.namespaces, "own_uid": self.pool.root}
+        return {"namespaces": self.pool.namespaces, "own_uid": self.pool.root, "cgroups": self.pool.cgroups is not None}
+
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        await self.pool.stop()
 
     @concurrent_endpoint
     async def run(
@@ -274,6 +284,7 @@ class SandboxPool:
         self.namespaces = False
         self.runs = 0
         self.launcher = _Launcher()
+        self.cgroups: SlotCgroups | None = None
         self.harness = self.dir / "forge_harness.py"  # runs a program, then its tests
 
     async def start(self) -> None:
@@ -285,15 +296,30 @@ class SandboxPool:
         self.harness.chmod(0o644)
         for uid in self._take_uids(self.cfg.workers):
             self.slots.put_nowait(uid)
+        made = SlotCgroups.make(os.getpid()) if self.root else "not root"
+        self.cgroups = made if isinstance(made, SlotCgroups) else None
         self.namespaces = self.root  # probed with a run; the fallback if it fails
         self.namespaces = self.namespaces and await self._probe_namespaces()
-        if not self.namespaces:
-            if self.cfg.isolation == "namespaces":
-                raise SandboxError("sandbox.isolation=namespaces, but this process cannot create namespaces")
-            log.warning(
-                "forge: sandbox without namespaces (%s): programs can reach the network and see other processes",
-                "not root" if not self.root else "unshare failed",
+        missing = [
+            *([] if self.root else ["root (a uid per slot)"]),
+            *([] if self.namespaces else ["namespaces (no network, a private /proc and /tmp)"]),
+            *([] if self.cgroups else [f"a cgroup per slot ({made})"]),
+        ]
+        if missing and self.cfg.isolation == "auto":
+            await self.stop()
+            raise SandboxError(
+                f"sandbox: cannot isolate untrusted programs here: missing {'; '.join(missing)}. "
+                "Run forge as root on a host with namespaces and cgroups, or set sandbox.isolation: "
+                "unsafe_local for trusted code only"
             )
+        if missing:
+            log.warning("forge: sandbox.isolation=unsafe_local: runs without %s", "; ".join(missing))
+
+    async def stop(self) -> None:
+        """Stop the launcher and remove the slots' cgroups."""
+        await self.launcher.stop()
+        if self.cgroups is not None:
+            self.cgroups.remove()
 
     async def run(
         self,
@@ -359,6 +385,10 @@ class SandboxPool:
             start = time.perf_counter()
             if self.launcher.sock is None:  # it died (its runs then failed): a new one for this run
                 await self.launcher.start(self.python)
+            oom_kills = 0
+            if self.cgroups is not None:
+                self.cgroups.limit(uid, req.memory_mb << 20, self.cfg.max_processes)
+                oom_kills = self.cgroups.oom_kills(uid)
             run = await self.launcher.spawn(self._spec(work, req, uid, argv), theirs)
             for fd in theirs:
                 os.close(fd)
@@ -374,7 +404,8 @@ class SandboxPool:
             _empty(work)
         if run.setup_error is not None:
             raise SandboxError(f"sandbox: could not set up the run: {run.setup_error}")
-        return self._result(run.returncode, out, err, wall, timed_out, truncated, req, report)
+        oom = self.cgroups is not None and self.cgroups.oom_kills(uid) > oom_kills
+        return self._result(run.returncode, out, err, wall, timed_out, truncated, req, report, oom)
 
     def _write_files(self, work: Path, req: _Request, uid: int) -> list[str]:
         """The run's directory; returns the argv (for Python, the script's). With namespaces the program and its tests stay
@@ -413,10 +444,12 @@ class SandboxPool:
         """What the launcher needs for one run: namespaces and the private tmpfs, rlimits, the
         slot's uid, the working directory, the program's argv and environment."""
         c = self.cfg
-        tmp_opts = f"size={c.tmpfs_MB}m,mode=0700,uid={uid},gid={uid}"
+        tmp_opts = f"size={c.tmpfs_MB}m,nr_inodes={c.tmpfs_inodes},mode=0700,uid={uid},gid={uid}"
+        small = "size=16m,nr_inodes=1024,mode=1777"
         return {
             "namespaces": self.namespaces,
-            "tmpfs": [["/tmp", tmp_opts], ["/var/tmp", "size=16m,mode=1777"], ["/dev/shm", "size=16m,mode=1777"]],
+            "cgroups": self.cgroups.slot(uid) if self.cgroups is not None else [],
+            "tmpfs": [["/tmp", tmp_opts], ["/var/tmp", small], ["/dev/shm", small]],
             "copy": str(work / "files") if self.namespaces and req.files else None,
             "cwd": "/tmp" if self.namespaces else str(work),
             "uid": uid if self.root else None,
@@ -490,11 +523,14 @@ class SandboxPool:
         truncated: bool,
         req: _Request,
         report: dict | None,
+        oom_killed: bool = False,
     ) -> RunResult:
         # The launcher reports a program a signal ended as 128 + the signal (as a shell does); a
         # negative code is the run's first process, killed at the timeout.
         sig = -rc if rc < 0 else rc - 128 if rc > 128 else None
-        if timed_out or sig == signal.SIGXCPU:
+        if oom_killed:  # the kernel killed a process of the run for the run's memory limit
+            status = "oom"
+        elif timed_out or sig == signal.SIGXCPU:
             status = "timeout"
         elif rc != 0 and any(m in err for m in _OOM_MARKERS):
             status = "oom"

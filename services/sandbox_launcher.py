@@ -90,6 +90,11 @@ def run(req: dict, fds: list[int], setup: int) -> NoReturn:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")  # the launcher gone: so is the run
+        for procs in req["cgroups"]:  # the slot's memory and pids limits hold over everything the run forks
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        with open("/proc/self/oom_score_adj", "w") as f:  # out of memory, the kernel kills the run first
+            f.write("1000")
         os.setsid()  # its own session and process group, away from the launcher's
         if req["namespaces"]:  # before the fds are closed: its namespace is one
             check(libc.setns(NETNS[req["uid"]], CLONE_NEWNET), "setns (the slot's network namespace)")

@@ -30,7 +30,7 @@ def sandbox(loop):
         sb = loop.run_until_complete(Sandbox.options().as_service(CFG))
     finally:
         del os.environ["FORGE_TEST_SECRET"]
-    assert loop.run_until_complete(sb.isolation.route()) == {"namespaces": True, "own_uid": True}
+    assert loop.run_until_complete(sb.isolation.route()) == {"namespaces": True, "own_uid": True, "cgroups": True}
     yield sb
     loop.run_until_complete(sb.shutdown())
 
@@ -431,3 +431,99 @@ def test_a_program_faking_its_counts_scores_at_most_its_tests(loop):
         0
     ] * 6
     assert _passed({"passed": 2}, 3) == 2
+
+
+# 20 children of 400 MB each (8 GB: safe on this machine without the cgroup), each under the
+# address-space rlimit of 512 MB; each writes a byte once its memory is touched.
+MANY_CHILDREN = """\
+import os, select, time
+r, w = os.pipe()
+for _ in range(20):
+    if os.fork() == 0:
+        block = bytearray(b"x") * (400 << 20)
+        os.write(w, b"1")
+        time.sleep(30)
+        os._exit(0)
+os.close(w)
+got, deadline = 0, time.time() + 20
+while time.time() < deadline and select.select([r], [], [], deadline - time.time())[0]:
+    chunk = os.read(r, 64)
+    if not chunk:
+        break
+    got += len(chunk)
+print(got, flush=True)
+"""
+FILES = """\
+import os
+n = 0
+try:
+    while n < 1_000_000:
+        open(f"/tmp/f{n}", "w").close()
+        n += 1
+except OSError as e:
+    print(e.errno, end=" ")
+print(n)
+"""
+
+
+def test_a_run_is_bounded_as_a_whole_not_per_process(loop, sandbox):
+    """Its processes together hold at most the run's memory_limit_MB (a cgroup per slot); the
+    kernel kills the run's processes first (oom_score_adj) and the status says oom."""
+    r = run(loop, sandbox, MANY_CHILDREN, run_timeout=40, memory_limit_MB=512)
+    assert r.status == "oom" and (r.stdout.strip() or "0") in {"0", "1"}, r
+    assert run(loop, sandbox, "print(open('/proc/self/oom_score_adj').read())").stdout == "1000\n\n"
+
+
+def test_a_million_files_in_tmp_stop_at_its_inode_limit(loop, sandbox):
+    r = run(loop, sandbox, FILES, run_timeout=60)
+    errno, made = r.stdout.split()
+    assert r.status == "ok" and errno == "28" and int(made) < CFG.tmpfs_inodes, r  # ENOSPC
+
+
+def test_isolation_auto_refuses_what_it_cannot_isolate(monkeypatch):
+    """Without a cgroup per slot (or namespaces, or root), `auto` refuses to run untrusted code,
+    naming what is missing and the key that overrides it; `unsafe_local` runs, and says so."""
+    from services import sandbox as sb
+
+    monkeypatch.setattr(sb.SlotCgroups, "make", classmethod(lambda cls, pid: "no cgroup memory controller (test)"))
+
+    async def start(isolation):
+        pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=61500, isolation=isolation))
+        await pool.start()
+        try:
+            return (await pool.run("print(2)")).stdout
+        finally:
+            await pool.stop()
+
+    with pytest.raises(
+        sb.SandboxError,
+        match=r"missing a cgroup per slot \(no cgroup memory controller \(test\)\).*"
+        r"sandbox.isolation: unsafe_local for trusted code only",
+    ):
+        asyncio.run(start("auto"))
+    assert asyncio.run(start("unsafe_local")) == "2\n"
+    with pytest.raises(Exception, match="'sandbox.isolation' must be one of auto, unsafe_local, got 'namespaces'"):
+        SandboxConfig(isolation="namespaces").validate()
+
+
+def test_slot_cgroups_on_cgroup_v2(tmp_path):
+    """The v2 layout (a fake cgroupfs): the slots' base under this process's cgroup, controllers
+    enabled for its children, a run's limits, the kernel's oom kills read back, stale bases of
+    sandboxes gone removed."""
+    from services.sandbox_cgroup import SlotCgroups
+
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    own = tmp_path / "job"
+    (own / "forge-sandbox-4000000").mkdir(parents=True)  # a sandbox gone
+    cg = SlotCgroups.make(os.getpid(), root=tmp_path, proc_cgroup="0::/job\n")
+    assert isinstance(cg, SlotCgroups) and cg.v2
+    assert not (own / "forge-sandbox-4000000").exists()
+    assert (own / "cgroup.subtree_control").read_text() == "+memory +pids"
+    base = own / f"forge-sandbox-{os.getpid()}"
+    assert cg.slot(60001) == [str(base / "60001" / "cgroup.procs")]
+    cg.limit(60001, 512 << 20, 64)
+    assert (base / "60001" / "memory.max").read_text() == str(512 << 20)
+    assert (base / "60001" / "pids.max").read_text() == "64"
+    (base / "60001" / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n")
+    assert cg.oom_kills(60001) == 2
+    assert SlotCgroups.make(1, root=tmp_path / "none", proc_cgroup="0::/\n").startswith("no cgroup memory and pids")
