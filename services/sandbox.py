@@ -285,6 +285,7 @@ class SandboxPool:
         self.runs = 0
         self.launcher = _Launcher()
         self.cgroups: SlotCgroups | None = None
+        self.oom_kills: dict[int, int] = {}  # slot uid -> the kernel's oom kills in its cgroup, after its last run
         self.harness = self.dir / "forge_harness.py"  # runs a program, then its tests
 
     async def start(self) -> None:
@@ -385,10 +386,8 @@ class SandboxPool:
             start = time.perf_counter()
             if self.launcher.sock is None:  # it died (its runs then failed): a new one for this run
                 await self.launcher.start(self.python)
-            oom_kills = 0
             if self.cgroups is not None:
                 self.cgroups.limit(uid, req.memory_mb << 20, self.cfg.max_processes)
-                oom_kills = self.cgroups.oom_kills(uid)
             run = await self.launcher.spawn(self._spec(work, req, uid, argv), theirs)
             for fd in theirs:
                 os.close(fd)
@@ -404,7 +403,10 @@ class SandboxPool:
             _empty(work)
         if run.setup_error is not None:
             raise SandboxError(f"sandbox: could not set up the run: {run.setup_error}")
-        oom = self.cgroups is not None and self.cgroups.oom_kills(uid) > oom_kills
+        oom = False
+        if self.cgroups is not None:  # the kernel's kills so far: any new one was this run's
+            kills = self.cgroups.oom_kills(uid)
+            oom, self.oom_kills[uid] = kills > self.oom_kills.get(uid, 0), kills
         return self._result(run.returncode, out, err, wall, timed_out, truncated, req, report, oom)
 
     def _write_files(self, work: Path, req: _Request, uid: int) -> list[str]:

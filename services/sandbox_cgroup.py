@@ -35,6 +35,7 @@ class SlotCgroups:
 
     def __init__(self, dirs: dict[str, Path], v2: bool):
         self.dirs, self.v2 = dirs, v2  # "memory"/"pids" -> the base directory in that hierarchy
+        self.limits: dict[int, tuple[int, int]] = {}  # uid -> the limits its cgroups have
 
     @classmethod
     def make(cls, pid: int, root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -> SlotCgroups | str:
@@ -76,12 +77,15 @@ class SlotCgroups:
         """The slot's cgroups, made: the cgroup.procs files its runs' first process joins."""
         procs = []
         for d in sorted(set(self.dirs.values())):
-            (d / str(uid)).mkdir(exist_ok=True)
+            if uid not in self.limits:
+                (d / str(uid)).mkdir(exist_ok=True)
             procs.append(str(d / str(uid) / "cgroup.procs"))
         return procs
 
     def limit(self, uid: int, memory_bytes: int, pids: int) -> None:
         """A run's limits: `memory_bytes` (no swap beyond it) and `pids` processes at once."""
+        if self.limits.get(uid) == (memory_bytes, pids):
+            return  # as the slot's last run had them: writing them again costs every run
         self.slot(uid)
         memory, tasks = self.dirs["memory"] / str(uid), self.dirs["pids"] / str(uid)
         if self.v2:
@@ -98,6 +102,7 @@ class SlotCgroups:
             if memsw.exists():
                 memsw.write_text(str(memory_bytes))
         (tasks / "pids.max").write_text(str(pids))
+        self.limits[uid] = (memory_bytes, pids)
 
     def oom_kills(self, uid: int) -> int:
         """How many of the slot's processes the kernel killed for its memory limit, so far."""
