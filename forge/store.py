@@ -206,14 +206,14 @@ class WeightStore:
         return next((f for f in self._spares() if f.stat().st_size == size), None)
 
     async def check_intact(self, version: int, path: str | None = None) -> None:
-        """Call after reading a shm version from `path`: the writer deletes a version's record
-        before it reuses its file, and a host's copy loses its name before it is rewritten, so
-        a record (a name) that still exists means nothing overwrote what was read."""
-        if path is not None and Path(path).parent == host_cache_dir():
+        """Call after reading a shm version from `path`: a file is renamed away (the writer's,
+        when its version is dropped) or loses its name (a host's copy) before it is rewritten,
+        and no later version takes its name, so a name still there means nothing overwrote what
+        was read. Without `path` (a file of another host), the version's record tells."""
+        if path is not None:  # a stat, not a store round trip: it sits between staged weights and going live
             if not os.path.exists(path):
-                raise KeyError(
-                    f"weights version {version} of {self.name!r}: this host's copy was replaced while it was read"
-                )
+                where = "this host's copy was replaced" if Path(path).parent == host_cache_dir() else "was dropped"
+                raise KeyError(f"weights version {version} of {self.name!r}: {where} while it was read")
         elif not await torchstore.exists(f"{self._key(version)}/record"):
             raise KeyError(f"weights version {version} of {self.name!r} was dropped while it was read")
 
@@ -280,7 +280,7 @@ class WeightStore:
         if rec["transport"] == "shm":
             # Kept as a spare for the next publish: writing into pages that exist runs at memcpy
             # speed, a new tmpfs file pays a page fault per 4 KB (3x slower here). A reader that
-            # raced this drop sees the record gone in check_intact() and reads a newer version.
+            # raced this drop sees its file's name gone in check_intact() and reads a newer version.
             path = Path(rec["path"])
             if path.exists():
                 if len(self._spares()) < 2:
