@@ -295,6 +295,7 @@ class SandboxPool:
             raise SandboxError(f"sandbox: could not start its launcher: {e}") from e
         self.harness.write_text(Path(__file__).with_name("sandbox_harness.py").read_text())
         self.harness.chmod(0o644)
+        (self.dir / "root").mkdir(mode=0o755, exist_ok=True)
         for uid in self._take_uids(self.cfg.workers):
             self.slots.put_nowait(uid)
         made = SlotCgroups.make(os.getpid()) if self.root else "not root"
@@ -451,6 +452,8 @@ class SandboxPool:
         return {
             "namespaces": self.namespaces,
             "cgroups": self.cgroups.slot(uid) if self.cgroups is not None else [],
+            "root": str(self.dir / "root"),  # the mount point of the run's own root (namespaces only)
+            "binds": [str(work), str(self.harness)],  # of the host, what the run sees besides the system's
             "tmpfs": [["/tmp", tmp_opts], ["/var/tmp", small], ["/dev/shm", small]],
             "copy": str(work / "files") if self.namespaces and req.files else None,
             "cwd": "/tmp" if self.namespaces else str(work),

@@ -8,7 +8,9 @@ attached) is answered with {"id", "pid"} once started and {"id", "status", "setu
 status; why the sandbox could not be set up, from a pipe the program never holds, or null) once it
 ended.
 A run is three processes: the first leaves the launcher's session and unshares the namespaces;
-its child is pid 1 of the new pid namespace, mounts the private tmpfs and /proc and waits; its
+its child is pid 1 of the new pid namespace, makes the run's minimal read-only root (the
+interpreter, its libraries, the run's files, private tmpfs, /proc, a few devices; nothing else
+of the host) and pivots into it, then waits; its
 child sets the rlimits, drops to the slot's uid and runs the program. When pid 1 exits (or is
 killed at the timeout) the kernel kills everything left in the namespace.
 
@@ -36,7 +38,22 @@ import types
 from typing import NoReturn
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+    1,
+    2,
+    4,
+    8,
+    32,
+    4096,
+    16384,
+    1 << 18,
+)
+MNT_DETACH = 2
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
+# What a run sees of the host, read-only: the system's programs and libraries, the dynamic
+# linker's cache. The interpreter's own prefixes and the run's files are added per run.
+HOST_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache", "/etc/localtime"]
+DEVICES = ("null", "zero", "full", "random", "urandom")
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 SETUP_FAILED = 125  # the exit code of a run whose sandbox could not be set up (its setup pipe says why)
 libc = ctypes.CDLL(None, use_errno=True)
@@ -82,6 +99,73 @@ def slot_netns(uid: int) -> None:
             os.close(fd)
 
 
+def bind_read_only(src: str, dst: str) -> None:
+    """`src` of the host at `dst` (in the run's new root), read-only; a symlink as itself."""
+    if os.path.islink(src):
+        os.symlink(os.readlink(src), dst)
+        return
+    if os.path.isdir(src):
+        os.makedirs(dst, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        open(dst, "a").close()
+    check(libc.mount(src.encode(), dst.encode(), None, MS_BIND | MS_REC, None), f"bind {src}")
+    flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
+    check(libc.mount(None, dst.encode(), None, flags, None), f"read-only {src}")
+
+
+def visible_paths(req: dict) -> list[str]:
+    """The host paths a run sees: HOST_PATHS, this interpreter's prefixes and search path (a
+    Python run is this process, forked), and the run's own (its program, the harness); each
+    once, outside the others."""
+    ours = [sys.prefix, sys.base_prefix, sys.exec_prefix, *(p for p in sys.path if os.path.isdir(p))]
+    paths = sorted({os.path.realpath(p) for p in ours} | set(HOST_PATHS) | set(req["binds"]))
+    kept: list[str] = []
+    for p in paths:
+        if os.path.lexists(p) and not any(p.startswith(k.rstrip("/") + "/") for k in kept):
+            kept.append(p)
+    return kept
+
+
+def enter_minimal_root(req: dict) -> None:
+    """Make the run's root: a tmpfs holding only `visible_paths` (read-only), its own /tmp,
+    /var/tmp, /dev/shm, /proc, a /dev of a few devices and an /etc naming its uid; then
+    pivot_root into it and detach the host's root, which then no path reaches."""
+    new = req["root"]
+    check(
+        libc.mount(b"tmpfs", new.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,nr_inodes=4096,mode=0755"), "root"
+    )
+    for path in visible_paths(req):
+        bind_read_only(path, new + path)
+    os.makedirs(new + "/etc", exist_ok=True)
+    for name, line in (("passwd", "{0}:x:{0}:{0}::/tmp:/bin/false"), ("group", "{0}:x:{0}:")):
+        with open(f"{new}/etc/{name}", "w") as f:
+            f.write(
+                f"root:x:0:0::/:/bin/false\n{line.format(req['uid'])}\n"
+                if name == "passwd"
+                else f"root:x:0:\n{line.format(req['uid'])}\n"
+            )
+    os.makedirs(new + "/dev")
+    check(libc.mount(b"tmpfs", f"{new}/dev".encode(), b"tmpfs", MS_NOSUID | MS_NOEXEC, b"size=64k,mode=0755"), "/dev")
+    for name in DEVICES:
+        open(f"{new}/dev/{name}", "a").close()
+        check(libc.mount(f"/dev/{name}".encode(), f"{new}/dev/{name}".encode(), None, MS_BIND, None), f"/dev/{name}")
+    for i, name in enumerate(("stdin", "stdout", "stderr")):
+        os.symlink(f"/proc/self/fd/{i}", f"{new}/dev/{name}")
+    os.symlink("/proc/self/fd", f"{new}/dev/fd")
+    for target, options in req["tmpfs"]:
+        os.makedirs(new + target, exist_ok=True)
+        check(libc.mount(b"tmpfs", (new + target).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()), target)
+    os.makedirs(new + "/proc")
+    check(libc.mount(b"proc", f"{new}/proc".encode(), b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "/proc")
+    os.makedirs(new + "/.host")
+    check(libc.syscall(SYS_PIVOT_ROOT[os.uname().machine], new.encode(), f"{new}/.host".encode()), "pivot_root")
+    os.chdir("/")
+    check(libc.umount2(b"/.host", MNT_DETACH), "detach the host's root")
+    os.rmdir("/.host")
+    check(libc.mount(None, b"/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None), "read-only root")
+
+
 def run(req: dict, fds: list[int], setup: int) -> NoReturn:
     """The forked child: sets up the sandbox, then execs the program or runs it here (Python).
     A set-up failure is written to `setup`, a pipe the program never holds (closed before it
@@ -111,9 +195,7 @@ def run(req: dict, fds: list[int], setup: int) -> NoReturn:
             # pid 1 of the run's namespace: its mounts, then the program as its child
             check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
             check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
-            for target, options in req["tmpfs"]:
-                check(libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()), target)
-            check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
+            enter_minimal_root(req)
             if req["copy"]:
                 shutil.copytree(req["copy"], req["cwd"], dirs_exist_ok=True)
                 for root, dirs, files in os.walk(req["cwd"]):

@@ -287,7 +287,7 @@ print("pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
 print("found", found)
 """
     r = run(loop, sandbox, code)
-    assert "PermissionError" in r.stdout and "found []" in r.stdout, r
+    assert "FileNotFoundError" in r.stdout and "found []" in r.stdout, r  # the host's file is not in its root
     pids = eval(r.stdout.split("pids ")[1].splitlines()[0])
     assert max(pids) < 20  # its own pid namespace: none of the host's processes
 
@@ -300,12 +300,14 @@ for path in ("{host_dir}/planted", "/etc/planted", "/tmp/../etc/planted2"):
         open(path, "w").write("x")
         print("wrote", path)
     except OSError as e:
-        print("denied", path, type(e).__name__)  # PermissionError, not a missing directory
+        print("denied", path, e.strerror)
 open("{host_tmp}", "w").write("x")  # the sandbox's own /tmp
 print("tmp ok")
 """
     r = run(loop, sandbox, code)
-    assert r.stdout.count("PermissionError") == 3 and "tmp ok" in r.stdout, r
+    # the host's directory is not in its root; its /etc is read-only
+    assert r.stdout.count("No such file") == 1 and r.stdout.count("Read-only file system") == 2, r
+    assert "tmp ok" in r.stdout, r
     assert not (host_dir / "planted").exists() and not Path("/etc/planted").exists()
     assert not host_tmp.exists()  # its /tmp was private
 
@@ -527,3 +529,68 @@ def test_slot_cgroups_on_cgroup_v2(tmp_path):
     (base / "60001" / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n")
     assert cg.oom_kills(60001) == 2
     assert SlotCgroups.make(1, root=tmp_path / "none", proc_cgroup="0::/\n").startswith("no cgroup memory and pids")
+
+
+WORLD_WRITABLE = """\
+import os, stat
+wrote = []
+for top in ("/", "/dev", "/run", "/var", "/tmp", "/etc", "/usr", "/opt", "/srv", "/home", "/root", "/mnt"):
+    for root, dirs, files in os.walk(top):
+        if root.startswith(("/proc", "/sys")):
+            dirs[:] = []
+            continue
+        try:
+            writable = os.stat(root).st_mode & stat.S_IWOTH
+        except OSError:
+            continue
+        if writable:
+            try:
+                with open(os.path.join(root, "MARK"), "w") as f:
+                    f.write("planted")
+                wrote.append(root)
+            except OSError:
+                pass
+print(sorted(set(wrote)))
+"""
+READ_MARKS = """\
+import os
+found = []
+for root, dirs, files in os.walk("/"):
+    if root.startswith(("/proc", "/sys")):
+        dirs[:] = []
+    elif "MARK" in files:
+        found.append(root)
+print(sorted(found))
+"""
+
+
+def test_no_world_writable_host_directory_carries_anything_to_a_later_run(loop, sandbox):
+    """A run writes into every world-writable directory it can see (the host's /run/lock,
+    /var/tmp, /dev/shm, /dev/mqueue, ... before its root was its own); a later run, in another
+    slot, finds none of it: its root is the interpreter, its libraries and its own tmpfs."""
+    mark = f"forge-mark-{uuid.uuid4().hex}"
+    wrote = run(loop, sandbox, WORLD_WRITABLE.replace("MARK", mark), run_timeout=60)
+    found = run(loop, sandbox, READ_MARKS.replace("MARK", mark), run_timeout=60)
+    try:
+        written = eval(wrote.stdout)
+        assert set(written) <= {"/tmp", "/var/tmp", "/dev/shm"}, written  # its own tmpfs only
+        assert eval(found.stdout) == [], found
+    finally:  # the unprotected sandbox planted its marks in the host's directories
+        subprocess.run(["find", "/", "-xdev", "-name", mark, "-delete"], capture_output=True)
+
+
+def test_the_host_is_not_in_a_runs_root(loop, sandbox):
+    """Nothing of the host's but the system's programs and libraries: not the checkout, not
+    forge's runs, not the host's /etc or /home."""
+    here = Path(__file__).resolve().parent.parent
+    code = f"""\
+import os
+print([p for p in ("{here}/README.md", "/etc/hostname", "/etc/os-release", "/root", "/home") if os.path.exists(p)])
+print(sorted(os.listdir("/dev")))
+"""
+    r = run(loop, sandbox, code)
+    visible, dev = r.stdout.splitlines()
+    assert eval(visible) == [], r
+    assert set(eval(dev)) <= {"fd", "full", "null", "random", "shm", "stderr", "stdin", "stdout", "urandom", "zero"}, (
+        dev
+    )
