@@ -128,9 +128,9 @@ def visible_paths(req: dict) -> list[str]:
 
 
 def enter_minimal_root(req: dict) -> None:
-    """Make the run's root: a tmpfs holding only `visible_paths` (read-only), its own /tmp,
-    /var/tmp, /dev/shm, /proc, a /dev of a few devices and an /etc naming its uid; then
-    pivot_root into it and detach the host's root, which then no path reaches."""
+    """Make a slot's root: a tmpfs holding only `visible_paths` (read-only), a /dev of a few
+    devices, an /etc naming its uid, and empty mount points for each run's own tmpfs and
+    /proc; then pivot_root into it and detach the host's root, which then no path reaches."""
     new = req["root"]
     check(
         libc.mount(b"tmpfs", new.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,nr_inodes=4096,mode=0755"), "root"
@@ -138,13 +138,13 @@ def enter_minimal_root(req: dict) -> None:
     for path in visible_paths(req):
         bind_read_only(path, new + path)
     os.makedirs(new + "/etc", exist_ok=True)
-    for name, line in (("passwd", "{0}:x:{0}:{0}::/tmp:/bin/false"), ("group", "{0}:x:{0}:")):
+    uid = req["uid"]
+    for name, text in (
+        ("passwd", f"root:x:0:0::/:/bin/false\n{uid}:x:{uid}:{uid}::/tmp:/bin/false\n"),
+        ("group", f"root:x:0:\n{uid}:x:{uid}:\n"),
+    ):
         with open(f"{new}/etc/{name}", "w") as f:
-            f.write(
-                f"root:x:0:0::/:/bin/false\n{line.format(req['uid'])}\n"
-                if name == "passwd"
-                else f"root:x:0:\n{line.format(req['uid'])}\n"
-            )
+            f.write(text)
     os.makedirs(new + "/dev")
     check(libc.mount(b"tmpfs", f"{new}/dev".encode(), b"tmpfs", MS_NOSUID | MS_NOEXEC, b"size=64k,mode=0755"), "/dev")
     for name in DEVICES:
@@ -153,17 +153,55 @@ def enter_minimal_root(req: dict) -> None:
     for i, name in enumerate(("stdin", "stdout", "stderr")):
         os.symlink(f"/proc/self/fd/{i}", f"{new}/dev/{name}")
     os.symlink("/proc/self/fd", f"{new}/dev/fd")
-    for target, options in req["tmpfs"]:
+    for target in [t for t, _ in req["tmpfs"]] + ["/proc", "/.host"]:
         os.makedirs(new + target, exist_ok=True)
-        check(libc.mount(b"tmpfs", (new + target).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()), target)
-    os.makedirs(new + "/proc")
-    check(libc.mount(b"proc", f"{new}/proc".encode(), b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "/proc")
-    os.makedirs(new + "/.host")
     check(libc.syscall(SYS_PIVOT_ROOT[os.uname().machine], new.encode(), f"{new}/.host".encode()), "pivot_root")
     os.chdir("/")
     check(libc.umount2(b"/.host", MNT_DETACH), "detach the host's root")
     os.rmdir("/.host")
     check(libc.mount(None, b"/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None), "read-only root")
+
+
+MNTNS: dict[int, int] = {}  # slot uid -> an fd of its mount namespace, whose root is the slot's
+SLOT_ERRORS: dict[int, str] = {}  # slot uid -> why its namespaces could not be made
+
+
+def slot_mntns(req: dict) -> None:
+    """A mount namespace with the slot's minimal root, made once: each run of the slot starts
+    from a copy of it (a few mounts), where building the root per run cost more than a short
+    Python program does."""
+    if req["uid"] in MNTNS:
+        return
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            check(libc.unshare(CLONE_NEWNS), "unshare (mount)")
+            check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+            enter_minimal_root(req)
+            os.write(ready_w, b"1")
+        except BaseException as e:  # noqa: BLE001 - the run's setns then fails and says so
+            os.write(ready_w, f"0{type(e).__name__}: {e}".encode()[:4000])
+        os.read(hold_r, 1)
+        os._exit(0)
+    try:
+        answer = os.read(ready_r, 4096)
+        if answer[:1] != b"1":
+            raise OSError(f"the slot's root: {answer[1:].decode(errors='replace')}")
+        MNTNS[req["uid"]] = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
+    finally:
+        os.write(hold_w, b"1")
+        os.waitpid(pid, 0)
+        for fd in (ready_r, ready_w, hold_r, hold_w):
+            os.close(fd)
+
+
+def mount_run_fs(req: dict) -> None:
+    """In a copy of the slot's namespace, pid 1 of the run's: its own tmpfs and /proc."""
+    for target, options in req["tmpfs"]:
+        check(libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()), target)
+    check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
 
 
 def run(req: dict, fds: list[int], setup: int) -> NoReturn:
@@ -180,8 +218,12 @@ def run(req: dict, fds: list[int], setup: int) -> NoReturn:
         with open("/proc/self/oom_score_adj", "w") as f:  # out of memory, the kernel kills the run first
             f.write("1000")
         os.setsid()  # its own session and process group, away from the launcher's
-        if req["namespaces"]:  # before the fds are closed: its namespace is one
+        if req["namespaces"]:  # before the fds are closed: its namespaces are
             check(libc.setns(NETNS[req["uid"]], CLONE_NEWNET), "setns (the slot's network namespace)")
+            if req["uid"] not in MNTNS:
+                raise OSError(SLOT_ERRORS.get(req["uid"], "the slot's mount namespace could not be made"))
+            check(libc.setns(MNTNS[req["uid"]], CLONE_NEWNS), "setns (the slot's mount namespace)")
+            os.chdir("/")
         for target, fd in enumerate(fds):  # stdin, stdout, stderr, the harness's report (3) and tests (4)
             os.dup2(fd, target)
         os.closerange(len(fds), setup)  # the launcher's fds, but for `setup` (numbered above these)
@@ -194,8 +236,7 @@ def run(req: dict, fds: list[int], setup: int) -> NoReturn:
                 os._exit(exit_code(pid))
             # pid 1 of the run's namespace: its mounts, then the program as its child
             check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
-            check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
-            enter_minimal_root(req)
+            mount_run_fs(req)
             if req["copy"]:
                 shutil.copytree(req["copy"], req["cwd"], dirs_exist_ok=True)
                 for root, dirs, files in os.walk(req["cwd"]):
@@ -330,8 +371,9 @@ def main(fd: int) -> None:
             if req["namespaces"]:
                 try:
                     slot_netns(req["uid"])
-                except OSError:
-                    pass  # the run's setns fails and says so
+                    slot_mntns(req)
+                except OSError as e:  # the run's setns fails and says so
+                    SLOT_ERRORS[req["uid"]] = str(e)
             setup_r, setup_w = os.pipe()
             pid = os.fork()
             if pid == 0:
