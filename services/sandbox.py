@@ -420,21 +420,21 @@ class SandboxPool:
         tests = work / TESTS_FILE
         try:
             work.mkdir(mode=0o750, exist_ok=True)
-            main.write_text(req.code)
+            _write_new(main, req.code.encode())
             written = [main]
             if req.tests:
-                tests.write_text(json.dumps(req.tests))
+                _write_new(tests, json.dumps(req.tests).encode())
                 written.append(tests)
             for name, content in req.files.items():
                 (own / name).parent.mkdir(parents=True, exist_ok=True)
-                (own / name).write_bytes(content)
-            if self.root:
+                _write_new(own / name, content)
+            if self.root:  # lchown: a symlink left in the slot's directory is never followed as root
                 owned = [own, *own.rglob("*")] if req.files or own == work else []
                 for path in [work, *written]:
-                    os.chown(path, uid if path in owned else 0, uid)
+                    os.lchown(path, uid if path in owned else 0, uid)
                     path.chmod(0o750 if path.is_dir() else 0o600 if path == tests else 0o640)
                 for path in owned:
-                    os.chown(path, uid, uid)
+                    os.lchown(path, uid, uid)
         except OSError as e:
             raise SandboxError(f"sandbox: could not write the working directory {work}: {e}") from e
         if req.language == "bash":
@@ -695,6 +695,13 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except OSError:
         pass
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Write `path` afresh, never through a symlink: whatever had its name is removed first."""
+    path.unlink(missing_ok=True)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
+        f.write(data)
 
 
 def _empty(directory: Path) -> None:

@@ -241,7 +241,7 @@ def run(req: dict, fds: list[int], setup: int) -> NoReturn:
                 shutil.copytree(req["copy"], req["cwd"], dirs_exist_ok=True)
                 for root, dirs, files in os.walk(req["cwd"]):
                     for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
-                        os.chown(name, req["uid"], req["uid"])
+                        os.lchown(name, req["uid"], req["uid"])
         pid = os.fork()
         if pid:
             os.close(setup)

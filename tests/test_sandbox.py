@@ -594,3 +594,24 @@ print(sorted(os.listdir("/dev")))
     assert set(eval(dev)) <= {"fd", "full", "null", "random", "shm", "stderr", "stdin", "stdout", "urandom", "zero"}, (
         dev
     )
+
+
+def test_root_never_writes_or_chowns_through_a_symlink_in_a_slot(tmp_path):
+    """A symlink left in a slot's directory (under `unsafe_local` it is the program's own
+    directory) where the next run's files go: root replaces it, never writes or chowns its
+    target."""
+    from services import sandbox as sb
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=61600))
+    work = pool.dir / "61600"
+    work.mkdir(mode=0o750, exist_ok=True)
+    (work / "main.py").symlink_to(victim)
+    (work / "files").mkdir(exist_ok=True)
+    (work / "files" / "data.txt").symlink_to(victim)
+    pool.namespaces = True
+    pool._write_files(work, sb._Request("print(1)", "python", b"", files={"data.txt": b"mine"}), 61600)
+    assert victim.read_text() == "precious" and victim.stat().st_uid == os.geteuid()
+    assert (work / "main.py").read_text() == "print(1)" and not (work / "main.py").is_symlink()
+    sb._empty(work)
