@@ -1,7 +1,8 @@
 """One prompt's rollout: generate a group, score it, turn it into GRPO Episodes.
 
 An app's `rollout` config key names the rollout function ("package.module:name"), so a
-multi-turn or tool-using rollout replaces `generate_and_score` without touching the loop.
+custom single-call rollout (a tool step, a verifier of its own) replaces `generate_and_score`.
+Multi-turn episodes through the gateway are the `agentic` section's (forge/agentic.py).
 """
 
 from __future__ import annotations

@@ -38,7 +38,9 @@ _DTYPES = {
     torch.bool: "BOOL",
 }
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
-_MAX_MAPS = 4  # a writer cycles through keep_versions + 2 spare files
+# Mappings kept per process: a writer cycles through trainer.keep_versions (2 by default) + 2
+# spare files. With more versions kept, the oldest mappings are remapped (slower), never wrong.
+_MAX_MAPS = 4
 # Shared by every user of the machine, like /tmp; each user's files go below in ROOT, 0700.
 _SHARED = Path("/dev/shm/forge") if os.path.isdir("/dev/shm") else Path("/tmp/forge-shm")
 ROOT = _SHARED / str(os.geteuid())

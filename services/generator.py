@@ -2,7 +2,7 @@
 
     gen = await Generator.options(replicas=2).as_service(path, GeneratorConfig(sampling=SamplingConfig(temperature=0.8)))
     completions = await gen.generate.route("rev abc=", n=8)      # one GRPO group
-    await gen.load_weights.fanout(state_dict, version=3)         # in place, no restart
+    await gen.load_weights.fanout(state_dict, version=3)         # staged, then swapped in; no restart
 
 With `weights_from=WeightStore(...)`, each replica follows the store's latest version in
 the background (and a respawned replica starts on it).

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
-from forge.config import require_file
+from forge.config import ConfigError, require_file
 from forge.losses import LossConfig, get_loss, importance_weight, k3_kl, loss_units
 from forge.store import WeightStore
 from forge.types import Batch
@@ -62,9 +62,9 @@ class TrainerConfig:
 
     def validate(self) -> None:
         if self.lr_decay not in DECAYS:
-            raise ValueError(f"config key 'trainer.lr_decay': {self.lr_decay!r} is not one of {', '.join(DECAYS)}")
+            raise ConfigError(f"config key 'trainer.lr_decay': {self.lr_decay!r} is not one of {', '.join(DECAYS)}")
         if self.grad_accum < 1:
-            raise ValueError(f"config key 'trainer.grad_accum' must be >= 1, got {self.grad_accum}")
+            raise ConfigError(f"config key 'trainer.grad_accum' must be >= 1, got {self.grad_accum}")
 
 
 def weight_store(cfg: TrainerConfig) -> WeightStore:

@@ -1,4 +1,6 @@
-"""Runs inside vLLM's worker process (vLLM's `worker_extension_cls`): in-place weight reload.
+"""Runs inside vLLM's worker process (vLLM's `worker_extension_cls`): new weights staged beside
+the live model and committed between engine steps (`forge_stage`, `forge_commit`), or, for a
+model that cannot be staged, vLLM's own in-place reload (`forge_reload`).
 
 Kept free of monarch imports (forge.shm is torch-only): vLLM imports it in its EngineCore process.
 """

@@ -93,3 +93,12 @@ def test_shipped_configs_load():
 
     cfg = load_config("configs/sft_tiny.yaml", ["run_name=x"], Config)
     assert cfg.model.tiny.task == cfg.task and cfg.model.path.endswith(cfg.task)
+
+
+def test_the_trainer_section_raises_config_errors_like_every_other():
+    from services.trainer import TrainerConfig
+
+    with pytest.raises(ConfigError, match="config key 'trainer.lr_decay': 'steep' is not one of"):
+        TrainerConfig(lr_decay="steep").validate()
+    with pytest.raises(ConfigError, match="config key 'trainer.grad_accum' must be >= 1, got 0"):
+        TrainerConfig(grad_accum=0).validate()

@@ -1,6 +1,6 @@
 """Policy-gradient losses. Each is one small function of token-aligned [rows, seq] tensors:
 
-    loss, metrics = LOSSES[cfg.name](logprobs, batch, is_weight, cfg)
+    loss = LOSSES[cfg.name](logprobs, batch, is_weight, cfg)    # one scalar tensor
 
 `logprobs` are the trainer's (with grad), index t = log p(token t); `is_weight` is the
 truncated importance weight min(pi_trainer / pi_generator, cap), detached, that corrects
@@ -22,7 +22,7 @@ from forge.types import Batch
 
 @dataclass
 class LossConfig:
-    name: str = "grpo"  # grpo | dr_grpo | dapo | gspo | cispo | reinforce
+    name: str = "grpo"  # grpo | dr_grpo | dapo | gspo | cispo | reinforce | sft
     clip_low: float = 0.2
     clip_high: float = 0.2  # DAPO's clip-higher uses 0.28
     kl_coef: float = 0.0  # k3 KL to the reference model (needs ref_logprobs)
