@@ -57,6 +57,18 @@ def metrics(loop, tmp_path) -> dict:
         writer.close()
 
 
+def assert_group_relative(rewards, advantages) -> None:
+    """GRPO's advantages: each reward minus the group's mean, all scaled by one positive factor
+    (1 / std, or 1); all zero when the rewards are all equal."""
+    centered = [r - sum(rewards) / len(rewards) for r in rewards]
+    scales = [a / c for a, c in zip(advantages, centered) if abs(c) > 1e-6]
+    if not scales:
+        assert all(a == 0 for a in advantages), (rewards, advantages)
+        return
+    assert scales[0] > 0, (rewards, advantages)
+    assert all(a == pytest.approx(c * scales[0], abs=1e-5) for a, c in zip(advantages, centered)), (rewards, advantages)
+
+
 def test_env_episodes_train_only_the_policys_tokens(loop, served, pools, allowed, tmp_path):
     """Two policy turns around a tool reply, one sequence per episode: loss mask 1 exactly on
     the tokens the generator sampled (their logprobs), 0 on the prompt and the environment's
@@ -75,8 +87,7 @@ def test_env_episodes_train_only_the_policys_tokens(loop, served, pools, allowed
         masked = tok.decode([t for t, m in zip(e.tokens, e.loss_mask) if not m])
         assert "rev abc=" in masked and "<tool_response>42</tool_response>" in masked  # prompt and tool: not trained
         assert e.score.correct == 1.0 and e.reward in (0.0, 1.0)
-    rewards = [e.reward for e in episodes]
-    assert sum(e.advantage for e in episodes) == pytest.approx(0, abs=1e-5) or len(set(rewards)) == 1
+    assert_group_relative([e.reward for e in episodes], [e.advantage for e in episodes])
     assert row["episode/turns"] == 2 and row["episode/samples"] == 1 and row["env/step_s"] < 1
     assert row["tokens/trained"] == sum(sum(e.loss_mask) for e in episodes)
 
@@ -121,9 +132,9 @@ def test_failures_cost_only_their_episode(loop, served, pools, tmp_path):
     flaky = dict(env="agentic_actors:FlakyEnv", sampling={"max_tokens": 3})  # every other episode raises
     kept = loop.run_until_complete(rollouts(served, pools["FlakyEnv"], **flaky).group(TASK))
     dropped = loop.run_until_complete(rollouts(served, pools["FlakyEnv"], on_failure="drop", **flaky).group(TASK))
-    per_episode = {id(e.score): e.advantage for e in kept}  # an episode may be several samples
+    per_episode = {id(e.score): (e.reward, e.advantage) for e in kept}  # an episode may be several samples
     assert len(per_episode) == 2 and dropped == []
-    assert sum(per_episode.values()) == pytest.approx(0, abs=1e-5)
+    assert_group_relative(*zip(*per_episode.values()))
 
 
 def test_an_agent_returning_no_reward_stops_the_run(loop, served):
