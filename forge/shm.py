@@ -79,9 +79,25 @@ def private_root(root: Path = ROOT) -> Path:
         if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
             _SHARED.chmod(0o1777)  # other users make their own directories in it
         _checked(_SHARED, private=False)
+        _sweep_unlocked_layout(_SHARED)
     with contextlib.suppress(FileExistsError):
         root.mkdir(mode=0o700)
     return _checked(root, private=root.parent == _SHARED)
+
+
+def _sweep_unlocked_layout(shared: Path) -> None:
+    """Remove this user's run directories of forge's earlier layout (shared/run-<pid>-<start
+    time>, alive while that process was): weight files of a crashed run there would hold RAM
+    until reboot, and nothing else sweeps them now."""
+    for d in shared.glob("run-*"):
+        try:
+            st = os.lstat(d)
+        except FileNotFoundError:
+            continue
+        _, pid, start = (d.name.split("-") + ["", ""])[:3]
+        mine = stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+        if mine and not (pid.isdigit() and _start_time(int(pid)) == start):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 # ---- a directory per run ------------------------------------------------------------

@@ -199,3 +199,18 @@ def test_run_directories_live_while_their_owner_holds_the_lock(tmp_path):
         holder.wait()
         dead.wait()
     assert other_namespace in shm.sweep_dead_runs(tmp_path)
+
+
+def test_run_directories_of_the_earlier_layout_are_swept(tmp_path, monkeypatch):
+    """/dev/shm/forge/run-<pid>-<start> (before directories per user): a dead process's goes
+    with its weight files, a live one's stays."""
+    shared = tmp_path / "forge"
+    shared.mkdir(mode=0o1777)
+    monkeypatch.setattr(shm, "_SHARED", shared)
+    live = shared / f"run-{os.getpid()}-{shm._start_time(os.getpid())}"
+    dead = shared / "run-4000000-5"
+    for d in (live, dead):
+        d.mkdir()
+        (d / "policy-abc-v3.safetensors").write_bytes(b"x" * 100)
+    shm.private_root(shared / str(os.geteuid()))
+    assert live.is_dir() and not dead.exists()
