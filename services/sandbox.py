@@ -52,7 +52,7 @@ from monarch.actor import concurrent_endpoint, endpoint
 
 from forge.actor import ForgeActor
 from forge.config import ConfigError
-from forge.shm import owned_dir
+from forge.shm import open_new, owned_dir
 from forge.types import RewardInput, RewardUnavailable
 from services.sandbox_cgroup import SlotCgroups
 
@@ -699,8 +699,7 @@ def _signal(pid: int, sig: int) -> None:
 
 def _write_new(path: Path, data: bytes) -> None:
     """Write `path` afresh, never through a symlink: whatever had its name is removed first."""
-    path.unlink(missing_ok=True)
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
+    with open(open_new(path), "wb") as f:
         f.write(data)
 
 
