@@ -18,28 +18,29 @@ from typing import Any
 
 from tqdm import tqdm
 
+from apps.sft import warm_start
 from forge import checkpoint
-from forge.agentic import AgenticConfig, AgenticRollouts
 from forge.buffer import ReplayBuffer
 from forge.checkpoint import RunStopped
 from forge.config import ConfigError, import_object, to_yaml
 from forge.data import DatasetConfig, FilePrompts, TaskPrompts
-from forge.evals import BackgroundEvals, EvalConfig, held_out
-from forge.gateway import Gateway
 from forge.job import Job, JobConfig
 from forge.metrics import DEFAULT_BACKENDS, MetricWriter, Reduce, discard_pending, plot_rewards, record_metric
 from forge.rollout import REWARD_UNAVAILABLE, OnPolicyGate, RolloutError, check_rollout, make_group, masked
 from forge.service import ReplicaRestored, ServiceError
 from forge.store import start_store, stop_store
 from forge.tasks import get_task
-from forge.tiny_model import ModelConfig
 from forge.types import collate
+from services.agentic import AgenticConfig, AgenticRollouts
 from services.envs import EnvPool
+from services.evals import BackgroundEvals, EvalConfig, held_out
+from services.gateway import Gateway
 from services.generator import Generator, GeneratorConfig
 from services.judge import JudgeConfig
 from services.reference import Reference
 from services.rewards import Rewards, check_rewards
 from services.sandbox import CodeTestsConfig
+from services.tiny_model import ModelConfig
 from services.trainer import Trainer, TrainerConfig, weight_store
 
 
@@ -162,7 +163,7 @@ class Services:
 
     @classmethod
     async def start(cls, cfg: Config) -> Services:
-        model = str(cfg.model.resolve())
+        model = str(cfg.model.resolve(warm_start))
         job = Job(cfg.job)
         try:
             hosts = job.hosts

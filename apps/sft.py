@@ -10,7 +10,9 @@ row (`data.pack_to`); held-out evals beside the loop.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,16 +22,16 @@ from tqdm import tqdm
 from forge import checkpoint, tasks
 from forge.config import ConfigError, to_yaml
 from forge.data import SFTDataConfig, SFTExamples
-from forge.evals import BackgroundEvals, EvalConfig, held_out
 from forge.losses import LossConfig
 from forge.metrics import MetricWriter, discard_pending, plot_rewards, record_metric
 from forge.store import WeightStore, start_store, stop_store
-from forge.tiny_model import ModelConfig
 from forge.types import Episode, collate
+from services.evals import BackgroundEvals, EvalConfig, held_out
 from services.generator import Generator, GeneratorConfig
 from services.judge import JudgeConfig
 from services.rewards import Rewards, check_rewards
 from services.sandbox import CodeTestsConfig
+from services.tiny_model import ModelConfig, TinyModelSpec
 from services.trainer import Trainer, TrainerConfig
 
 
@@ -93,7 +95,7 @@ async def run(cfg: Config) -> dict[str, float]:
         raise ConfigError(f"config key 'resume': no checkpoint in {cfg.resume}/checkpoints")
     from transformers import AutoTokenizer
 
-    model = cfg.model.resolve()
+    model = cfg.model.resolve(warm_start)
     tokenizer = AutoTokenizer.from_pretrained(model)
     examples = SFTExamples(cfg.data, tokenizer, cfg.task, cfg.seed)  # a bad file stops here, before any spawn
     store = await start_store()
@@ -184,6 +186,40 @@ async def train(
             plot_rewards(run_dir, keys=("eval/accuracy", "eval/reward_mean"))
     print(f"sft: {step} steps; model in {run_dir / 'model'}")
     return row
+
+
+def warm_start(model_dir: Path, spec: TinyModelSpec) -> float:
+    """The supervised warm start of `model_dir`, in place: a run of the SFT app (the Trainer
+    service) on fresh samples of the spec's task, answers `sft_noise`-corrupted. Returns the
+    final loss. It runs on its own event loop in a thread, as model resolution may happen
+    inside an app's running loop."""
+    cfg = Config(
+        run_name=model_dir.name + ".sft",
+        runs_dir=str(model_dir.parent),
+        seed=spec.seed,
+        task=spec.task,
+        data=SFTDataConfig(noise=spec.sft_noise),
+        model=ModelConfig(path=str(model_dir)),
+        steps=spec.sft_steps,
+        batch_size=spec.sft_batch_size,
+        # Decaying the LR to 0 averages out the demonstrations' noise, so greedy answers follow the
+        # majority: at a constant 3e-3, 300 steps left the reverse toy's greedy accuracy at 0.49,
+        # 0.14 or 0.59 depending on the seed; with cosine decay 1.0, 0.64, 0.95.
+        trainer=TrainerConfig(
+            lr=spec.sft_lr, lr_decay="cosine", warmup_steps=min(10, spec.sft_steps // 10), loss=LossConfig(name="sft")
+        ),
+        checkpoint_every=0,
+        eval=EvalConfig(every=0),
+        metrics=[],
+    )
+    cfg.validate()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            row = pool.submit(asyncio.run, run(cfg)).result()
+        shutil.copy(cfg.run_dir / "model" / "model.safetensors", model_dir / "model.safetensors")
+    finally:
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    return row["loss"]
 
 
 def main(cfg: Config) -> dict[str, float]:

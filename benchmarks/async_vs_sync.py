@@ -49,13 +49,13 @@ from typing import Any
 
 from apps.grpo import Config, Services, train
 from benchmarks.common import ROOT, parse_args, tiny_model, write_result
-from forge.agentic import AgenticRollouts
 from forge.config import load_config
 from forge.data import TaskPrompts
 from forge.env import EnvStep
 from forge.metrics import Reduce, record_metric
 from forge.tasks import get_task
 from forge.types import RewardInput
+from services.agentic import AgenticRollouts
 
 SHORT, CAP = (2, 8), 48
 TASK_MEDIAN_S, TASK_SIGMA, TASK_CAP_S, JITTER_SIGMA = 0.098, 1.95, 6.0, 0.3  # P(< 60 ms) = 40%, P(> 1.2 s) = 10%

@@ -50,7 +50,7 @@ async def measure(model: str, turns: int, rounds: int, pairs: int) -> dict:
     import openai
     from transformers import AutoTokenizer
 
-    from forge.gateway import Gateway, GatewayConfig
+    from services.gateway import Gateway, GatewayConfig
     from services.generator import Generator, GeneratorConfig
 
     cfg = GeneratorConfig(max_model_len=256)

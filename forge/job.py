@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forge.config import ConfigError
+from forge.shm import sweep_dead_runs
 
 KINDS = {
     "local": None,
@@ -116,6 +117,4 @@ class Job:
         if self.job is not None:
             self.job.kill()
             self.job = None
-            from forge.shm import sweep_dead_runs
-
             sweep_dead_runs()  # the directories its hosts had here in /dev/shm (weight copies)

@@ -2,7 +2,7 @@
 
 An app's `rollout` config key names the rollout function ("package.module:name"), so a
 custom single-call rollout (a tool step, a verifier of its own) replaces `generate_and_score`.
-Multi-turn episodes through the gateway are the `agentic` section's (forge/agentic.py).
+Multi-turn episodes through the gateway are the `agentic` section's (services/agentic.py).
 """
 
 from __future__ import annotations

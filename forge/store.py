@@ -25,6 +25,7 @@ import torchstore  # noqa: F401  (its import sets HYPERACTOR_CODEC_MAX_FRAME_LEN
 from monarch.actor import endpoint
 from torchstore.controller import Controller
 
+from forge.actor import spawn_procs, stop_procs
 from forge.metrics import Reduce, record_metric
 from forge.shm import (
     check_safetensors,
@@ -67,16 +68,12 @@ TRANSPORTS = ("shm", "torchstore")
 async def start_store(hosts=None):
     """Spawn TorchStore's storage volume (one process) and its controller; returns the procs
     to pass to `stop_store`. Call once, from the controller."""
-    from forge.actor import spawn_procs
-
     procs = spawn_procs(1, hosts, title="forge:store")
     await torchstore.initialize(mesh=procs)
     return procs
 
 
 async def stop_store(procs) -> None:
-    from forge.actor import stop_procs
-
     # torchstore.shutdown() leaves the volume's processes running, so they are stopped here.
     await torchstore.shutdown()
     await stop_procs(procs)

@@ -38,6 +38,7 @@ from monarch.actor import concurrent_endpoint, endpoint
 from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
 from forge.metrics import Reduce, record_metric
+from forge.shm import run_dir, write_safetensors
 from forge.types import Completion
 
 log = logging.getLogger("forge")
@@ -313,7 +314,7 @@ class Generator(ForgeActor):
 
     @concurrent_endpoint
     async def stream(self, port: Any, prompt: dict[str, Any], params: Any, request_id: str) -> tuple[int, int]:
-        """Server mode (forge/gateway.py): one request as vLLM's own server makes it (a rendered
+        """Server mode (services/gateway.py): one request as vLLM's own server makes it (a rendered
         EngineInput and SamplingParams). Each RequestOutput vLLM yields is sent to `port`, then
         None; returns the policy versions the request was admitted and finished under. The first
         message is "start": a retry on another replica (this one died) starts again with it."""
@@ -348,13 +349,9 @@ class Generator(ForgeActor):
     async def load_weights_local(
         self, state_dict: dict[str, torch.Tensor], version: int, follow: bool = False
     ) -> float | None:
-        from forge.shm import run_dir
-
         fd, path = tempfile.mkstemp(suffix=".safetensors", dir=run_dir())
         os.close(fd)
         try:
-            from forge.shm import write_safetensors
-
             await asyncio.to_thread(write_safetensors, state_dict, path)
             return await self.swap_from_file(path, version, keep_mapping=False, follow=follow)
         finally:

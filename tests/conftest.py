@@ -15,7 +15,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), str(ROOT), os
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The tiny model (random init), cached under .cache/ like every forge build."""
-    from forge.tiny_model import TinyModelSpec, make_tiny_model
+    from services.tiny_model import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(ROOT / ".cache/forge/models/test-tiny", TinyModelSpec(sft_steps=0))
 
@@ -34,8 +34,8 @@ def served(loop, tiny_model_dir):
     (the tiny model), shared by a module's tests. Per module, not per session: TorchStore is
     one per process, and tests elsewhere start their own."""
 
-    from forge.gateway import Gateway, GatewayConfig
     from forge.store import WeightStore, start_store, stop_store
+    from services.gateway import Gateway, GatewayConfig
     from services.generator import Generator, GeneratorConfig
 
     async def start():

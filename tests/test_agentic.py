@@ -16,10 +16,10 @@ from openenv.core import EnvClient
 from openenv.core.client_types import StepResult
 from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
 
-from forge.agentic import AgenticConfig, AgenticRollouts
 from forge.metrics import MetricWriter
 from forge.rollout import RolloutError
 from forge.tasks import get_task
+from services.agentic import AgenticConfig, AgenticRollouts
 from services.envs import EnvPool
 from services.envs.guess import GuessWord, guess_agent
 

@@ -10,8 +10,8 @@ import pytest
 
 from apps.grpo import Config
 from forge.config import ConfigError, load_config
-from forge.evals import EvalConfig, held_out, pass_at_k, summarize
 from forge.types import Completion, Score
+from services.evals import EvalConfig, held_out, pass_at_k, summarize
 
 
 def brute_force_pass_at_k(outcomes: list[bool], k: int) -> float:

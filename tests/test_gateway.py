@@ -561,9 +561,9 @@ def test_forge_serve_beyond_loopback_needs_a_key(tiny_model_dir, monkeypatch, ca
     refuses to listen there without a key, before any engine starts, and names both ways to give
     one; FORGE_API_KEY keeps the key off the command line; loopback stays keyless. (Training's
     gateway authenticates by session ids, so it only warns.)"""
-    import forge.gateway
+    import services.gateway
     from forge.cli import main
-    from forge.gateway import GatewayConfig
+    from services.gateway import GatewayConfig
     from services.generator import Generator
 
     def no_engine(*args, **kwargs):
@@ -588,7 +588,7 @@ def test_forge_serve_beyond_loopback_needs_a_key(tiny_model_dir, monkeypatch, ca
         cfg.validate()
         seen.append(cfg)
 
-    monkeypatch.setattr(forge.gateway, "serve", serve)
+    monkeypatch.setattr(services.gateway, "serve", serve)
     monkeypatch.setenv("FORGE_API_KEY", "k3")
     main(["serve", str(tiny_model_dir), "--host", "0.0.0.0"])
     assert seen[0].api_key == "k3" and seen[0].host == "0.0.0.0"

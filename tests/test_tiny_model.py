@@ -5,7 +5,8 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from forge.tiny_model import BUILD_FILE, TinyModelSpec, make_tiny_model
+from apps.sft import warm_start
+from services.tiny_model import BUILD_FILE, TinyModelSpec, make_tiny_model
 
 
 def test_files_and_size(tiny_model_dir):
@@ -73,7 +74,9 @@ def test_transformers_and_torchtitan_load_it_alike(tmp_path):
 
     # The warm start, a run of the SFT app through the Trainer service, moves every weight
     # (norms included) off its init value; transformers then reads what torchtitan wrote.
-    tiny_model_dir = make_tiny_model(tmp_path / "m", TinyModelSpec(sft_steps=3, sft_batch_size=8))
+    tiny_model_dir = make_tiny_model(
+        tmp_path / "m", TinyModelSpec(sft_steps=3, sft_batch_size=8), warm_start=warm_start
+    )
     initial = load_file(make_tiny_model(tmp_path / "init", TinyModelSpec(sft_batch_size=8)) / "model.safetensors")
     trained = load_file(tiny_model_dir / "model.safetensors")
     assert trained.keys() == initial.keys() and not any(torch.equal(trained[k], initial[k]) for k in initial)

@@ -24,6 +24,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import signal
 import socket
 import ssl
 import time
@@ -36,6 +37,7 @@ from typing import Any
 import openai
 
 from forge.types import Episode
+from services.generator import Generator, GeneratorConfig
 
 log = logging.getLogger("forge")
 
@@ -501,8 +503,6 @@ class Gateway:
     ) -> Gateway:
         """Serve `gen` (a Generator service on `model`, made with `generator_cfg`) on
         cfg.host:cfg.port; returns once it accepts connections."""
-        from services.generator import GeneratorConfig
-
         cfg = cfg or GatewayConfig()
         cfg.validate()
         self = cls(gen, str(model), cfg, (generator_cfg or GeneratorConfig()).engine_args(str(model)))
@@ -636,10 +636,6 @@ def model_dir(path: str | Path) -> Path:
 async def serve(model: str | Path, cfg: GatewayConfig, generator_cfg: Any, replicas: int = 1) -> None:
     """`forge serve`: a Generator service of `replicas` on `model` behind a gateway without
     sessions, until SIGINT or SIGTERM."""
-    import signal
-
-    from services.generator import Generator
-
     cfg.validate()  # before any engine starts
     model = model_dir(model)
     if cfg.served_model_name is None:  # a run's exported policy is served under the run's name

@@ -3,8 +3,8 @@
 No hub is reachable, so forge makes its own: a character-level tokenizer trained with
 `tokenizers` on the toy tasks' text, and a few-million-parameter Qwen3 causal LM saved
 with `save_pretrained` (config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json). Optionally it is warm-started by a short run of the SFT app on a toy
-task so it is partially competent, which is what RL then improves. The output is
+tokenizer_config.json). Optionally it is warm-started (by the caller's `warm_start`, a short run of the SFT app on a toy
+task) so it is partially competent, which is what RL then improves. The output is
 cached: a directory whose `forge_build.json` matches the request is reused as is.
 """
 
@@ -16,12 +16,13 @@ import shutil
 import string
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from forge import tasks
+from forge import data, tasks
 from forge.config import ConfigError
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>", "<|im_start|>", "<|im_end|>"]
@@ -96,9 +97,9 @@ class TinyModelSpec:
     sft_noise: float = 0.0
 
     def key(self) -> str:
-        from forge import data  # the warm start's samples
-
-        src = b"".join(Path(m.__file__).read_bytes() for m in (sys.modules[__name__], tasks, data))
+        src = b"".join(
+            Path(m.__file__).read_bytes() for m in (sys.modules[__name__], tasks, data)
+        )  # data: the warm start's samples
         blob = json.dumps(asdict(self), sort_keys=True).encode() + src
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -168,57 +169,22 @@ def build_model(spec: TinyModelSpec, tokenizer):
     return model
 
 
-def warm_start(model_dir: Path, spec: TinyModelSpec) -> float:
-    """The supervised warm start of `model_dir`, in place: a run of the SFT app (the Trainer
-    service) on fresh samples of the spec's task, answers `sft_noise`-corrupted. Returns the
-    final loss. It runs on its own event loop in a thread, as model resolution may happen
-    inside an app's running loop."""
-    import asyncio
-    from concurrent.futures import ThreadPoolExecutor
-
-    from apps.sft import Config, run
-    from forge.data import SFTDataConfig
-    from forge.evals import EvalConfig
-    from forge.losses import LossConfig
-    from services.trainer import TrainerConfig
-
-    cfg = Config(
-        run_name=model_dir.name + ".sft",
-        runs_dir=str(model_dir.parent),
-        seed=spec.seed,
-        task=spec.task,
-        data=SFTDataConfig(noise=spec.sft_noise),
-        model=ModelConfig(path=str(model_dir)),
-        steps=spec.sft_steps,
-        batch_size=spec.sft_batch_size,
-        # Decaying the LR to 0 averages out the demonstrations' noise, so greedy answers follow the
-        # majority: at a constant 3e-3, 300 steps left the reverse toy's greedy accuracy at 0.49,
-        # 0.14 or 0.59 depending on the seed; with cosine decay 1.0, 0.64, 0.95.
-        trainer=TrainerConfig(
-            lr=spec.sft_lr, lr_decay="cosine", warmup_steps=min(10, spec.sft_steps // 10), loss=LossConfig(name="sft")
-        ),
-        checkpoint_every=0,
-        eval=EvalConfig(every=0),
-        metrics=[],
-    )
-    cfg.validate()
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            row = pool.submit(asyncio.run, run(cfg)).result()
-        shutil.copy(cfg.run_dir / "model" / "model.safetensors", model_dir / "model.safetensors")
-    finally:
-        shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    return row["loss"]
+WarmStart = Callable[[Path, TinyModelSpec], float]  # trains a built model in place; returns its final loss
 
 
-def make_tiny_model(out: str | Path, spec: TinyModelSpec | None = None, force: bool = False) -> Path:
-    """Build (or reuse) the tiny model in `out`; returns the directory."""
+def make_tiny_model(
+    out: str | Path, spec: TinyModelSpec | None = None, force: bool = False, warm_start: WarmStart | None = None
+) -> Path:
+    """Build (or reuse) the tiny model in `out`; returns the directory. A spec with `sft_steps`
+    needs `warm_start` (the SFT app's: apps/sft.py `warm_start`)."""
     spec = spec or TinyModelSpec()
     out = Path(out)
     build_file = out / BUILD_FILE
     if not force and build_file.is_file() and json.loads(build_file.read_text()).get("key") == spec.key():
         return out
     tasks.get_task(spec.task)  # a bad task name fails before any work
+    if spec.sft_steps and warm_start is None:
+        raise ConfigError("config key 'model.tiny.sft_steps': a warm start needs the SFT app (apps/sft.py)")
     start = time.perf_counter()
     torch.manual_seed(spec.seed)
     tokenizer = build_tokenizer(spec.seed)
@@ -232,7 +198,7 @@ def make_tiny_model(out: str | Path, spec: TinyModelSpec | None = None, force: b
         "key": spec.key(),
         "spec": asdict(spec),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "sft_final_loss": warm_start(tmp, spec) if spec.sft_steps else None,
+        "sft_final_loss": warm_start(tmp, spec) if warm_start and spec.sft_steps else None,
         "build_seconds": round(time.perf_counter() - start, 2),
     }
     (tmp / BUILD_FILE).write_text(json.dumps(info, indent=2))
@@ -253,8 +219,9 @@ class ModelConfig:
         if self.tiny is None and not (Path(self.path) / "config.json").is_file():
             raise ConfigError(f"config key 'model.path': no HF model (config.json) in {self.path}")
 
-    def resolve(self) -> Path:
+    def resolve(self, warm_start: WarmStart | None = None) -> Path:
+        """The model's directory, built first when `tiny` asks for it (warm-started by `warm_start`)."""
         if self.tiny is not None:
-            return make_tiny_model(self.path, self.tiny)
+            return make_tiny_model(self.path, self.tiny, warm_start=warm_start)
         self.validate()
         return Path(self.path)

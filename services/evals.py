@@ -159,34 +159,6 @@ async def evaluate_pinned(
         await asyncio.shield(gen.release_weights.fanout())
 
 
-async def evaluate_model(app_cfg: Any, model: str) -> dict[str, float]:
-    """`forge eval`: the app config's eval (its `eval` section, rewards and generator settings)
-    of the model in `model` (an HF directory, or a run directory with its exported model/)."""
-    from forge.gateway import model_dir
-    from services.generator import Generator
-    from services.judge import JudgeConfig
-    from services.rewards import Rewards
-    from services.sandbox import CodeTestsConfig
-
-    samples = held_out(app_cfg.eval, app_cfg.task)
-    gen = await Generator.options(replicas=getattr(app_cfg, "generator_replicas", 1)).as_service(
-        str(model_dir(model)), app_cfg.generator
-    )
-    try:  # an app without a judge or code_tests section (SFT) scores with their defaults
-        rewards = await Rewards.options().as_service(
-            app_cfg.task,
-            dict(app_cfg.eval.rewards or app_cfg.rewards),
-            getattr(app_cfg, "judge", JudgeConfig()),
-            getattr(app_cfg, "code_tests", CodeTestsConfig()),
-        )
-        try:
-            return await evaluate(app_cfg.eval, samples, gen, rewards)
-        finally:
-            await rewards.shutdown()
-    finally:
-        await gen.shutdown()
-
-
 class BackgroundEvals:
     """An app's evals beside its training loop: one at a time, each on a pinned version, each
     writing its row at the step it evaluated; a failing eval costs only itself."""

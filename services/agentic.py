@@ -26,11 +26,12 @@ import torch
 
 from forge.config import ConfigError, import_object
 from forge.env import EpisodeStats, run_env_episode
-from forge.gateway import GatewayConfig
 from forge.losses import group_advantages
 from forge.metrics import Reduce, record_metric
 from forge.rollout import RolloutError
 from forge.types import Episode, Score
+from services.envs import RemoteEnv
+from services.gateway import GatewayConfig
 
 log = logging.getLogger("forge")
 ON_FAILURE = ("mask", "drop")
@@ -155,8 +156,6 @@ class AgenticRollouts:
                 raise RolloutError(
                     f"{e} (an agent returns its reward: a float, or a dict of named components)"
                 ) from None
-        from services.envs import RemoteEnv
-
         env = RemoteEnv(self.envs.pinned(), uuid.uuid4().hex)
         step, stats = await run_env_episode(
             env,

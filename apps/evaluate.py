@@ -1,0 +1,74 @@
+"""`forge eval`: an app config's eval (its `eval` section, rewards and generator settings) of a
+model: prints a table, writes JSON.
+
+    forge eval CONFIG [key=value ...] --model MODEL [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from forge.cli import app_config, fail
+from forge.config import ConfigError
+from services.evals import evaluate, held_out
+from services.gateway import model_dir
+from services.generator import Generator
+from services.judge import JudgeConfig
+from services.rewards import Rewards
+from services.sandbox import CodeTestsConfig
+
+
+async def evaluate_model(app_cfg: Any, model: str) -> dict[str, float]:
+    """The eval of `model` (an HF directory, or a run directory with its exported model/)."""
+    samples = held_out(app_cfg.eval, app_cfg.task)
+    gen = await Generator.options(replicas=getattr(app_cfg, "generator_replicas", 1)).as_service(
+        str(model_dir(model)), app_cfg.generator
+    )
+    try:  # an app without a judge or code_tests section (SFT) scores with their defaults
+        rewards = await Rewards.options().as_service(
+            app_cfg.task,
+            dict(app_cfg.eval.rewards or app_cfg.rewards),
+            getattr(app_cfg, "judge", JudgeConfig()),
+            getattr(app_cfg, "code_tests", CodeTestsConfig()),
+        )
+        try:
+            return await evaluate(app_cfg.eval, samples, gen, rewards)
+        finally:
+            await rewards.shutdown()
+    finally:
+        await gen.shutdown()
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = argparse.ArgumentParser(prog="forge eval", description=__doc__.splitlines()[0])
+    p.add_argument("config", help="an app's YAML config: its `eval` section, rewards and generator settings")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.n=8 'eval.k=[1,8]'")
+    p.add_argument("--model", required=True, help="an HF model directory, or a run directory (its exported model/)")
+    p.add_argument("--out", help="the JSON file (default: eval.json in the model directory)")
+    a, extra = p.parse_known_args(argv)
+    if not all("=" in x and not x.startswith("-") for x in extra):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    overrides = a.overrides + extra  # key=value overrides after --model
+    try:
+        _, cfg = app_config(a.config, overrides)
+        if not hasattr(cfg, "eval"):
+            raise ConfigError(f"config key 'app': the {cfg.app} app has no eval section")
+        path = model_dir(a.model)
+    except (ConfigError, FileNotFoundError) as e:
+        fail(str(e))
+    result = asyncio.run(evaluate_model(cfg, str(path)))
+    print(f"{'metric':<24}{'value':>10}")
+    for key, value in result.items():
+        print(f"{key:<24}{value:>10.4g}")
+    target = Path(a.out) if a.out else path / "eval.json"
+    target.write_text(json.dumps({"model": str(path), "config": a.config, **result}, indent=2) + "\n")
+    print(f"forge eval: {len(result)} metrics of {path} -> {target}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
