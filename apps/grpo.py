@@ -127,12 +127,20 @@ class Config:
                 get_task(self.task)
             except ValueError as e:
                 raise ConfigError(f"config key 'task': {e} (or give a file in 'dataset.path')") from None
-        try:
-            check_rewards(self.task, self.rewards, self.judge, self.code_tests)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        self._validate_rewards()
+        self._validate_eval()
+
+    def _validate_rewards(self) -> None:
+        for key, rewards in (("rewards", self.rewards), ("eval.rewards", self.eval.rewards)):
+            try:
+                if rewards:
+                    check_rewards(self.task, rewards, self.judge, self.code_tests)
+            except ValueError as e:
+                raise ConfigError(f"config key '{key}': {e}" if key != "rewards" else str(e)) from None
         if "judge" in self.rewards and not self.dataset.path:  # a dataset file's columns: checked once read
             self.judge.check(columns=())
+
+    def _validate_eval(self) -> None:
         if self.eval.enabled and self.dataset.path and not self.eval.dataset.path:
             raise ConfigError(
                 "config key 'eval.dataset.path': a run on a dataset file evaluates on a file too (its held-out rows)"
@@ -140,11 +148,6 @@ class Config:
         if self.eval.dataset.path and self.eval.dataset.template == DatasetConfig.template:
             self.eval.dataset.template = self.dataset.template  # the run's prompt format, unless set
             self.eval.dataset.answer_key = self.dataset.answer_key
-        if self.eval.rewards:
-            try:
-                check_rewards(self.task, self.eval.rewards, self.judge, self.code_tests)
-            except ValueError as e:
-                raise ConfigError(f"config key 'eval.rewards': {e}") from None
 
 
 @dataclass

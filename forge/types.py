@@ -38,10 +38,6 @@ class Completion:
         if self.max_policy_version is None:
             self.max_policy_version = self.policy_version
 
-    @property
-    def spans_versions(self) -> bool:
-        return self.max_policy_version != self.policy_version
-
 
 @dataclass
 class RewardInput:
@@ -165,12 +161,11 @@ class Episode:
     gen_logprobs: list[float]  # generator logprob of each token (0 where loss_mask is 0)
     advantage: float = 0.0
     policy_version: int = 0
-    ref_logprobs: list[float] | None = None
     score: Score = field(default_factory=lambda: Score(0.0))
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
-        for name in ("loss_mask", "gen_logprobs", "ref_logprobs"):
+        for name in ("loss_mask", "gen_logprobs"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"Episode.{name} has {len(value)} entries for {n} tokens")
@@ -203,7 +198,7 @@ class Batch:
     loss_mask: torch.Tensor  # float, 1 on tokens the loss sees
     advantages: torch.Tensor  # float, the episode's advantage on each of its tokens
     gen_logprobs: torch.Tensor  # float
-    ref_logprobs: torch.Tensor | None  # float, or None if no episode had them
+    ref_logprobs: torch.Tensor | None  # float, the reference model's (set after collate), or None
     doc_ids: torch.Tensor  # long, episode index of each token, -1 on padding
     policy_versions: torch.Tensor  # long, [episodes]
     # long, each token's position in its own episode (0 where one starts), on packed rows only;
@@ -250,7 +245,6 @@ def collate(episodes: Sequence[Episode], pad_id: int, pack_to: int = 0, rows_mul
         loss_mask=torch.zeros(shape),
         advantages=torch.zeros(shape),
         gen_logprobs=torch.zeros(shape),
-        ref_logprobs=torch.zeros(shape),
         doc_ids=torch.full(shape, -1, dtype=torch.long),
     )
     # Padding continues the row's last positions, so it starts no episode of its own.
@@ -264,15 +258,8 @@ def collate(episodes: Sequence[Episode], pad_id: int, pack_to: int = 0, rows_mul
             b["loss_mask"][r, s] = torch.tensor(ep.loss_mask, dtype=torch.float)
             b["advantages"][r, s] = ep.advantage
             b["gen_logprobs"][r, s] = torch.tensor(ep.gen_logprobs)
-            if ep.ref_logprobs is not None:
-                b["ref_logprobs"][r, s] = torch.tensor(ep.ref_logprobs)
             b["doc_ids"][r, s] = i
             positions[r, start:] = torch.arange(width - start)
             start = s.stop
-    with_ref = sum(e.ref_logprobs is not None for e in episodes)
-    if with_ref == 0:
-        b["ref_logprobs"] = None
-    elif with_ref < len(episodes):
-        raise ValueError(f"collate: {with_ref} of {len(episodes)} episodes have ref_logprobs; all or none must")
     versions = torch.tensor([e.policy_version for e in episodes], dtype=torch.long)
-    return Batch(**b, policy_versions=versions, positions=positions if pack_to else None)
+    return Batch(**b, ref_logprobs=None, policy_versions=versions, positions=positions if pack_to else None)

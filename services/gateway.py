@@ -183,140 +183,142 @@ _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("forg
 # ---- vLLM's server over the generator service ---------------------------------------
 
 
-def _engine_client_class() -> type:
-    from vllm.engine.protocol import EngineClient
+class _ServiceEngine:
+    """vLLM's EngineClient (the class `_engine_client_class` makes of it), served by forge's
+    generator service instead of an engine in this process. Only what an OpenAI server uses
+    is implemented; the rest belongs to forge (weights, sleep, profiling) and says so."""
 
-    class ServiceEngineClient(EngineClient):
-        """vLLM's EngineClient, served by forge's generator service instead of an engine in
-        this process. Only what an OpenAI server uses is implemented; the rest belongs to
-        forge (weights, sleep, profiling) and says so."""
+    def __init__(self, gateway: Gateway, vllm_config: Any):
+        from vllm.renderers import renderer_from_config
+        from vllm.v1.engine.input_processor import InputProcessor
 
-        def __init__(self, gateway: Gateway, vllm_config: Any):
-            from vllm.renderers import renderer_from_config
-            from vllm.v1.engine.input_processor import InputProcessor
+        self.gateway, self.gen = gateway, gateway.gen
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.renderer = renderer_from_config(vllm_config)
+        self.input_processor = InputProcessor(vllm_config, self.renderer)
+        self._targets: dict[str, Any] = {}  # request id -> the replica session running it
 
-            self.gateway, self.gen = gateway, gateway.gen
-            self.vllm_config = vllm_config
-            self.model_config = vllm_config.model_config
-            self.renderer = renderer_from_config(vllm_config)
-            self.input_processor = InputProcessor(vllm_config, self.renderer)
-            self._targets: dict[str, Any] = {}  # request id -> the replica session running it
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **_: Any) -> AsyncIterator[Any]:
+        from monarch.actor import Channel
+        from vllm.sampling_params import RequestOutputKind
 
-        async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **_: Any) -> AsyncIterator[Any]:
-            from monarch.actor import Channel
-            from vllm.sampling_params import RequestOutputKind
-
-            session = _SESSION.get()
-            target = session.target if session is not None else self.gen.pinned()
-            params = sampling_params.clone()
-            params.logprobs = max(params.logprobs or 0, 0)  # the sampled token's logprob, always recorded
-            delta = params.output_kind == RequestOutputKind.DELTA
-            port, receiver = Channel.open()
-            call = asyncio.ensure_future(target.stream.route(port, dict(prompt), params, request_id))
-            self._targets[request_id] = target
-            tokens: dict[int, list[int]] = {}
-            logprobs: dict[int, list[float]] = {}
-            finish: dict[int, str | None] = {}
-            ended = False
-            try:
-                yielded = False
-                while True:
-                    out = await _next(receiver, call)
-                    if out is None:
-                        break
-                    if out == "start":  # the first attempt, or a retry after its replica died
-                        if yielded and delta:
-                            raise RuntimeError("the generator replica died while streaming; retry the request")
-                        tokens, logprobs, finish = {}, {}, {}
-                        continue
-                    for c in out.outputs:
-                        lps = [lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids)]
-                        tokens[c.index] = tokens.get(c.index, []) + list(c.token_ids) if delta else list(c.token_ids)
-                        logprobs[c.index] = logprobs.get(c.index, []) + lps if delta else lps
-                        finish[c.index] = c.finish_reason
-                    yielded = True
-                    yield out
-                versions = await call
-                ended = True
-            finally:
-                self._targets.pop(request_id, None)
-                if not ended:  # the client went away (or the call failed): vLLM must stop too
-                    call.cancel()
-                    await asyncio.shield(_quietly(target.abort.route(request_id)))
-            if session is not None:
-                n = sorted(tokens)
-                session.record.turns.append(
-                    Turn(
-                        prompt_ids=list(prompt["prompt_token_ids"]),
-                        token_ids=[tokens[i] for i in n],
-                        logprobs=[logprobs[i] for i in n],
-                        finish_reasons=[finish[i] for i in n],
-                        versions=tuple(versions),
-                    )
+        session = _SESSION.get()
+        target = session.target if session is not None else self.gen.pinned()
+        params = sampling_params.clone()
+        params.logprobs = max(params.logprobs or 0, 0)  # the sampled token's logprob, always recorded
+        delta = params.output_kind == RequestOutputKind.DELTA
+        port, receiver = Channel.open()
+        call = asyncio.ensure_future(target.stream.route(port, dict(prompt), params, request_id))
+        self._targets[request_id] = target
+        tokens: dict[int, list[int]] = {}
+        logprobs: dict[int, list[float]] = {}
+        finish: dict[int, str | None] = {}
+        ended = False
+        try:
+            yielded = False
+            while True:
+                out = await _next(receiver, call)
+                if out is None:
+                    break
+                if out == "start":  # the first attempt, or a retry after its replica died
+                    if yielded and delta:
+                        raise RuntimeError("the generator replica died while streaming; retry the request")
+                    tokens, logprobs, finish = {}, {}, {}
+                    continue
+                for c in out.outputs:
+                    lps = [lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids)]
+                    tokens[c.index] = tokens.get(c.index, []) + list(c.token_ids) if delta else list(c.token_ids)
+                    logprobs[c.index] = logprobs.get(c.index, []) + lps if delta else lps
+                    finish[c.index] = c.finish_reason
+                yielded = True
+                yield out
+            versions = await call
+            ended = True
+        finally:
+            self._targets.pop(request_id, None)
+            if not ended:  # the client went away (or the call failed): vLLM must stop too
+                call.cancel()
+                await asyncio.shield(_quietly(target.abort.route(request_id)))
+        if session is not None:
+            n = sorted(tokens)
+            session.record.turns.append(
+                Turn(
+                    prompt_ids=list(prompt["prompt_token_ids"]),
+                    token_ids=[tokens[i] for i in n],
+                    logprobs=[logprobs[i] for i in n],
+                    finish_reasons=[finish[i] for i in n],
+                    versions=tuple(versions),
                 )
-
-        async def abort(self, request_id: str | Any) -> None:
-            for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-                if rid in self._targets:
-                    await self._targets[rid].abort.route(rid)
-
-        async def check_health(self) -> None:
-            if not self.gen.healthy():
-                raise RuntimeError("no healthy generator replica")
-
-        @property
-        def is_running(self) -> bool:
-            return bool(self.gen.healthy())
-
-        @property
-        def is_stopped(self) -> bool:
-            return False
-
-        @property
-        def errored(self) -> bool:
-            return False
-
-        @property
-        def dead_error(self) -> BaseException:
-            return RuntimeError("the generator service has no healthy replica")
-
-        async def is_tracing_enabled(self) -> bool:
-            return False
-
-        async def do_log_stats(self) -> None:
-            pass
-
-        async def get_supported_tasks(self) -> tuple[str, ...]:
-            return ("generate",)
-
-        async def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
-            return True  # each replica resets its own when its weights change
-
-        async def reset_mm_cache(self) -> None:
-            pass
-
-        async def reset_encoder_cache(self) -> None:
-            pass
-
-        async def is_sleeping(self) -> bool:
-            return False
-
-        async def is_paused(self) -> bool:
-            return False
-
-        def shutdown(self, timeout: float | None = None) -> None:
-            pass
-
-        def _not_here(self, *args: Any, **kwargs: Any) -> Any:
-            raise NotImplementedError(
-                "forge's gateway serves generation only: weights, sleep, LoRA and "
-                "profiling belong to the generator service"
             )
 
-        encode = notify_kv_transfer_request_rejected = start_profile = stop_profile = _not_here
-        sleep = release_kv_cache_memory = wake_up = add_lora = pause_generation = resume_generation = _not_here
+    async def abort(self, request_id: str | Any) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            if rid in self._targets:
+                await self._targets[rid].abort.route(rid)
 
-    return ServiceEngineClient
+    async def check_health(self) -> None:
+        if not self.gen.healthy():
+            raise RuntimeError("no healthy generator replica")
+
+    @property
+    def is_running(self) -> bool:
+        return bool(self.gen.healthy())
+
+    @property
+    def is_stopped(self) -> bool:
+        return False
+
+    @property
+    def errored(self) -> bool:
+        return False
+
+    @property
+    def dead_error(self) -> BaseException:
+        return RuntimeError("the generator service has no healthy replica")
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def do_log_stats(self) -> None:
+        pass
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    async def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        return True  # each replica resets its own when its weights change
+
+    async def reset_mm_cache(self) -> None:
+        pass
+
+    async def reset_encoder_cache(self) -> None:
+        pass
+
+    async def is_sleeping(self) -> bool:
+        return False
+
+    async def is_paused(self) -> bool:
+        return False
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        pass
+
+    def _not_here(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "forge's gateway serves generation only: weights, sleep, LoRA and profiling belong to the generator service"
+        )
+
+    encode = notify_kv_transfer_request_rejected = start_profile = stop_profile = _not_here
+    sleep = release_kv_cache_memory = wake_up = add_lora = pause_generation = resume_generation = _not_here
+
+
+def _engine_client_class() -> type:
+    """vLLM's EngineClient with `_ServiceEngine`'s methods (first in the MRO, so they implement
+    its abstract ones); made on first use, as importing vLLM costs seconds."""
+    from vllm.engine.protocol import EngineClient
+
+    return type("ServiceEngineClient", (_ServiceEngine, EngineClient), {"__module__": __name__})
 
 
 async def _next(receiver: Any, call: asyncio.Future) -> Any:

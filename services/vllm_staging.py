@@ -80,19 +80,13 @@ def _layer_of(name: str) -> str:
     return ""
 
 
-@torch.no_grad()
-def stage(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Staged:
-    """Load and process `weights` (checkpoint names and format) into a shadow of `model`;
-    the live model is not touched."""
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+def _shadow_tensors(pairs: dict[nn.Module, nn.Module]) -> None:
+    """Give each shadow layer empty checkpoint-format tensors of its own, from the metadata
+    vLLM recorded at load time; tied parameters (a tied lm_head) share one shadow tensor."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, SKIP_TENSORS
 
-    pairs: dict[nn.Module, nn.Module] = {}
-    shadow = _skeleton(model, pairs)
-    # Each layer's checkpoint-format tensors, from the metadata vLLM recorded at load time.
-    first: dict[int, torch.Tensor] = {}  # tied parameters (a tied lm_head) share one shadow tensor
+    first: dict[int, torch.Tensor] = {}
     for live, sh in pairs.items():
         info = LAYERWISE_INFO.get(live)
         if info is None or type(live).__name__ in SKIP_MODULES:
@@ -115,36 +109,66 @@ def stage(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Stag
         if bias is not None:  # vLLM's reload loads biases in place; here they get a copy of their own
             sh._parameters["bias"] = _shadow_tensor(bias, live, sh, info.restore_device).copy_(bias)
 
-    live_of = {sh: live for live, sh in pairs.items()}
-    modules = dict(shadow.named_modules())
-    staged: list[tuple[nn.Module, nn.Module]] = []
-    processed: set[nn.Module] = set()
 
-    def process(sh: nn.Module) -> None:  # the processing step of vLLM's layerwise reload
-        if sh in processed or is_deferred_attention_layer(sh):
+class _Processing:
+    """vLLM's layerwise post-load processing of shadow layers, each once, recorded with its
+    live layer in the order done."""
+
+    def __init__(self, pairs: dict[nn.Module, nn.Module], shadow: nn.Module):
+        self.live_of = {sh: live for live, sh in pairs.items()}
+        self.modules = dict(shadow.named_modules())
+        self.staged: list[tuple[nn.Module, nn.Module]] = []
+        self.done: set[nn.Module] = set()
+
+    def process(self, sh: nn.Module) -> None:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        if sh in self.done or is_deferred_attention_layer(sh):
             return
-        processed.add(sh)
+        self.done.add(sh)
         if hasattr(sh, "_already_called_process_weights_after_loading"):
             delattr(sh, "_already_called_process_weights_after_loading")
         method = getattr(sh, "quant_method", None)
         if isinstance(method, QuantizeMethodBase):
             method.process_weights_after_loading(sh)
-        staged.append((live_of[sh], sh))
+        self.staged.append((self.live_of[sh], sh))
 
-    def layer_by_layer(items: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        # Process a decoder layer once the next one starts: its checkpoint-format tensors are
-        # freed then, as in vLLM's reload, rather than all held to the end.
+    def layer_by_layer(self, items: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """`items`, processing a decoder layer once the next one starts: its checkpoint-format
+        tensors are freed then, as in vLLM's reload, rather than all held to the end."""
         current = None
         for name, t in items:
             layer = _layer_of(name)
             if current and layer != current:
-                for n, sh in modules.items():
+                for n, sh in self.modules.items():
                     if n.startswith(current + ".") and any(p is not None for p in sh._parameters.values()):
-                        process(sh)
+                        self.process(sh)
             current = layer
             yield name, t
 
-    loaded = set(shadow.load_weights(layer_by_layer(_by_layer(weights))))
+
+def _check_shapes(staged: list[tuple[nn.Module, nn.Module]]) -> None:
+    """Commit must not fail half way: check every copy it will make."""
+    for live, sh in staged:
+        for kind in ("_parameters", "_buffers"):
+            for name, lt in getattr(live, kind).items():
+                st = getattr(sh, kind).get(name)
+                if lt is not None and st is not None and (st.shape != lt.shape or st.dtype != lt.dtype):
+                    raise StageError(
+                        f"{type(live).__name__}.{name}: staged {st.dtype}{list(st.shape)}, live {lt.dtype}{list(lt.shape)}"
+                    )
+
+
+@torch.no_grad()
+def stage(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+    """Load and process `weights` (checkpoint names and format) into a shadow of `model`;
+    the live model is not touched."""
+    pairs: dict[nn.Module, nn.Module] = {}
+    shadow = _skeleton(model, pairs)
+    _shadow_tensors(pairs)
+    processing = _Processing(pairs, shadow)
+    loaded = set(shadow.load_weights(processing.layer_by_layer(_by_layer(weights))))
     missing = {n for n, _ in shadow.named_parameters()} - loaded
     if missing:  # their shadow tensors hold no values: never install them
         raise StageError(f"the weights lack {sorted(missing)[:5]}")
@@ -153,16 +177,9 @@ def stage(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Stag
     loaded_ids = {id(p) for n, p in shadow.named_parameters(remove_duplicate=False) if n in loaded}
     for sh in pairs.values():
         if any(p is not None and id(p) in loaded_ids for p in sh._parameters.values()):
-            process(sh)
-    for live, sh in staged:  # commit must not fail half way: check every copy it will make
-        for kind in ("_parameters", "_buffers"):
-            for name, lt in getattr(live, kind).items():
-                st = getattr(sh, kind).get(name)
-                if lt is not None and st is not None and (st.shape != lt.shape or st.dtype != lt.dtype):
-                    raise StageError(
-                        f"{type(live).__name__}.{name}: staged {st.dtype}{list(st.shape)}, live {lt.dtype}{list(lt.shape)}"
-                    )
-    return Staged(staged)
+            processing.process(sh)
+    _check_shapes(processing.staged)
+    return Staged(processing.staged)
 
 
 @torch.no_grad()

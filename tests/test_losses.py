@@ -16,9 +16,19 @@ EPS = [
 LP = [[0.0, -0.5, -1.0, -2.0], [0.0, -1.0, -0.2, 0.0]]  # the trainer's logprobs (= generator's: on-policy)
 
 
+def with_ref(batch, refs):
+    """`batch` with the reference model's logprobs of each episode's tokens, where the
+    Reference service puts them (after collate, in the batch's own layout)."""
+    batch.ref_logprobs = torch.zeros(batch.input_ids.shape)
+    for i, r in enumerate(refs):
+        batch.ref_logprobs[batch.doc_ids == i] = torch.tensor(r, dtype=torch.float)
+    return batch
+
+
 def run(name, is_weight=None, ref=None, **cfg):
-    episodes = [Episode(**{**e.__dict__, "ref_logprobs": r}) for e, r in zip(EPS, ref)] if ref else EPS
-    batch = collate(episodes, pad_id=0)
+    batch = collate(EPS, pad_id=0)
+    if ref:
+        with_ref(batch, ref)
     lp = torch.tensor(LP, requires_grad=True)
     w = torch.ones(2, 4) if is_weight is None else torch.tensor(is_weight)
     loss = LOSSES[name](lp, batch, w, LossConfig(name=name, **cfg))
@@ -86,7 +96,7 @@ def test_loss_runs_on_the_device_of_its_inputs(name):
     """Every tensor a loss makes follows its inputs' device: on `meta`, a tensor made on the
     default device would fail to mix, as a CPU tensor would on the first GPU step."""
     ref = [[0, -0.5, -1.0, -2.0], [0, -1.0, -0.2]]
-    batch = collate([Episode(**{**e.__dict__, "ref_logprobs": r}) for e, r in zip(EPS, ref)], pad_id=0).to("meta")
+    batch = with_ref(collate(EPS, pad_id=0), ref).to("meta")
     lp = torch.tensor(LP).to("meta").requires_grad_()
     w = importance_weight(lp, batch.gen_logprobs, 2.0)
     loss = LOSSES[name](lp, batch, w, LossConfig(name=name, kl_coef=0.1))
@@ -109,12 +119,9 @@ def test_multi_turn_mask_trains_only_sampled_tokens(name):
         loss_mask=mask,
         gen_logprobs=[-1.0 * m for m in mask],
         advantage=0.7,
-        ref_logprobs=[-1.2] * 9,
     )
-    other = Episode(
-        tokens=[1, 2, 3], loss_mask=[0, 1, 1], gen_logprobs=[0, -1, -1], advantage=-0.7, ref_logprobs=[-1.2] * 3
-    )
-    batch = collate([ep, other], pad_id=0)
+    other = Episode(tokens=[1, 2, 3], loss_mask=[0, 1, 1], gen_logprobs=[0, -1, -1], advantage=-0.7)
+    batch = with_ref(collate([ep, other], pad_id=0), [[-1.2] * 9, [-1.2] * 3])
     lp = torch.full(batch.input_ids.shape, -1.1, requires_grad=True)
     w = importance_weight(lp, batch.gen_logprobs, 2.0)
     LOSSES[name](lp, batch, w, LossConfig(name=name, kl_coef=0.1)).backward()

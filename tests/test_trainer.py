@@ -5,6 +5,7 @@ import asyncio
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_losses import with_ref
 
 from forge.losses import LossConfig
 from forge.store import WeightStore, start_store, stop_store
@@ -186,13 +187,13 @@ def test_packed_rows_give_the_same_losses_and_gradients_as_one_episode_per_row(t
             loss_mask=[0] * 2 + [1] * (n - 2),
             gen_logprobs=(-torch.rand(n, generator=g) * 4).tolist(),
             advantage=float(i % 3) - 1.0,
-            ref_logprobs=(-torch.rand(n, generator=g) * 4).tolist(),
             policy_version=i,
         )
         for i, n in enumerate([5, 17, 7, 6, 9, 5, 13, 8])
     ]
-    rows = collate(eps, pad_id=0)
-    packed = collate(eps, pad_id=0, pack_to=24, rows_multiple_of=4)
+    refs = [(-torch.rand(len(e.tokens), generator=g) * 4).tolist() for e in eps]
+    rows = with_ref(collate(eps, pad_id=0), refs)
+    packed = with_ref(collate(eps, pad_id=0, pack_to=24, rows_multiple_of=4), refs)
     assert packed.input_ids.shape == (4, 24) and packed.num_episodes == 8  # 70 tokens in 3 rows (+1 empty), not 8
     model = titan.load_hf_model(tiny_model_dir)
 

@@ -16,9 +16,7 @@ def completion(prompt, tokens, version=0):
 
 def test_completion_checks_and_versions():
     c = completion([1, 2], [3, 4, 5], version=3)
-    assert c.max_policy_version == 3 and not c.spans_versions
-    c2 = Completion([1], [2], [-1.0], "a", "length", policy_version=2, max_policy_version=3)
-    assert c2.spans_versions
+    assert c.max_policy_version == 3
     with pytest.raises(ValueError, match="2 logprobs for 3 tokens"):
         Completion([1], [2, 3, 4], [-1.0, -1.0], "a", "stop")
 
@@ -72,15 +70,9 @@ def test_collate_packs_episodes_into_rows():
     assert rows.loss_mask[4:].sum() == 0 and rows.policy_versions.tolist() == [5, 1, 2, 2]
 
 
-def test_collate_ref_logprobs_and_device():
-    eps = episodes()
-    for e in eps:
-        e.ref_logprobs = [-1.0] * len(e.tokens)
-    b = collate(eps, pad_id=0).to("cpu")
-    assert b.ref_logprobs is not None and b.ref_logprobs[0].tolist() == [-1.0] * 4
-    eps[0].ref_logprobs = None
-    with pytest.raises(ValueError, match="ref_logprobs"):
-        collate(eps, pad_id=0)
+def test_collate_leaves_ref_logprobs_to_the_reference_and_moves():
+    b = collate(episodes(), pad_id=0).to("meta")
+    assert b.ref_logprobs is None and b.input_ids.device.type == "meta" and b.positions is None
     with pytest.raises(ValueError, match="no episodes"):
         collate([], pad_id=0)
 
