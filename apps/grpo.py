@@ -21,13 +21,13 @@ from tqdm import tqdm
 from apps.sft import warm_start
 from forge import checkpoint
 from forge.buffer import ReplayBuffer
-from forge.checkpoint import RunStopped
-from forge.config import ConfigError, import_object, to_yaml
+from forge.config import ConfigError, import_object
 from forge.data import DatasetConfig, FilePrompts, TaskPrompts
 from forge.job import Job, JobConfig
-from forge.metrics import DEFAULT_BACKENDS, MetricWriter, Reduce, discard_pending, plot_rewards, record_metric
-from forge.rollout import REWARD_UNAVAILABLE, OnPolicyGate, RolloutError, check_rollout, make_group, masked
-from forge.service import ReplicaRestored, ServiceError
+from forge.metrics import DEFAULT_BACKENDS, Reduce, record_metric
+from forge.rollout import REWARD_UNAVAILABLE, RolloutLoops, Rollouts, SingleTurn
+from forge.run import ActorState, Run
+from forge.service import ReplicaRestored
 from forge.store import start_store, stop_store
 from forge.tasks import get_task
 from forge.types import collate
@@ -230,250 +230,97 @@ async def run(cfg: Config) -> dict[str, float]:
         await asyncio.shield(services.shutdown())
 
 
+BAR = {"reward": ("reward_mean", ".3f"), "acc": ("accuracy", ".2f"), "tok_s": ("tokens_per_s", ".0f")}
+
+
 async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> dict[str, float]:
     """The GRPO loop on running services; returns the last metrics row. Raises RunStopped when
     the run cannot go on (the trainer could not be restored, rollouts keep failing, no batch
     comes), naming the checkpoint to resume from."""
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    rollout = import_object("rollout", cfg.rollout)
-    agentic = (
-        AgenticRollouts(cfg.agentic, s.gateway, s.envs, cfg.group_size, cfg.trainer.loss.normalize_std)
-        if cfg.agentic.enabled
-        else None
-    )
-    trainer, gen, rewards, ref = s.trainer, s.gen, s.rewards, s.ref
+    run = Run("grpo", cfg, resume_from, show=BAR)
+    prompts = FilePrompts(cfg.dataset, cfg.seed) if cfg.dataset.path else TaskPrompts(cfg.task, cfg.seed)
+    if "judge" in cfg.rewards and cfg.dataset.path:  # the rubric's fields, now that the file's columns are known
+        cfg.judge.check(prompts.rows.column_names)
+    prompts.reset()
     buffer = await ReplayBuffer.options().as_actor(
         capacity=cfg.groups_per_step * (cfg.max_staleness + 1),
         max_staleness=cfg.max_staleness,
         max_tokens=cfg.max_episode_tokens,
         dynamic_sampling=cfg.dynamic_sampling,
     )
-    prompts = FilePrompts(cfg.dataset, cfg.seed) if cfg.dataset.path else TaskPrompts(cfg.task, cfg.seed)
-    if "judge" in cfg.rewards and cfg.dataset.path:  # the rubric's fields, now that the file's columns are known
-        cfg.judge.check(prompts.rows.column_names)
-    prompts.reset()
-    version = await trainer.policy_version.route()  # 0, unless these services already trained
-    state = {"step": 0, "version": version}
-    gate = OnPolicyGate(gen, cfg.groups_per_step, version) if cfg.max_staleness == 0 else None
-    failures = {"streak": 0, "last": None}  # rollouts failing in a row, and the last error
-
-    async def rewind(ckpt: Path, trainer_restored: bool = False) -> None:
-        """Continue from checkpoint `ckpt`: its step, data position and buffer, and the
-        trainer's state (loaded here on --resume; a restored trainer replica loaded it itself
-        and published it as a version past the dead one's, whose versions are then lost)."""
-        saved = checkpoint.load_run_state(ckpt)
-        if not trainer_restored:
-            await trainer.load.route(str(ckpt / "trainer"))
-            await buffer.load_state_dict.call_one(saved["buffer"])
-            await trainer.push_weights.route()  # generators resume on the trained policy
-        state["step"] = saved["step"]
-        state["version"] = await trainer.policy_version.route()
-        if trainer_restored:  # episodes of the replayed prompts, or of the lost versions, must not train
-            await buffer.rewind.call_one(saved["buffer"], (saved["version"], state["version"] - 1))
-        if gate is not None:
-            gate.advance(state["version"])
-        prompts.reset(saved["prompts"])
-        trainer.set_restore_point(str(ckpt / "trainer"))
-
-    if resume_from is not None:
-        await rewind(resume_from)
-    writer = MetricWriter(run_dir, cfg.metrics, resume_step=state["step"] if resume_from else None)
-    await discard_pending()  # services reused from an earlier run may still hold its values
-    evals = BackgroundEvals(
-        cfg.eval,
-        held_out(cfg.eval, cfg.task) if cfg.eval.enabled else [],
-        gen,
-        s.eval_rewards or rewards,
-        writer,
-        "grpo",
-    )
-
-    async def rollout_loop() -> None:
-        while True:
-            try:
-                await rollout_once()
-                failures["streak"] = 0
-            except RolloutError:
-                raise  # a broken contract fails every call alike: stop now
-            except Exception as e:  # one bad rollout (prompt, reward, replica) never ends the run
-                failures["streak"] += 1
-                failures["last"] = f"{type(e).__name__}: {e}"
-                record_metric("rollout_errors", 1, Reduce.SUM)
-                tqdm.write(f"grpo: rollout failed: {failures['last']}")
-                if failures["streak"] >= cfg.max_rollout_failures:
-                    raise RunStopped(
-                        run_dir,
-                        state["step"],
-                        f"{failures['streak']} rollouts failed in a row (config "
-                        f"key 'max_rollout_failures'); the last: {failures['last']}",
-                    ) from None
-                await asyncio.sleep(min(0.05 * 2 ** (failures["streak"] - 1), 2.0))  # a passing outage backs off
-
-    async def rollout_once() -> None:
-        if gate is None:
-            await rollout_group()
-            return
-        async with gate.place() as place:  # on-policy: the next batch's weights, and room in it
-            place.kept = await rollout_group() > 0
-
-    async def rollout_group() -> int:
-        """One group into the buffer; returns how many of its episodes the buffer kept."""
-        start = time.perf_counter()
-        if agentic is not None:  # multi-turn episodes through the gateway
-            episodes = await agentic.group(next(prompts).row())
-            record_metric("time/rollout_s", time.perf_counter() - start)
-            for e in episodes:
-                record_metric("rollout_reward", e.reward)
-            return await buffer.add.call_one(episodes) if episodes else 0
-        group, scores = check_rollout(await rollout(next(prompts), gen, rewards, cfg), f"rollout {cfg.rollout!r}")
-        record_metric("time/rollout_s", time.perf_counter() - start)  # one group: generation + scoring
-        record_metric("generated_tokens", sum(len(c.token_ids) for c in group), Reduce.SUM)
-        for sc in scores:
-            record_metric("rollout_reward", sc.reward)
-            record_metric("reward_failures", sc.failed, Reduce.SUM)
-            if sc.unavailable:
-                record_metric(f"reward_failures/{sc.unavailable}", 1, Reduce.SUM)
-        if masked(scores, cfg.reward_unavailable):
-            record_metric("groups_masked", 1, Reduce.SUM)
-            return 0
-        return await buffer.add.call_one(make_group(group, scores, std_normalize=cfg.trainer.loss.normalize_std))
-
-    async def sample_batch() -> list:
-        """The next batch, or the reason none will come: a rollout loop that stopped, or a timeout."""
-        get = asyncio.ensure_future(buffer.sample.call_one(cfg.groups_per_step, state["version"]))
-        done, _ = await asyncio.wait(
-            [get, *rollouts], timeout=cfg.sample_timeout_s, return_when=asyncio.FIRST_COMPLETED
-        )
-        if get in done:
-            return get.result()
-        get.cancel()
-        for t in done:
-            t.result()  # a rollout loop ends only by raising
-        held = await buffer.get_stats.call_one()
-        raise RunStopped(
-            run_dir,
-            state["step"],
-            f"no batch of {cfg.groups_per_step} groups usable by policy version "
-            f"{state['version']} within {cfg.sample_timeout_s} s (config key 'sample_timeout_s'): the "
-            f"buffer holds {held['size']} ({held}); rollouts last failed with: "
-            f"{failures['last'] or 'nothing (none failed)'}",
-        )
-
-    async def save() -> None:
-        partial = checkpoint.partial_dir(run_dir, state["step"])
-        await trainer.save.fanout(str(partial / "trainer"))
-        path = checkpoint.save_run_state(
-            partial, {**state, "prompts": prompts.state_dict(), "buffer": await buffer.state_dict.call_one()}
-        )
-        trainer.set_restore_point(str(path / "trainer"))
-
-    async def recover(e: ReplicaRestored) -> None:
-        died_at = state["step"]
-        await evals.cancel()  # its step's rows are about to be dropped
-        for t in rollouts:  # their prompts are replayed from the checkpoint's position
-            t.cancel()
-        await asyncio.gather(*rollouts, return_exceptions=True)
-        await rewind(Path(e.restore_point).parent, trainer_restored=True)
-        rollouts[:] = [asyncio.create_task(rollout_loop()) for _ in range(cfg.rollout_tasks)]
-        writer.rewind(state["step"])
-        record_metric("trainer_restores", 1, Reduce.SUM)
-        tqdm.write(
-            f"grpo: {e}. It died at step {died_at}; the run continues from step {state['step']} "
-            f"(policy version {state['version']}); the metrics rows after step {state['step']} are dropped"
-        )
-
-    async def step() -> dict[str, float]:
-        t0 = time.perf_counter()
-        episodes = await sample_batch()
-        trained_on = state["version"]
-        if gate is not None:
-            gate.advance(trained_on + 1)  # rollouts from here on are for the next batch
-        t1 = time.perf_counter()
-        batch = collate(episodes, pad_id=0, rows_multiple_of=cfg.trainer_procs * cfg.trainer.grad_accum)
-        if ref is not None:
-            batch.ref_logprobs = await ref.logprobs.route(batch)
-        t2 = time.perf_counter()
-        version, metrics = await trainer.train_step.route(batch)
-        for key, value in metrics.items():
-            record_metric(key, value)
-        t3 = time.perf_counter()
-        await trainer.push_weights.route()  # returns once published
-        state["version"] = version
-        await buffer.notify_version.call_one(version)
-        state["step"] += 1
-        for e in episodes:
-            record_metric("reward_mean", e.reward)
-            record_metric("reward_std", e.reward, Reduce.STD)
-            if e.score.correct is not None:
-                record_metric("accuracy", e.score.correct)
-            record_metric("staleness_mean", trained_on - e.policy_version)
-            record_metric("staleness_max", trained_on - e.policy_version, Reduce.MAX)
-        wall = time.perf_counter() - t0
-        record_metric("tokens_per_s", sum(e.num_response_tokens for e in episodes) / wall)
-        for name, seconds in (
-            ("wait_s", t1 - t0),
-            ("ref_s", t2 - t1),
-            ("train_s", t3 - t2),
-            ("push_s", wall - (t3 - t0)),
-        ):
-            record_metric(f"time/{name}", seconds)
-        return await writer.flush(state["step"])
-
-    if cfg.eval.before_train and resume_from is None:
-        await evals.run(state["step"], state["version"])  # the starting policy, before any rollout
-    rollouts = [asyncio.create_task(rollout_loop()) for _ in range(cfg.rollout_tasks)]
-    bar = tqdm(total=cfg.steps, initial=state["step"], desc="grpo", unit="step")
-    row: dict[str, float] = {}
-    plotted = time.monotonic()
+    held_out_samples = held_out(cfg.eval, cfg.task) if cfg.eval.enabled else []
+    evals = BackgroundEvals(cfg.eval, held_out_samples, s.gen, s.eval_rewards or s.rewards, run.writer, "grpo")
+    loops = RolloutLoops(rollouts(cfg, s), prompts, buffer, s.gen, cfg)
     restored: ReplicaRestored | None = None
     try:
-        while True:
-            try:
-                if restored is not None:  # inside the try: the trainer may die again meanwhile
-                    await recover(restored)
-                    restored = None
-                while state["step"] < cfg.steps:
-                    row = await step()
-                    if time.monotonic() - plotted > 10:  # matplotlib costs ~0.2 s: not every step
-                        plot_rewards(run_dir)
-                        plotted = time.monotonic()
-                    bar.n = state["step"]
-                    bar.set_postfix(
-                        reward=f"{row['reward_mean']:.3f}",
-                        acc=f"{row.get('accuracy', float('nan')):.2f}",
-                        tok_s=f"{row['tokens_per_s']:.0f}",
-                        **({"eval_acc": f"{evals.accuracy:.2f}"} if cfg.eval.every else {}),
-                    )
-                    if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0:
-                        await save()
-                    if cfg.eval.every and state["step"] % cfg.eval.every == 0:
-                        evals.start(state["step"], state["version"])
-                if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every:
-                    await save()  # the final state, unless the loop just saved it
-                await evals.wait()
-                if cfg.eval.every and state["step"] % cfg.eval.every:
-                    await evals.run(state["step"], state["version"])  # the final policy, always
-                await trainer.export_hf.route(str(run_dir / "model"))  # the trained policy, HF format
-                break
-            except ReplicaRestored as e:
-                restored = e
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        print(f"\ngrpo: interrupted at step {state['step']}; saving a checkpoint", flush=True)
-        await asyncio.shield(save())
-    except (ServiceError, RolloutError) as e:
-        raise RunStopped(run_dir, state["step"], str(e)) from e
+        await run.start(s.trainer, evals, prompts=prompts, buffer=ActorState(buffer))
+        async with run, loops.running(run.version):
+            while not run.finished:
+                try:
+                    if restored is not None:  # inside the try: the trainer may die again meanwhile
+                        restored = await recover(restored, run, loops, buffer)
+                    while run.step < cfg.steps:
+                        await step(cfg, s, run, loops, buffer)
+                    await run.finish()
+                except ReplicaRestored as e:
+                    restored = e
     finally:
-        for t in rollouts:
-            t.cancel()
-        await asyncio.gather(*rollouts, evals.cancel(), return_exceptions=True)
-        bar.close()
-        writer.close()
-        if (run_dir / "metrics.jsonl").exists():
-            plot_rewards(run_dir)
         await asyncio.shield(buffer.shutdown())
-    return row
+    return run.row
+
+
+def rollouts(cfg: Config, s: Services) -> Rollouts:
+    """Groups of multi-turn episodes through the gateway (`agentic`), else of the `rollout` function."""
+    if cfg.agentic.enabled:
+        return AgenticRollouts(cfg.agentic, s.gateway, s.envs, cfg.group_size, cfg.trainer.loss.normalize_std)
+    return SingleTurn(import_object("rollout", cfg.rollout), cfg.rollout, s.gen, s.rewards, cfg)
+
+
+async def step(cfg: Config, s: Services, run: Run, loops: RolloutLoops, buffer: Any) -> None:
+    """One GRPO step: a batch of scored groups (generated beside the loop), train, push weights."""
+    t0 = time.perf_counter()
+    episodes = await loops.batch(run.version)
+    t1 = time.perf_counter()
+    batch = collate(episodes, pad_id=0, rows_multiple_of=cfg.trainer_procs * cfg.trainer.grad_accum)
+    if s.ref is not None:
+        batch.ref_logprobs = await s.ref.logprobs.route(batch)
+    t2 = time.perf_counter()
+    version, metrics = await s.trainer.train_step.route(batch)
+    t3 = time.perf_counter()
+    await s.trainer.push_weights.route()  # returns once published
+    await buffer.notify_version.call_one(version)
+    record_batch(episodes, run.version, metrics)
+    wall = time.perf_counter() - t0
+    record_metric("tokens_per_s", sum(e.num_response_tokens for e in episodes) / wall)
+    for name, seconds in (("wait_s", t1 - t0), ("ref_s", t2 - t1), ("train_s", t3 - t2), ("push_s", wall - (t3 - t0))):
+        record_metric(f"time/{name}", seconds)
+    await run.end_step(version)
+
+
+def record_batch(episodes: list, trained_on: int, metrics: dict[str, float]) -> None:
+    for key, value in metrics.items():
+        record_metric(key, value)
+    for e in episodes:
+        record_metric("reward_mean", e.reward)
+        record_metric("reward_std", e.reward, Reduce.STD)
+        if e.score.correct is not None:
+            record_metric("accuracy", e.score.correct)
+        record_metric("staleness_mean", trained_on - e.policy_version)
+        record_metric("staleness_max", trained_on - e.policy_version, Reduce.MAX)
+
+
+async def recover(e: ReplicaRestored, run: Run, loops: RolloutLoops, buffer: Any) -> None:
+    """The trainer died and a new replica restored its last checkpoint: go on from there."""
+    died_at = run.step
+    await loops.stop()  # their prompts are replayed from the checkpoint's position
+    saved = await run.rewind(Path(e.restore_point).parent, trainer_restored=True)
+    await buffer.lose.call_one((saved["version"], run.version - 1))  # the dead trainer's later versions
+    loops.start(run.version)
+    record_metric("trainer_restores", 1, Reduce.SUM)
+    tqdm.write(
+        f"grpo: {e}. It died at step {died_at}; the run continues from step {run.step} "
+        f"(policy version {run.version}); the metrics rows after step {run.step} are dropped"
+    )
 
 
 def main(cfg: Config) -> dict[str, float]:

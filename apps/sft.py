@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from forge import checkpoint, tasks
-from forge.config import ConfigError, to_yaml
+from forge.config import ConfigError
 from forge.data import SFTDataConfig, SFTExamples
 from forge.losses import LossConfig
-from forge.metrics import MetricWriter, discard_pending, plot_rewards, record_metric
+from forge.metrics import record_metric
+from forge.run import Run
 from forge.store import WeightStore, start_store, stop_store
 from forge.types import Episode, collate
 from services.evals import BackgroundEvals, EvalConfig, held_out
@@ -33,6 +32,8 @@ from services.rewards import Rewards, check_rewards
 from services.sandbox import CodeTestsConfig
 from services.tiny_model import ModelConfig, TinyModelSpec
 from services.trainer import Trainer, TrainerConfig
+
+EVAL_PLOT = ("eval/accuracy", "eval/reward_mean")  # SFT's curves: it has no rewards of its own
 
 
 @dataclass
@@ -122,33 +123,14 @@ async def train(
     cfg: Config, examples: SFTExamples, pad_id: int, trainer: Any, gen: Any, rewards: Any, resume_from: Path | None
 ) -> dict[str, float]:
     """The SFT loop on running services; returns the last metrics row."""
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    step = 0
+    run = Run("sft", cfg, resume_from, show={"loss": ("loss", ".3f")}, plot_keys=EVAL_PLOT, pushes_every_step=False)
     examples.reset()
-    if resume_from is not None:
-        await trainer.load.route(str(resume_from / "trainer"))
-        saved = checkpoint.load_run_state(resume_from)
-        step = saved["step"]
-        examples.reset(saved["examples"])
-    writer = MetricWriter(run_dir, cfg.metrics, resume_step=step if resume_from else None)
-    await discard_pending()
     evals = BackgroundEvals(
-        cfg.eval, held_out(cfg.eval, cfg.task) if cfg.eval.enabled else [], gen, rewards, writer, "sft"
+        cfg.eval, held_out(cfg.eval, cfg.task) if cfg.eval.enabled else [], gen, rewards, run.writer, "sft"
     )
-
-    async def save() -> None:
-        path = checkpoint.partial_dir(run_dir, step)
-        await trainer.save.fanout(str(path / "trainer"))
-        checkpoint.save_run_state(path, {"step": step, "examples": examples.state_dict()})
-
-    if cfg.eval.before_train and resume_from is None:
-        await evals.run(step, await trainer.push_weights.route())
-    bar = tqdm(total=cfg.steps, initial=step, desc="sft", unit="step")
-    row: dict[str, float] = {}
-    try:
-        while step < cfg.steps:
+    await run.start(trainer, evals, examples=examples)
+    async with run:
+        while run.step < cfg.steps:
             start = time.perf_counter()
             rows = [next(examples) for _ in range(cfg.batch_size)]
             batch = collate(
@@ -158,34 +140,13 @@ async def train(
                 rows_multiple_of=cfg.trainer_procs * cfg.trainer.grad_accum,
             )
             _, metrics = await trainer.train_step.route(batch)
-            step += 1
             for key in ("loss", "entropy", "grad_norm", "lr", "trained_tokens"):
                 record_metric(key, metrics[key])
             record_metric("tokens_per_s", metrics["trained_tokens"] / (time.perf_counter() - start))
-            row = await writer.flush(step)
-            bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.3f}")
-            if cfg.eval.every and step % cfg.eval.every == 0:
-                evals.start(step, await trainer.push_weights.route())  # this step's weights, for the generator
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                await save()
-        if cfg.checkpoint_every and step % cfg.checkpoint_every:
-            await save()
-        await evals.wait()
-        if cfg.eval.every and step % cfg.eval.every:
-            await evals.run(step, await trainer.push_weights.route())  # the final weights, always
-        await trainer.export_hf.route(str(run_dir / "model"))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        print(f"\nsft: interrupted at step {step}; saving a checkpoint", flush=True)
-        await asyncio.shield(save())
-    finally:
-        await evals.cancel()
-        bar.close()
-        writer.close()
-        if (run_dir / "metrics.jsonl").exists():
-            plot_rewards(run_dir, keys=("eval/accuracy", "eval/reward_mean"))
-    print(f"sft: {step} steps; model in {run_dir / 'model'}")
-    return row
+            await run.end_step()
+        await run.finish()
+    print(f"sft: {run.step} steps; model in {run.dir / 'model'}")
+    return run.row
 
 
 def warm_start(model_dir: Path, spec: TinyModelSpec) -> float:

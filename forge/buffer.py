@@ -141,12 +141,14 @@ class ReplayBuffer(ForgeActor):
             self.changed.notify_all()
 
     @endpoint
-    async def rewind(self, state: dict[str, Any], lost_versions: tuple[int, int]) -> None:
-        """After a trainer was restored from a checkpoint: hold what the checkpoint held, and
-        never again take a group sampled by the versions the dead trainer published after it
-        (`(after, upto]`; generators may still be sampling from them)."""
-        self.lost.append(tuple(lost_versions))
-        await self._load(state)
+    async def lose(self, versions: tuple[int, int]) -> None:
+        """After a trainer was restored from a checkpoint: never again take a group sampled by
+        the versions the dead trainer published after it (`(after, upto]`; generators may still
+        be sampling from them), held or to come."""
+        self.lost.append(tuple(versions))
+        async with self.changed:
+            self.groups = deque(g for g in self.groups if not self._lost(g))
+            self.changed.notify_all()
 
     @endpoint
     async def get_stats(self) -> dict[str, int]:

@@ -55,6 +55,9 @@ class IndexedPrompts(BaseNode[Sample]):
     def get_state(self) -> dict[str, Any]:
         return {"index": self.index}
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # a run's checkpoint part (forge/run.py)
+        self.reset(state)
+
     def shuffled(self, i: int, rows: int) -> int:
         """Which of `rows` rows sample i reads: every row once per epoch, reshuffled each epoch
         from the seed."""

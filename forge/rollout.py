@@ -1,28 +1,47 @@
-"""One prompt's rollout: generate a group, score it, turn it into GRPO Episodes.
+"""Rollouts: one prompt's group of scored Episodes with their advantages, and the loops that
+fill the replay buffer with them beside training.
 
-An app's `rollout` config key names the rollout function ("package.module:name"), so a
-custom single-call rollout (a tool step, a verifier of its own) replaces `generate_and_score`.
-Multi-turn episodes through the gateway are the `agentic` section's (services/agentic.py).
+Every kind of rollout is a `Rollouts`: `async group(sample) -> list[Episode]`, which owns its
+advantages, its reward-failure masking and its metrics. `SingleTurn` runs a single-call rollout
+function, `generate_and_score` or a custom one the `rollout` config key names
+("package.module:name"; a tool step, a verifier of its own); multi-turn episodes through the
+gateway are the `agentic` section's (services/agentic.py `AgenticRollouts`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
 
 import torch
 
 from forge.losses import group_advantages
+from forge.metrics import Reduce, record_metric
 from forge.tasks import Sample
 from forge.types import Completion, Episode, RewardInput, Score
+
+log = logging.getLogger("forge")
 
 
 class RolloutError(TypeError):
     """A rollout function returned something other than its contract says: the run stops at
     once (every later call would fail the same way)."""
+
+
+class RolloutsStopped(RuntimeError):
+    """The rollouts cannot go on (they keep failing, or no batch comes): the run stops."""
+
+
+class Rollouts(Protocol):
+    async def group(self, sample: Sample) -> list[Episode]:
+        """`sample`'s group of scored episodes with group-relative advantages; [] when the
+        group must not train."""
+        ...
 
 
 async def generate_and_score(sample: Sample, gen: Any, rewards: Any, cfg: Any) -> tuple[list[Completion], list[Score]]:
@@ -65,6 +84,119 @@ def make_group(completions: list[Completion], scores: list[Score], std_normalize
     """Episodes with their scores and group-relative advantages."""
     advantages = group_advantages(torch.tensor([s.reward for s in scores]), std_normalize=std_normalize)
     return [Episode.from_completion(c, score=s, advantage=float(a)) for c, s, a in zip(completions, scores, advantages)]
+
+
+class SingleTurn:
+    """Groups of a single-call rollout function `fn(sample, gen, rewards, cfg)` (`cfg`: the
+    app's config) -> (completions, scores), named `name` in errors."""
+
+    def __init__(self, fn: Callable[..., Awaitable[Any]], name: str, gen: Any, rewards: Any, cfg: Any):
+        self.fn, self.name, self.gen, self.rewards, self.cfg = fn, name, gen, rewards, cfg
+
+    async def group(self, sample: Sample) -> list[Episode]:
+        start = time.perf_counter()
+        result = await self.fn(sample, self.gen, self.rewards, self.cfg)
+        group, scores = check_rollout(result, f"rollout {self.name!r}")
+        record_metric("time/rollout_s", time.perf_counter() - start)  # one group: generation + scoring
+        record_metric("generated_tokens", sum(len(c.token_ids) for c in group), Reduce.SUM)
+        for sc in scores:
+            record_metric("rollout_reward", sc.reward)
+            record_metric("reward_failures", sc.failed, Reduce.SUM)
+            if sc.unavailable:
+                record_metric(f"reward_failures/{sc.unavailable}", 1, Reduce.SUM)
+        if masked(scores, self.cfg.reward_unavailable):
+            record_metric("groups_masked", 1, Reduce.SUM)
+            return []
+        return make_group(group, scores, std_normalize=self.cfg.trainer.loss.normalize_std)
+
+
+class RolloutLoops:
+    """`cfg.rollout_tasks` loops, each putting groups of `rollouts` (of the next prompts) into
+    `buffer` beside training, and the batches they make. A failing rollout costs its group: the
+    loop backs off (a passing outage) and goes on, until `cfg.max_rollout_failures` fail in a
+    row. On-policy (`cfg.max_staleness` 0), each group is placed through an OnPolicyGate.
+
+        async with loops.running(version):
+            episodes = await loops.batch(version)     # `cfg.groups_per_step` groups usable by it
+    """
+
+    def __init__(self, rollouts: Rollouts, prompts: Any, buffer: Any, gen: Any, cfg: Any):
+        self.rollouts, self.prompts, self.buffer, self.gen, self.cfg = rollouts, prompts, buffer, gen, cfg
+        self.tasks: list[asyncio.Task] = []
+        self.gate: OnPolicyGate | None = None
+        self.streak, self.last_error = 0, None  # rollouts failing in a row, and the last one's error
+
+    @contextlib.asynccontextmanager
+    async def running(self, version: int) -> AsyncIterator[RolloutLoops]:
+        self.start(version)
+        try:
+            yield self
+        finally:
+            await self.stop()
+
+    def start(self, version: int) -> None:
+        """Start the loops, for batches of policy `version` on."""
+        if self.cfg.max_staleness == 0:
+            self.gate = OnPolicyGate(self.gen, self.cfg.groups_per_step, version)
+        self.tasks = [asyncio.create_task(self._loop()) for _ in range(self.cfg.rollout_tasks)]
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.tasks = []
+
+    async def batch(self, version: int) -> list[Episode]:
+        """The next batch for policy `version`; or why none will come: a loop that stopped, or
+        no batch within `cfg.sample_timeout_s`."""
+        get = asyncio.ensure_future(self.buffer.sample.call_one(self.cfg.groups_per_step, version))
+        done, _ = await asyncio.wait(
+            [get, *self.tasks], timeout=self.cfg.sample_timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if get in done:
+            if self.gate is not None:
+                self.gate.advance(version + 1)  # rollouts from here on are for the next batch
+            return get.result()
+        get.cancel()
+        for t in done:
+            t.result()  # a loop ends only by raising
+        held = await self.buffer.get_stats.call_one()
+        raise RolloutsStopped(
+            f"no batch of {self.cfg.groups_per_step} groups usable by policy version {version} within "
+            f"{self.cfg.sample_timeout_s} s (config key 'sample_timeout_s'): the buffer holds {held['size']} "
+            f"({held}); rollouts last failed with: {self.last_error or 'nothing (none failed)'}"
+        )
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._one()
+                self.streak = 0
+            except RolloutError:
+                raise  # a broken contract fails every call alike: stop now
+            except Exception as e:  # one bad rollout (prompt, reward, replica) never ends the run
+                self.streak += 1
+                self.last_error = f"{type(e).__name__}: {e}"
+                record_metric("rollout_errors", 1, Reduce.SUM)
+                log.warning("forge: rollout failed: %s", self.last_error)
+                if self.streak >= self.cfg.max_rollout_failures:
+                    raise RolloutsStopped(
+                        f"{self.streak} rollouts failed in a row (config key 'max_rollout_failures'); "
+                        f"the last: {self.last_error}"
+                    ) from None
+                await asyncio.sleep(min(0.05 * 2 ** (self.streak - 1), 2.0))  # a passing outage backs off
+
+    async def _one(self) -> None:
+        if self.gate is None:
+            await self._group()
+            return
+        async with self.gate.place() as place:  # on-policy: the next batch's weights, and room in it
+            place.kept = await self._group() > 0
+
+    async def _group(self) -> int:
+        """One group into the buffer; returns how many of its episodes the buffer kept."""
+        episodes = await self.rollouts.group(next(self.prompts))
+        return await self.buffer.add.call_one(episodes) if episodes else 0
 
 
 class OnPolicyGate:

@@ -29,6 +29,7 @@ from forge.env import EpisodeStats, run_env_episode
 from forge.losses import group_advantages
 from forge.metrics import Reduce, record_metric
 from forge.rollout import RolloutError
+from forge.tasks import Sample
 from forge.types import Episode, Score
 from services.envs import RemoteEnv
 from services.gateway import GatewayConfig
@@ -92,11 +93,16 @@ class AgenticRollouts:
         self.group_size, self.std_normalize = group_size, std_normalize
         self.agent = import_object("agentic.agent", cfg.agent) if cfg.agent else None
 
-    async def group(self, task: dict[str, Any]) -> list[Episode]:
-        """`group_size` episodes of `task`, each on its own; their samples with group-relative
+    async def group(self, sample: Sample) -> list[Episode]:
+        """`group_size` episodes of `sample`, each on its own; their samples with group-relative
         advantages ([] when too few episodes of the group succeeded)."""
+        start = time.perf_counter()
+        task = sample.row()
         results = await asyncio.gather(*(self.episode(task) for _ in range(self.group_size)))
+        record_metric("time/rollout_s", time.perf_counter() - start)
         ok = [r for r in results if r.score is not None]
+        for r in ok:
+            record_metric("rollout_reward", r.score.reward)
         if len(ok) < 2 or (len(ok) < len(results) and self.cfg.on_failure == "drop"):
             record_metric("groups_dropped", 1, Reduce.SUM)
             return []

@@ -18,12 +18,12 @@ from openenv.core.env_server import Action, Environment, Observation, State, cre
 
 from forge.metrics import MetricWriter
 from forge.rollout import RolloutError
-from forge.tasks import get_task
+from forge.tasks import Sample, get_task
 from services.agentic import AgenticConfig, AgenticRollouts
 from services.envs import EnvPool
 from services.envs.guess import GuessWord, guess_agent
 
-TASK = {"prompt": "rev abc=", "answer": "cba", "task": "reverse"}
+TASK = Sample("rev abc=", "cba", "reverse")
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +216,7 @@ def test_an_openenv_environment_runs_through_the_adapter(loop, served):
                 )
                 sid = gw.open_session()
                 client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=sid, max_retries=0)
-                step, stats = await run_env_episode(env, client, TASK, gw.model_name, 4, 10.0, {"max_tokens": 3})
+                step, stats = await run_env_episode(env, client, TASK.row(), gw.model_name, 4, 10.0, {"max_tokens": 3})
                 results.append((step, stats, await gw.finish(sid)))
             return results
         finally:

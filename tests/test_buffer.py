@@ -132,7 +132,8 @@ def test_a_rewind_after_a_trainer_restore_drops_the_lost_versions_and_replayed_g
             checkpointed = await buf.state_dict.call_one()
             for v in (11, 12):
                 await buf.add.call_one(group(v))  # from prompts the run will replay
-            await buf.rewind.call_one(checkpointed, (10, 12))
+            await buf.load_state_dict.call_one(checkpointed)  # the run's rewind, then its restore's loss
+            await buf.lose.call_one((10, 12))
             held = await buf.get_stats.call_one()
             late = [await buf.add.call_one(group(v)) for v in (11, 12, 13)]
             batch = await buf.sample.call_one(2, 13, timeout_s=5)

@@ -1,0 +1,197 @@
+"""What every app's run shares, so an app's loop is its algorithm and little else.
+
+    run = Run("sft", cfg, resume_from)                 # its directory, config.yaml, metrics writer
+    await run.start(trainer, evals, examples=examples) # resumed from `resume_from`, if given
+    async with run:                                    # Ctrl-C saves; the bar, writer and plots close
+        while run.step < cfg.steps:
+            ...                                        # the app's step: train, record metrics
+            await run.end_step()                       # a metrics row, the bar, checkpoints, evals
+        await run.finish()                             # the last checkpoint and eval, the HF export
+
+The config (`cfg`) has the keys every app has: run_dir, steps, checkpoint_every, eval (with
+every and before_train) and metrics. A checkpoint holds the trainer's state, the step and policy
+version, and the `state_dict()` of each part the app names (its data position, its buffer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from tqdm import tqdm
+
+from forge import checkpoint
+from forge.checkpoint import RunStopped
+from forge.config import to_yaml
+from forge.metrics import MetricWriter, discard_pending, plot_rewards
+from forge.rollout import RolloutError, RolloutsStopped
+from forge.service import ServiceError
+
+PLOT_EVERY_S = 10.0  # matplotlib costs ~0.2 s: not every step
+
+
+class Part(Protocol):
+    """Something a checkpoint holds (torch's Stateful); either method may be async."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class ActorState:
+    """An actor's `state_dict` and `load_state_dict` endpoints as a Part."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    async def state_dict(self) -> Any:
+        return await self.actor.state_dict.call_one()
+
+    async def load_state_dict(self, state: Any) -> None:
+        await self.actor.load_state_dict.call_one(state)
+
+
+async def _result(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+class Run:
+    """One app run: its directory and config, the step and policy version, checkpoints (save,
+    resume, rewind after a trainer restore), the metrics writer, evals beside the loop, the
+    progress bar and plots.
+
+    `show`: the bar's figures, label -> (metrics key, format). `plot_keys`: the curves of
+    rewards.png (None: the app's defaults). `pushes_every_step`: the app publishes the weights
+    it trains each step (GRPO), so an eval takes the current version; otherwise (SFT) an eval
+    publishes them first."""
+
+    def __init__(
+        self,
+        app: str,
+        cfg: Any,
+        resume_from: Path | None = None,
+        show: dict[str, tuple[str, str]] | None = None,
+        plot_keys: tuple[str, ...] | None = None,
+        pushes_every_step: bool = True,
+    ):
+        self.app, self.cfg, self.dir, self.resume_from = app, cfg, Path(cfg.run_dir), resume_from
+        self.show, self.plot_keys, self.pushes_every_step = show or {}, plot_keys, pushes_every_step
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.yaml").write_text(to_yaml(cfg))
+        self.step = checkpoint.load_run_state(resume_from)["step"] if resume_from else 0
+        self.version = 0
+        self.finished = False
+        self.row: dict[str, float] = {}
+        self.writer = MetricWriter(self.dir, cfg.metrics, resume_step=self.step if resume_from else None)
+        self.trainer: Any = None
+        self.evals: Any = None
+        self.parts: dict[str, Part] = {}
+        self.bar: tqdm | None = None
+        self._plotted = time.monotonic()
+
+    async def start(self, trainer: Any, evals: Any, **parts: Part) -> None:
+        """Begin on running services: resume from the checkpoint given, else evaluate the
+        starting policy (`eval.before_train`)."""
+        self.trainer, self.evals, self.parts = trainer, evals, parts
+        self.version = await trainer.policy_version.route()  # 0, unless these services already trained
+        if self.resume_from is not None:
+            await self.rewind(self.resume_from)
+        await discard_pending()  # services reused from an earlier run may still hold its values
+        if self.cfg.eval.before_train and self.resume_from is None:
+            await self.evals.run(self.step, await self._eval_version())
+        self.bar = tqdm(total=self.cfg.steps, initial=self.step, desc=self.app, unit="step")
+
+    async def rewind(self, ckpt: Path, trainer_restored: bool = False) -> dict[str, Any]:
+        """Continue from checkpoint `ckpt`: its step and parts, and the trainer's state (loaded
+        here; a restored trainer replica loaded it itself and published it as a version past the
+        dead one's). Returns what the checkpoint held."""
+        saved = checkpoint.load_run_state(ckpt)
+        if trainer_restored:
+            await self.evals.cancel()  # its step's rows are about to be dropped
+        else:
+            await self.trainer.load.route(str(ckpt / "trainer"))
+        for name, part in self.parts.items():
+            await _result(part.load_state_dict(saved[name]))
+        if self.pushes_every_step and not trainer_restored:
+            await self.trainer.push_weights.route()  # generators resume on the trained policy
+        self.step = saved["step"]
+        self.version = await self.trainer.policy_version.route()
+        self.trainer.set_restore_point(str(ckpt / "trainer"))
+        if trainer_restored:
+            self.writer.rewind(self.step)
+        return saved
+
+    async def save(self) -> None:
+        """A checkpoint of this step, complete or not at all."""
+        partial = checkpoint.partial_dir(self.dir, self.step)
+        await self.trainer.save.fanout(str(partial / "trainer"))
+        state = {"step": self.step, "version": self.version}
+        for name, part in self.parts.items():
+            state[name] = await _result(part.state_dict())
+        path = checkpoint.save_run_state(partial, state)
+        self.trainer.set_restore_point(str(path / "trainer"))
+
+    async def end_step(self, version: int | None = None) -> dict[str, float]:
+        """The step is done (training policy `version`, when the app publishes each step): its
+        metrics row, the bar, and the checkpoint and eval due. Returns the row."""
+        self.step += 1
+        self.version = self.version if version is None else version
+        self.row = await self.writer.flush(self.step)
+        if time.monotonic() - self._plotted > PLOT_EVERY_S:
+            self._plot()
+        self.bar.n = self.step
+        postfix = {label: f"{self.row.get(key, float('nan')):{fmt}}" for label, (key, fmt) in self.show.items()}
+        if self.cfg.eval.every:
+            postfix["eval_acc"] = f"{self.evals.accuracy:.2f}"
+        self.bar.set_postfix(postfix)
+        if self._due(self.cfg.checkpoint_every):
+            await self.save()
+        if self._due(self.cfg.eval.every):
+            self.evals.start(self.step, await self._eval_version())
+        return self.row
+
+    async def finish(self) -> None:
+        """The end of training: the last checkpoint and eval (unless the last step made them),
+        and the trained policy exported in HF format to run_dir/model."""
+        if self.cfg.checkpoint_every and not self._due(self.cfg.checkpoint_every):
+            await self.save()
+        await self.evals.wait()
+        if self.cfg.eval.every and not self._due(self.cfg.eval.every):
+            await self.evals.run(self.step, await self._eval_version())  # the final policy, always
+        await self.trainer.export_hf.route(str(self.dir / "model"))
+        self.finished = True
+
+    async def __aenter__(self) -> Run:
+        return self
+
+    async def __aexit__(self, kind: Any, error: BaseException | None, tb: Any) -> bool:
+        """Ctrl-C saves a checkpoint; a service or the rollouts that cannot go on stop the run
+        with where to resume from; the bar, the writer and the plots close either way."""
+        try:
+            if isinstance(error, (KeyboardInterrupt, asyncio.CancelledError)):
+                print(f"\n{self.app}: interrupted at step {self.step}; saving a checkpoint", flush=True)
+                await asyncio.shield(self.save())
+                return True
+            if isinstance(error, (ServiceError, RolloutError, RolloutsStopped)):
+                raise RunStopped(self.dir, self.step, str(error)) from error
+            return False
+        finally:
+            await asyncio.gather(self.evals.cancel(), return_exceptions=True)
+            if self.bar is not None:
+                self.bar.close()
+            self.writer.close()
+            self._plot()
+
+    def _due(self, every: int) -> bool:
+        return bool(every) and self.step % every == 0
+
+    async def _eval_version(self) -> int:
+        return self.version if self.pushes_every_step else await self.trainer.push_weights.route()
+
+    def _plot(self) -> None:
+        if (self.dir / "metrics.jsonl").exists():
+            plot_rewards(self.dir, **({"keys": self.plot_keys} if self.plot_keys else {}))
+        self._plotted = time.monotonic()
