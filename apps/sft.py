@@ -25,6 +25,7 @@ from forge.metrics import record_metric
 from forge.run import Run
 from forge.store import WeightStore, start_store, stop_store
 from forge.types import Episode, collate
+from services import models
 from services.evals import BackgroundEvals, EvalConfig, held_out
 from services.generator import Generator, GeneratorConfig
 from services.judge import JudgeConfig
@@ -98,7 +99,8 @@ async def run(cfg: Config) -> dict[str, float]:
 
     model = cfg.model.resolve(warm_start)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    examples = SFTExamples(cfg.data, tokenizer, cfg.task, cfg.seed)  # a bad file stops here, before any spawn
+    # A bad file stops here, before any spawn.
+    examples = SFTExamples(cfg.data, tokenizer, cfg.task, cfg.seed, end_of_turn=models.of_model(model).end_of_turn)
     store = await start_store()
     weights = WeightStore(cfg.trainer.weights, transport=cfg.trainer.transport)
     roles: list[Any] = []

@@ -1,4 +1,4 @@
-"""`forge make-tiny-model`: build the offline tiny Qwen3 model and its tokenizer (HF format),
+"""`forge make-tiny-model`: build the offline tiny model and its tokenizer (HF format),
 optionally warm-started by a short run of the SFT app on a toy task.
 
     forge make-tiny-model --out DIR [--task add] [--sft-steps N] [--sft-noise F] [--seed S] [--force]

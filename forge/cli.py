@@ -79,7 +79,7 @@ def _benchmarks() -> list[str]:
 COMMANDS = {
     "serve": ("serve", "serve a model through the OpenAI API (a gateway over generator replicas)"),
     "eval": ("evaluate", "evaluate a model on a config's eval set: prints a table, writes JSON"),
-    "make-tiny-model": ("tiny_model", "build the offline tiny Qwen3 model + tokenizer"),
+    "make-tiny-model": ("tiny_model", "build the offline tiny model + tokenizer"),
 }
 
 

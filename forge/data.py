@@ -136,11 +136,12 @@ class SFTDataConfig:
 
 class SFTExamples(IndexedPrompts):
     """An endless stream of supervised examples as (token ids, loss mask): the file's rows,
-    reshuffled each epoch from the seed, or fresh toy-task samples. Resumable (its index)."""
+    reshuffled each epoch from the seed, or fresh toy-task samples. Resumable (its index).
+    `end_of_turn`: the token that ends an assistant turn in the model family's chat template."""
 
-    def __init__(self, cfg: SFTDataConfig, tokenizer: Any, task: str, seed: int = 0):
+    def __init__(self, cfg: SFTDataConfig, tokenizer: Any, task: str, seed: int = 0, *, end_of_turn: str):
         super().__init__(seed)
-        self.cfg, self.tokenizer, self.task = cfg, tokenizer, get_task(task)
+        self.cfg, self.tokenizer, self.task, self.end_of_turn = cfg, tokenizer, get_task(task), end_of_turn
         self.rows = None
         if cfg.path:
             import datasets
@@ -162,7 +163,9 @@ class SFTExamples(IndexedPrompts):
             rng = random.Random(f"{self.seed}:{i}")
             s = self.task.sample(rng)
             if hasattr(self.task, "conversation"):  # a multi-turn task: loss on the assistant's turns
-                ids, labels = chat_tokens(self.tokenizer, self.task.conversation(s, self.cfg.noise, rng))
+                ids, labels = chat_tokens(
+                    self.tokenizer, self.task.conversation(s, self.cfg.noise, rng), self.end_of_turn
+                )
                 return self._cut(ids, [int(label != -100) for label in labels])
             answer = self.task.corrupt(s.answer, self.cfg.noise, rng) if self.cfg.noise else s.answer
             return self._pair(s.prompt, answer, f"toy sample {i}")
@@ -172,7 +175,7 @@ class SFTExamples(IndexedPrompts):
             messages = row[self.cfg.messages_key]
             if not any(m.get("role") == "assistant" for m in messages):
                 raise ValueError(f"{where}: no assistant message to train on")
-            ids, labels = chat_tokens(self.tokenizer, messages)
+            ids, labels = chat_tokens(self.tokenizer, messages, self.end_of_turn)
             return self._cut(ids, [int(label != -100) for label in labels])
         return self._pair(str(row[self.cfg.prompt_key]), str(row[self.cfg.completion_key]), where)
 

@@ -224,9 +224,10 @@ class PrintReverse(Reverse):
 TASKS: dict[str, Task] = {t.name: t for t in (Reverse(), Add(), Sort(), CalcTool(), Guess(), PrintReverse())}
 
 
-def chat_tokens(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+def chat_tokens(tokenizer, messages: list[dict[str, str]], end_of_turn: str) -> tuple[list[int], list[int]]:
     """A conversation as the chat template renders it: its token ids, and the labels to train
-    on (the assistant turns' tokens, up to and with their end-of-turn token; -100 elsewhere)."""
+    on (the assistant turns' tokens, up to and with their `end_of_turn` token, the model
+    family's; -100 elsewhere)."""
     ids: list[int] = []
     labels: list[int] = []
     rendered = ""
@@ -242,7 +243,7 @@ def chat_tokens(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], l
         prompt = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
         full = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
         turn = full[len(prompt) :]
-        end = turn.rindex("<|im_end|>") + len("<|im_end|>")  # what follows it is the template's, not the model's
+        end = turn.rindex(end_of_turn) + len(end_of_turn)  # what follows it is the template's, not the model's
         add(prompt[len(rendered) :], False)
         add(turn[:end], True)
         add(turn[end:], False)

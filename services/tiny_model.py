@@ -1,7 +1,8 @@
-"""Build a tiny Qwen3-architecture model and its tokenizer offline, in HF format.
+"""Build a tiny model (of a family of services/models/, Qwen3 by default) and its tokenizer
+offline, in HF format.
 
 No hub is reachable, so forge makes its own: a character-level tokenizer trained with
-`tokenizers` on the toy tasks' text, and a few-million-parameter Qwen3 causal LM saved
+`tokenizers` on the toy tasks' text, and a few-million-parameter causal LM (the family's tiny builder) saved
 with `save_pretrained` (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json). Optionally it is warm-started (by the caller's `warm_start`, a short run of the SFT app on a toy
 task) so it is partially competent, which is what RL then improves. The output is
@@ -24,6 +25,7 @@ import torch
 
 from forge import data, tasks
 from forge.config import ConfigError
+from services import models
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>", "<|im_start|>", "<|im_end|>"]
 PAD, BOS, EOS, UNK = SPECIAL_TOKENS[:4]
@@ -78,6 +80,7 @@ Call a tool as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call><|im_end|
 class TinyModelSpec:
     """What to build. Everything that changes the output is here (and in the cache key)."""
 
+    family: str = "qwen3"  # services/models/: its tiny builder
     task: str = "add"
     sft_steps: int = 0
     seed: int = 0
@@ -140,35 +143,6 @@ def build_tokenizer(seed: int = 0):
     )
 
 
-def build_model(spec: TinyModelSpec, tokenizer):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    if len(tokenizer) > spec.vocab_size:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab_size {spec.vocab_size}")
-    config = Qwen3Config(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(config)
-    # A chat turn ends at <|im_end|> as well as at EOS (Qwen3's generation config does the same).
-    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    return model
-
-
 WarmStart = Callable[[Path, TinyModelSpec], float]  # trains a built model in place; returns its final loss
 
 
@@ -188,7 +162,7 @@ def make_tiny_model(
     start = time.perf_counter()
     torch.manual_seed(spec.seed)
     tokenizer = build_tokenizer(spec.seed)
-    model = build_model(spec, tokenizer)
+    model = models.get(spec.family, "model.tiny.family").tiny(spec, tokenizer)
     # Write next to the target and swap in whole, so an interrupted build never looks cached.
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,32 +1,20 @@
-"""torchtitan as a library: build a model sized from an HF config.json, load HF weights,
-shard it with FSDP2. Every platform specific of the trainer, the reference and the trainer
-benchmark lives here, each with its one-line why.
-
-torchtitan's registry only knows fixed flavors ("0.6B", ...), so the config is built
-from the HF values with torchtitan's own config helpers; weights go through its
-state-dict adapter, the same path a real Qwen3 checkpoint takes.
+"""torchtitan as a library: build a model of its family (services/models/) sized from an HF
+config.json, load HF weights through the family's state-dict adapter (the path a real
+checkpoint takes), shard it with FSDP2. Every platform specific of the trainer, the reference
+and the trainer benchmark lives here or in services/models/layers.py, each with its one-line why.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
-from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
-from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
-from torchtitan.models.common.nn_modules import RMSNorm
-from torchtitan.models.qwen3 import Qwen3Model, Qwen3TransformerBlock
-from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.models.common.attention import FlexAttention
 
-# Init for the projections when a model is trained from scratch; HF weights overwrite it.
-_INIT = {"weight": partial(torch.nn.init.normal_, std=0.02)}
+from services import models
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
@@ -34,25 +22,8 @@ def read_hf_config(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in model directory {model_dir}")
     hf = json.loads(path.read_text())
-    if hf.get("model_type") != "qwen3":
-        raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not supported (supported: qwen3)")
+    models.of(hf, str(path))  # a family forge knows, or an error naming the file
     return hf
-
-
-class PackedSDPA(ScaledDotProductAttention):
-    """torchtitan's SDPA, which also takes a dense boolean mask [rows, 1, seq, seq]: packed rows
-    on CPU, where torchtitan's FlexAttention (its packed-document attention) has no backward."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(ScaledDotProductAttention.Config):
-        pass
-
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
-        if attention_masks is None:
-            return super().forward(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa, **kwargs)
-        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
-        return out.transpose(1, 2)
 
 
 def packed_causal_mask(positions: torch.Tensor) -> torch.Tensor:
@@ -64,54 +35,12 @@ def packed_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
 
 
-def attention_config(device_type: str) -> FlexAttention.Config | PackedSDPA.Config:
-    # torchtitan's FlexAttention has no backward on CPU; SDPA is the same attention there.
-    return PackedSDPA.Config() if device_type == "cpu" else FlexAttention.Config()
-
-
-def qwen3_config(hf: dict, device_type: str = "cpu") -> Qwen3Model.Config:
-    dim, vocab, eps = hf["hidden_size"], hf["vocab_size"], hf["rms_norm_eps"]
-    head_dim = hf.get("head_dim") or dim // hf["num_attention_heads"]
-    # transformers 5 keeps rope_theta under rope_parameters; older files have it top-level.
-    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 1e6))
-
-    def norm(n: int) -> RMSNorm.Config:
-        return RMSNorm.Config(normalized_shape=n, eps=eps)
-
-    rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=float(theta))
-    layer = Qwen3TransformerBlock.Config(
-        attention_norm=norm(dim),
-        ffn_norm=norm(dim),
-        attention=make_gqa_config(
-            dim=dim,
-            n_heads=hf["num_attention_heads"],
-            n_kv_heads=hf["num_key_value_heads"],
-            head_dim=head_dim,
-            wqkv_param_init=_INIT,
-            wo_param_init=_INIT,
-            inner_attention=attention_config(device_type),
-            rope=rope,
-            qk_norm=norm(head_dim),
-        ),
-        feed_forward=make_ffn_config(
-            dim=dim, hidden_dim=hf["intermediate_size"], w1_param_init=_INIT, w2w3_param_init=_INIT
-        ),
-    )
-    return Qwen3Model.Config(
-        dim=dim,
-        vocab_size=vocab,
-        norm=norm(dim),
-        layers=[layer] * hf["num_hidden_layers"],
-        enable_weight_tying=hf.get("tie_word_embeddings", False),
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab),
-    )
-
-
-def load_hf_model(model_dir: str | Path, device: str | torch.device = "cpu") -> Qwen3Model:
-    """A torchtitan Qwen3 model with the HF safetensors weights of `model_dir`, fp32."""
+def load_hf_model(model_dir: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The torchtitan model of `model_dir`'s family with its HF safetensors weights, fp32."""
     device = torch.device(device)
-    cfg = qwen3_config(read_hf_config(model_dir), device.type)
+    hf = read_hf_config(model_dir)
+    family = models.of(hf)
+    cfg = family.titan_config(hf, device.type)
     with torch.device("meta"):
         model = cfg.build()
     model.to_empty(device=device)
@@ -124,7 +53,7 @@ def load_hf_model(model_dir: str | Path, device: str | torch.device = "cpu") -> 
     hf_state = {}
     for f in files:
         hf_state.update(load_file(str(f), device=str(device)))
-    model.load_state_dict(Qwen3StateDictAdapter(cfg, hf_assets_path=None).from_hf(hf_state), strict=True)
+    model.load_state_dict(family.adapter(cfg).from_hf(hf_state), strict=True)
     return model.float()
 
 
@@ -152,14 +81,13 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
 
 
 def build_sharded_model(model_dir: str | Path, device: torch.device, param_dtype: str = "float32") -> torch.nn.Module:
-    """The HF model of `model_dir` as a torchtitan Qwen3, FSDP2-sharded over every rank of the
-    default process group (`init_distributed` first), in training mode."""
+    """The HF model of `model_dir` in torchtitan, FSDP2-sharded (its family's parallelize) over
+    every rank of the default process group (`init_distributed` first), in training mode."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
     world = dist.get_world_size()
     # "partial_dtensor": the default SPMD backend fails with more than one rank here.
@@ -168,7 +96,7 @@ def build_sharded_model(model_dir: str | Path, device: torch.device, param_dtype
         dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, world_size=world, spmd_backend="partial_dtensor"
     )
     dims.build_mesh()
-    model = parallelize_qwen3(
+    model = models.of(read_hf_config(model_dir)).parallelize(
         load_hf_model(model_dir, device),
         parallel_dims=dims,
         training=TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce="float32"),

@@ -5,8 +5,8 @@
     await trainer.push_weights.route()                         # publish `version`, no waiting
 
 The trainer owns the policy version: each optimizer step makes the next one, `push_weights`
-publishes the current one. Model from torchtitan's Qwen3 (sized from the HF config.json,
-HF weights through its state-dict adapter; services/titan.py), torchtitan's optimizer, LR
+publishes the current one. The model is torchtitan's of the checkpoint's family (sized from the
+HF config.json, HF weights through its state-dict adapter; services/models/, services/titan.py), torchtitan's optimizer, LR
 scheduler and gradient clipping. Checkpoints are DCP (model, optimizer, scheduler, step,
 version); `export_hf` writes safetensors that transformers and vLLM load. The service is
 `stateful`: a replica that dies is restored from the service's restore point (a checkpoint).
@@ -29,6 +29,7 @@ from forge.config import ConfigError, require_file
 from forge.losses import LossConfig, get_loss, importance_weight, k3_kl, loss_units
 from forge.store import WeightStore
 from forge.types import Batch
+from services import models
 
 HF_FILES = (
     "config.json",
@@ -122,14 +123,15 @@ class Trainer(ForgeActor):
     async def setup(self) -> None:
         import os
 
-        from services.titan import build_sharded_model, default_device, init_distributed, qwen3_config, read_hf_config
+        from services.titan import build_sharded_model, default_device, init_distributed, read_hf_config
 
         self.device = default_device()
         self.rank, self.world = init_distributed(self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(self.cfg.threads or max(1, (os.cpu_count() or 1) // self.world))
         self.hf_config = read_hf_config(self.model_dir)
-        self.adapter_config = qwen3_config(self.hf_config, self.device.type)
+        family = models.of(self.hf_config)
+        self.adapter = family.adapter(family.titan_config(self.hf_config, self.device.type))  # for HF exports
         self.model = build_sharded_model(self.model_dir, self.device, self.cfg.param_dtype)
         self.optimizers, self.schedulers = build_optimizers(self.model, self.cfg)
         self.loss_fn = get_loss(self.cfg.loss.name)
@@ -218,12 +220,11 @@ class Trainer(ForgeActor):
     def _full_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model with HF names, on rank 0 (every rank must call this)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
-        hf = Qwen3StateDictAdapter(self.adapter_config, hf_assets_path=None).to_hf(sd)
+        hf = self.adapter.to_hf(sd)
         if self.hf_config.get("tie_word_embeddings"):
             hf.pop("lm_head.weight", None)  # HF files of tied models have no lm_head
         return {k: v.contiguous() for k, v in hf.items()}

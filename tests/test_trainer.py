@@ -161,13 +161,14 @@ def test_flex_attention_path_matches_sdpa(tiny_model_dir, monkeypatch):
     passed in (without one it attends to every token). Its forward runs on CPU too: the same
     logprobs as the CPU path's SDPA."""
     from services import titan
+    from services.models import layers
 
     ids = torch.randint(6, 100, (4, 20), generator=torch.Generator().manual_seed(0))
     sdpa = titan.load_hf_model(tiny_model_dir)
-    cpu_choice = titan.attention_config
-    monkeypatch.setattr(titan, "attention_config", lambda device_type: cpu_choice("cuda"))
+    cpu_choice = layers.attention_config
+    monkeypatch.setattr(layers, "attention_config", lambda device_type: cpu_choice("cuda"))
     flex = titan.load_hf_model(tiny_model_dir)
-    assert isinstance(flex.config.first_attention.inner_attention, titan.FlexAttention.Config)
+    assert isinstance(flex.config.first_attention.inner_attention, layers.FlexAttention.Config)
     with torch.no_grad():
         assert (titan.token_logprobs(sdpa, ids)[0] - titan.token_logprobs(flex, ids)[0]).abs().max() < 1e-5
 
@@ -179,6 +180,7 @@ def test_packed_rows_give_the_same_losses_and_gradients_as_one_episode_per_row(t
     forward runs here."""
     from forge.losses import LOSSES, importance_weight
     from services import titan
+    from services.models import layers
 
     g = torch.Generator().manual_seed(2)
     eps = [
@@ -219,8 +221,8 @@ def test_packed_rows_give_the_same_losses_and_gradients_as_one_episode_per_row(t
         assert abs(loss - p_loss) < 1e-5, (name, loss, p_loss)
         assert torch.allclose(grad, p_grad, atol=1e-6), (name, (grad - p_grad).abs().max())
 
-    cpu_choice = titan.attention_config
-    monkeypatch.setattr(titan, "attention_config", lambda device_type: cpu_choice("cuda"))
+    cpu_choice = layers.attention_config
+    monkeypatch.setattr(layers, "attention_config", lambda device_type: cpu_choice("cuda"))
     flex = titan.load_hf_model(tiny_model_dir)
     model = flex
     with torch.no_grad():

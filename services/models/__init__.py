@@ -1,0 +1,54 @@
+"""Model families, keyed by the `model_type` of an HF config.json: the one place that knows a
+family. A new family is a module here with a `FAMILY` and a line in `FAMILIES`.
+
+    family = models.of(hf_config)          # or models.get("qwen3")
+    cfg = family.titan_config(hf_config, device_type)       # torchtitan's model args
+    model = cfg.build(); model.load_state_dict(family.adapter(cfg).from_hf(hf_state))
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.models import qwen3
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    model_type: str  # config.json's
+    titan_config: Callable[[dict, str], Any]  # (HF config, device type) -> torchtitan model config
+    adapter: Callable[[Any], Any]  # (torchtitan model config) -> its state-dict adapter (from_hf, to_hf)
+    parallelize: Callable[..., Any]  # torchtitan's parallelize function (FSDP2, activation checkpointing)
+    end_of_turn: str  # the token that ends an assistant turn in the family's chat template
+    tiny: Callable[[Any, Any], Any]  # (TinyModelSpec, tokenizer) -> a small HF model of the family
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    f.model_type: f
+    for f in (
+        ModelFamily("qwen3", qwen3.titan_config, qwen3.adapter, qwen3.parallelize, qwen3.END_OF_TURN, qwen3.tiny_model),
+    )
+}
+
+
+def get(model_type: str | None, where: str = "model_type") -> ModelFamily:
+    """The family of `model_type`, or an error naming `where` it came from and the families known."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+    return FAMILIES[model_type]
+
+
+def of(hf_config: dict[str, Any], where: str = "config.json") -> ModelFamily:
+    return get(hf_config.get("model_type"), where)
+
+
+def of_model(model_dir: str | Path) -> ModelFamily:
+    """The family of the HF model in `model_dir` (its config.json's model_type)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+    return of(json.loads(path.read_text()), str(path))

@@ -1,0 +1,44 @@
+"""torchtitan building blocks every family's model config uses, with their platform specifics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+from torchtitan.models.common.nn_modules import RMSNorm
+
+# Init for the projections when a model is trained from scratch; HF weights overwrite it.
+INIT = {"weight": partial(torch.nn.init.normal_, std=0.02)}
+
+
+class PackedSDPA(ScaledDotProductAttention):
+    """torchtitan's SDPA, which also takes a dense boolean mask [rows, 1, seq, seq]: packed rows
+    on CPU, where torchtitan's FlexAttention (its packed-document attention) has no backward."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ScaledDotProductAttention.Config):
+        pass
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
+        if attention_masks is None:
+            return super().forward(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa, **kwargs)
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def attention_config(device_type: str) -> FlexAttention.Config | PackedSDPA.Config:
+    # torchtitan's FlexAttention has no backward on CPU; SDPA is the same attention there.
+    return PackedSDPA.Config() if device_type == "cpu" else FlexAttention.Config()
+
+
+def rms_norm(n: int, eps: float) -> RMSNorm.Config:
+    return RMSNorm.Config(normalized_shape=n, eps=eps)
+
+
+def rope_theta(hf: dict, default: float = 1e6) -> float:
+    # transformers 5 keeps rope_theta under rope_parameters; older files have it top-level.
+    return float((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", default)))
