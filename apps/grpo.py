@@ -19,14 +19,13 @@ from typing import Any
 from tqdm import tqdm
 
 from apps.sft import warm_start
-from forge import checkpoint
 from forge.buffer import ReplayBuffer
 from forge.config import ConfigError, import_object
 from forge.data import DatasetConfig, FilePrompts, TaskPrompts
 from forge.job import Job, JobConfig
-from forge.metrics import DEFAULT_BACKENDS, Reduce, record_metric
+from forge.metrics import Reduce, record_metric
 from forge.rollout import REWARD_UNAVAILABLE, RolloutLoops, Rollouts, SingleTurn
-from forge.run import ActorState, Run
+from forge.run import ActorState, Run, RunConfig
 from forge.service import ReplicaRestored
 from forge.store import start_store, stop_store
 from forge.tasks import get_task
@@ -45,15 +44,12 @@ from services.trainer import Trainer, TrainerConfig, weight_store
 
 
 @dataclass
-class Config:
+class Config(RunConfig):
     app: str = "grpo"
     run_name: str = "grpo"
-    runs_dir: str = "runs"
-    seed: int = 0
     task: str = "reverse"  # a generated toy task (forge/tasks.py), unless `dataset` names a file
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    steps: int = 100
     group_size: int = 8
     groups_per_step: int = 8  # batch = group_size x groups_per_step episodes
     max_staleness: int = 1
@@ -78,18 +74,11 @@ class Config:
     trainer_procs: int = 1
     trainer_restores: int = 3  # trainer deaths recovered from the last checkpoint before the run stops
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    checkpoint_every: int = 25
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evals during training
-    resume: str | None = None  # a run directory to continue
-    metrics: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
 
     @property
     def batch_size(self) -> int:
         return self.group_size * self.groups_per_step
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.runs_dir) / self.run_name
 
     def validate(self) -> None:
         """The app's own keys and how sections fit together (each section validates itself)."""
@@ -220,9 +209,7 @@ class Services:
 
 
 async def run(cfg: Config) -> dict[str, float]:
-    last = checkpoint.latest(cfg.resume) if cfg.resume else None
-    if cfg.resume and last is None:
-        raise ConfigError(f"config key 'resume': no checkpoint in {cfg.resume}/checkpoints")
+    last = cfg.resume_point()
     services = await Services.start(cfg)
     try:
         return await train(cfg, services, resume_from=last)

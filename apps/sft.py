@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forge import checkpoint, tasks
+from forge import tasks
 from forge.config import ConfigError
 from forge.data import SFTDataConfig, SFTExamples
 from forge.losses import LossConfig
 from forge.metrics import record_metric
-from forge.run import Run
+from forge.run import Run, RunConfig
 from forge.store import WeightStore, start_store, stop_store
 from forge.types import Episode, collate
 from services import models
@@ -38,28 +38,21 @@ EVAL_PLOT = ("eval/accuracy", "eval/reward_mean")  # SFT's curves: it has no rew
 
 
 @dataclass
-class Config:
+class Config(RunConfig):
     app: str = "sft"
     run_name: str = "sft_tiny"
-    runs_dir: str = "runs"
-    seed: int = 0
+    steps: int = 300
+    checkpoint_every: int = 100
+    metrics: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
     task: str = "add"  # the toy task: the examples when `data.path` is empty, and the eval's rewards
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    steps: int = 300
     batch_size: int = 64  # examples per step (rows, unless data.pack_to packs them)
     trainer_procs: int = 1
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=3e-3, loss=LossConfig(name="sft")))
-    checkpoint_every: int = 100
-    resume: str | None = None  # a run directory to continue
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evals (through a generator)
     rewards: dict[str, float] = field(default_factory=dict)  # the eval's (empty: {"exact": 1.0})
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # the eval's sampler
-    metrics: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.runs_dir) / self.run_name
 
     def validate(self) -> None:
         if self.task not in tasks.TASKS:
@@ -92,9 +85,7 @@ class Config:
 
 
 async def run(cfg: Config) -> dict[str, float]:
-    last = checkpoint.latest(cfg.resume) if cfg.resume else None
-    if cfg.resume and last is None:
-        raise ConfigError(f"config key 'resume': no checkpoint in {cfg.resume}/checkpoints")
+    last = cfg.resume_point()
     from transformers import AutoTokenizer
 
     model = cfg.model.resolve(warm_start)
