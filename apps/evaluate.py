@@ -17,9 +17,7 @@ from forge.config import ConfigError
 from services.evals import evaluate, held_out
 from services.gateway import model_dir
 from services.generator import Generator
-from services.judge import JudgeConfig
 from services.rewards import Rewards
-from services.sandbox import CodeTestsConfig
 
 
 async def evaluate_model(app_cfg: Any, model: str) -> dict[str, float]:
@@ -28,13 +26,9 @@ async def evaluate_model(app_cfg: Any, model: str) -> dict[str, float]:
     gen = await Generator.options(replicas=getattr(app_cfg, "generator_replicas", 1)).as_service(
         str(model_dir(model)), app_cfg.generator
     )
-    try:  # an app without a judge or code_tests section (SFT) scores with their defaults
-        rewards = await Rewards.options().as_service(
-            app_cfg.task,
-            dict(app_cfg.eval.rewards or app_cfg.rewards),
-            getattr(app_cfg, "judge", JudgeConfig()),
-            getattr(app_cfg, "code_tests", CodeTestsConfig()),
-        )
+    try:
+        weights = app_cfg.eval.rewards or app_cfg.rewards.weights
+        rewards = await Rewards.options().as_service(app_cfg.rewards.with_weights(weights))
         try:
             return await evaluate(app_cfg.eval, samples, gen, rewards)
         finally:

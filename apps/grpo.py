@@ -35,10 +35,8 @@ from services.envs import EnvPool
 from services.evals import BackgroundEvals, EvalConfig, held_out
 from services.gateway import Gateway
 from services.generator import Generator, GeneratorConfig
-from services.judge import JudgeConfig
 from services.reference import Reference
-from services.rewards import Rewards, check_rewards
-from services.sandbox import CodeTestsConfig
+from services.rewards import Rewards, RewardsConfig
 from services.tiny_model import ModelConfig
 from services.trainer import Trainer, TrainerConfig, weight_store
 
@@ -60,11 +58,7 @@ class Config(RunConfig):
     sample_timeout_s: float = 600.0  # the longest wait for a batch before the run stops
     dynamic_sampling: bool = False  # drop zero-variance groups and refill (DAPO)
     max_episode_tokens: int = 0  # drop longer episodes (0: keep all)
-    # name: weight (services/rewards.py). Empty here so a config's dict replaces it instead of
-    # merging into it (OmegaConf merges dicts); empty after loading means {"exact": 1.0}.
-    rewards: dict[str, float] = field(default_factory=dict)
-    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the `judge` reward's model and rubric
-    code_tests: CodeTestsConfig = field(default_factory=CodeTestsConfig)  # the `code_tests` reward's sandbox
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)  # what scores a sample (services/rewards/)
     # A group with a reward whose infrastructure failed (RewardUnavailable): dropped, or trained
     # with that reward at 0.
     reward_unavailable: str = "mask"
@@ -97,8 +91,6 @@ class Config(RunConfig):
                 f"batch of {self.batch_size} (group_size x groups_per_step) does not split over "
                 f"trainer_procs x trainer.grad_accum = {shards}"
             )
-        if not self.rewards:
-            self.rewards = {"exact": 1.0}
         if self.reward_unavailable not in REWARD_UNAVAILABLE:
             raise ConfigError(
                 f"config key 'reward_unavailable': {self.reward_unavailable!r} is not one of "
@@ -120,14 +112,14 @@ class Config(RunConfig):
         self._validate_eval()
 
     def _validate_rewards(self) -> None:
-        for key, rewards in (("rewards", self.rewards), ("eval.rewards", self.eval.rewards)):
-            try:
-                if rewards:
-                    check_rewards(self.task, rewards, self.judge, self.code_tests)
-            except ValueError as e:
-                raise ConfigError(f"config key '{key}': {e}" if key != "rewards" else str(e)) from None
-        if "judge" in self.rewards and not self.dataset.path:  # a dataset file's columns: checked once read
-            self.judge.check(columns=())
+        if "task" in self.rewards.weights and self.dataset.path:
+            raise ConfigError(
+                "config key 'rewards.weights': the 'task' reward scores toy tasks, not a dataset file's rows"
+            )
+        if self.eval.rewards:
+            self.rewards.with_weights(self.eval.rewards, "eval.rewards")
+        if "judge" in self.rewards.weights and not self.dataset.path:  # a dataset file's columns: checked once read
+            self.rewards.check_judge(columns=())
 
     def _validate_eval(self) -> None:
         if self.eval.enabled and self.dataset.path and not self.eval.dataset.path:
@@ -167,9 +159,7 @@ class Services:
             gen = await Generator.options(
                 replicas=cfg.generator_replicas, hosts=hosts("generator"), spread=True
             ).as_service(model, cfg.generator, weights)
-            rewards = await Rewards.options(hosts=hosts("rewards")).as_service(
-                cfg.task, dict(cfg.rewards), cfg.judge, cfg.code_tests
-            )
+            rewards = await Rewards.options(hosts=hosts("rewards")).as_service(cfg.rewards)
             ref = (
                 await Reference.options(hosts=hosts("reference")).as_service(model)
                 if cfg.trainer.loss.kl_coef > 0
@@ -177,9 +167,7 @@ class Services:
             )
             s = cls(store, trainer, gen, rewards, ref, job=job)
             if cfg.eval.enabled and cfg.eval.rewards:
-                s.eval_rewards = await Rewards.options().as_service(
-                    cfg.task, dict(cfg.eval.rewards), cfg.judge, cfg.code_tests
-                )
+                s.eval_rewards = await Rewards.options().as_service(cfg.rewards.with_weights(cfg.eval.rewards))
             if cfg.agentic.enabled:
                 s.gateway = await Gateway.start(gen, model, cfg.agentic.gateway, cfg.generator)
             if cfg.agentic.env:
@@ -194,15 +182,8 @@ class Services:
     async def shutdown(self) -> None:
         if self.gateway is not None:
             await self.gateway.shutdown()
-        await asyncio.gather(
-            *([self.envs.shutdown()] if self.envs else []),
-            self.gen.shutdown(),
-            self.trainer.shutdown(),
-            self.rewards.shutdown(),
-            *([self.ref.shutdown()] if self.ref else []),
-            *([self.eval_rewards.shutdown()] if self.eval_rewards else []),
-            return_exceptions=True,
-        )
+        roles = (self.envs, self.gen, self.trainer, self.rewards, self.ref, self.eval_rewards)
+        await asyncio.gather(*(r.shutdown() for r in roles if r is not None), return_exceptions=True)
         await stop_store(self.store)
         if self.job is not None:
             self.job.stop()
@@ -226,8 +207,8 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
     comes), naming the checkpoint to resume from."""
     run = Run("grpo", cfg, resume_from, show=BAR)
     prompts = FilePrompts(cfg.dataset, cfg.seed) if cfg.dataset.path else TaskPrompts(cfg.task, cfg.seed)
-    if "judge" in cfg.rewards and cfg.dataset.path:  # the rubric's fields, now that the file's columns are known
-        cfg.judge.check(prompts.rows.column_names)
+    if "judge" in cfg.rewards.weights and cfg.dataset.path:  # the rubric's fields, now that the columns are known
+        cfg.rewards.check_judge(prompts.rows.column_names)
     prompts.reset()
     buffer = await ReplayBuffer.options().as_actor(
         capacity=cfg.groups_per_step * (cfg.max_staleness + 1),

@@ -28,9 +28,7 @@ from forge.types import Episode, collate
 from services import models
 from services.evals import BackgroundEvals, EvalConfig, held_out
 from services.generator import Generator, GeneratorConfig
-from services.judge import JudgeConfig
-from services.rewards import Rewards, check_rewards
-from services.sandbox import CodeTestsConfig
+from services.rewards import Rewards, RewardsConfig
 from services.tiny_model import ModelConfig, TinyModelSpec
 from services.trainer import Trainer, TrainerConfig
 
@@ -51,7 +49,7 @@ class Config(RunConfig):
     trainer_procs: int = 1
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=3e-3, loss=LossConfig(name="sft")))
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evals (through a generator)
-    rewards: dict[str, float] = field(default_factory=dict)  # the eval's (empty: {"exact": 1.0})
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)  # the eval's
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # the eval's sampler
 
     def validate(self) -> None:
@@ -72,16 +70,13 @@ class Config(RunConfig):
             )
         if self.trainer.total_steps is None:
             self.trainer.total_steps = self.steps
-        self.rewards = self.rewards or {"exact": 1.0}
         if self.eval.enabled:
             if self.data.path and not self.eval.dataset.path:
                 raise ConfigError(
                     "config key 'eval.dataset.path': a run on a dataset file evaluates on a file too (held-out prompts)"
                 )
-            try:
-                check_rewards(self.task, self.eval.rewards or self.rewards, JudgeConfig(), CodeTestsConfig())
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+            if self.eval.rewards:
+                self.rewards.with_weights(self.eval.rewards, "eval.rewards")
 
 
 async def run(cfg: Config) -> dict[str, float]:
@@ -103,7 +98,7 @@ async def run(cfg: Config) -> dict[str, float]:
             gen = await Generator.options().as_service(str(model), cfg.generator, weights)
             roles.append(gen)
             rewards = await Rewards.options().as_service(
-                cfg.task, dict(cfg.eval.rewards or cfg.rewards), JudgeConfig(), CodeTestsConfig()
+                cfg.rewards.with_weights(cfg.eval.rewards or cfg.rewards.weights)
             )
             roles.append(rewards)
         return await train(cfg, examples, tokenizer.pad_token_id or 0, trainer, gen, rewards, last)

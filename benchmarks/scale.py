@@ -259,7 +259,7 @@ async def measure(w: Workload, replicas: int, steps: int, runs_dir: Path) -> dic
     from apps.grpo import Services, train
     from forge.service import Service
     from forge.store import WeightStore, start_store, stop_store
-    from services.rewards import Rewards
+    from services.rewards import Rewards, RewardsConfig
 
     store = await start_store()
     weights = WeightStore("scale")
@@ -268,7 +268,7 @@ async def measure(w: Workload, replicas: int, steps: int, runs_dir: Path) -> dic
     gen = Service(placement, (w, weights), {})
     await gen.start()
     trainer = await SimTrainer.options().as_service(w, weights)
-    rewards = await Rewards.options().as_service("reverse", {"exact": 1.0}, None, None)
+    rewards = await Rewards.options().as_service(RewardsConfig(weights={"exact": 1.0}))
     services = Services(store, trainer, gen, rewards, ref=None)
     modes: dict[str, Any] = {}
     try:

@@ -41,7 +41,7 @@ class EvalConfig:
     max_tokens: int | None = None  # default: the generator's sampling.max_tokens
     max_concurrent: int = 8  # eval requests in flight at once: the generators' capacity is shared with rollouts
     max_hold_s: float = 60.0  # the longest an eval keeps the generators on the version it evaluates
-    # name: weight, as the app's `rewards` (empty: the app's own). Empty here so a config's dict
+    # name: weight, as the app's `rewards.weights` (empty: the app's own). Empty here so a config's dict
     # replaces it instead of merging into it.
     rewards: dict[str, float] = field(default_factory=dict)
 

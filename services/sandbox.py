@@ -38,7 +38,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import socket
@@ -53,7 +52,6 @@ from monarch.actor import concurrent_endpoint, endpoint
 from forge.actor import ForgeActor
 from forge.config import ConfigError
 from forge.shm import open_new, owned_dir
-from forge.types import RewardInput, RewardUnavailable
 from services.sandbox_cgroup import SlotCgroups
 
 log = logging.getLogger("forge")
@@ -588,67 +586,6 @@ class SandboxPool:
         finally:
             self.slots.put_nowait(uid)
         return True
-
-
-# ---- the code_tests reward ------------------------------------------------------------
-
-
-@dataclass
-class CodeTestsConfig:
-    """The `code_tests` section: the reward that runs each completion's program in the sandbox."""
-
-    all_pass: bool = False  # reward 1 when every test passes, else 0 (default: the fraction passing)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-
-
-_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
-
-
-def extract_code(text: str) -> str:
-    """The program in a completion: its last fenced code block, else the whole text."""
-    blocks = _FENCE.findall(text)
-    return blocks[-1] if blocks else text
-
-
-class CodeTests:
-    """The `code_tests` reward function: runs the completion's program against the task row's
-    tests, MBPP/HumanEval style: `tests` (or MBPP's `test_list`, after its `test_setup_code`),
-    assert statements run after the program, and/or `expected_output`, what it must print (given
-    `stdin`). Returns the fraction passing (or all-or-nothing) and `correct`. Its sandbox runs in
-    the reward service's process; a sandbox that cannot run the program makes the reward
-    unavailable (RewardUnavailable("sandbox")), never wrong."""
-
-    reward_range = (0.0, 1.0)  # the reward service fails anything else
-
-    def __init__(self, cfg: CodeTestsConfig | None = None):
-        self.cfg = cfg or CodeTestsConfig()
-        self.cfg.sandbox.validate()
-        self.pool: SandboxPool | None = None
-        self.started: asyncio.Task | None = None
-
-    async def __call__(self, s: RewardInput) -> dict[str, float]:
-        row = s.task
-        tests = list(row.get("tests") or row.get("test_list") or [])
-        expected = row.get("expected_output")
-        if not tests and expected is None:
-            raise ValueError("code_tests: the task row has no 'tests', 'test_list' or 'expected_output' column")
-        code = extract_code(s.completion)
-        if row.get("test_setup_code"):
-            code = f"{row['test_setup_code']}\n{code}"
-        try:
-            r = await (await self._pool()).run(code, stdin=row.get("stdin") or "", tests=tests)
-        except SandboxError as e:
-            raise RewardUnavailable("sandbox", str(e)) from e
-        printed = expected is not None and r.stdout.strip() == str(expected).strip()
-        passed, total = r.tests_passed + printed, len(tests) + (expected is not None)
-        return {"reward": float(passed == total) if self.cfg.all_pass else passed / total, "correct": passed == total}
-
-    async def _pool(self) -> SandboxPool:
-        if self.started is None:  # started once, on the event loop that scores
-            self.pool = SandboxPool(self.cfg.sandbox)
-            self.started = asyncio.ensure_future(self.pool.start())
-        await asyncio.shield(self.started)
-        return self.pool
 
 
 async def _read(fd: int, cap: int) -> tuple[bytes, bool]:

@@ -42,22 +42,22 @@ def one_line(e):
     return msg
 
 
-def test_unknown_key(tmp_path):
+@pytest.mark.parametrize(
+    "in_file, on_command_line, message",
+    [
+        ("trainer:\n  lrr: 1\n", "trainer.step=2", "unknown config key 'trainer.{}'"),  # misspelled: lrr, step
+        ("trainer:\n  lr: fast\n", "trainer.steps=1.5", "config key 'trainer.{}'"),  # the wrong type: lr, steps
+    ],
+)
+def test_a_bad_key_is_named_with_where_it_came_from(tmp_path, in_file, on_command_line, message):
     with pytest.raises(ConfigError) as e:
-        load_config(write(tmp_path, "trainer:\n  lrr: 1\n"), schema=Schema)
-    assert "unknown config key 'trainer.lrr'" in one_line(e) and "c.yaml" in str(e.value)
+        load_config(write(tmp_path, in_file), schema=Schema)
+    key = in_file.split()[1].rstrip(":")
+    assert message.format(key) in one_line(e) and "c.yaml" in str(e.value)
     with pytest.raises(ConfigError) as e:
-        load_config(write(tmp_path, "name: a\n"), ["trainer.step=2"], Schema)
-    assert "unknown config key 'trainer.step'" in one_line(e) and "command line" in str(e.value)
-
-
-def test_wrong_type(tmp_path):
-    with pytest.raises(ConfigError) as e:
-        load_config(write(tmp_path, "trainer:\n  lr: fast\n"), schema=Schema)
-    assert "config key 'trainer.lr'" in one_line(e) and "fast" in str(e.value)
-    with pytest.raises(ConfigError) as e:
-        load_config(write(tmp_path, "name: a\n"), ["trainer.steps=1.5"], Schema)
-    assert "config key 'trainer.steps'" in one_line(e)
+        load_config(write(tmp_path, "name: a\n"), [on_command_line], Schema)
+    key = on_command_line.split("=")[0].split(".")[1]
+    assert message.format(key) in one_line(e) and "command line" in str(e.value)
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

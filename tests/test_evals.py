@@ -61,7 +61,7 @@ def test_summary_of_hand_made_groups():
         ("eval.k=[1,8]", "config key 'eval.k': each k must be in 1..eval.n=1, got [1, 8]"),
         ("eval.every=-1", "config key 'eval.every' must be >= 0"),
         ("eval.n=4", "config key 'eval.n' is 4: more than one sample per prompt needs eval.temperature > 0"),
-        ("eval.rewards={nope: 1.0}", "config key 'eval.rewards': unknown reward(s) ['nope']"),
+        ("eval.rewards={nope: 1.0}", "unknown reward(s) ['nope'] (config key 'eval.rewards')"),
         ("eval.dataset.path=missing.jsonl", "config key 'eval.dataset.path': file not found: missing.jsonl"),
     ],
 )

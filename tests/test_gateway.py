@@ -40,6 +40,11 @@ def chat(c, messages, **kw):
     return c.chat.completions.create(model=MODEL_NAME, messages=messages, **kw)
 
 
+def streamed(gw, sid, content, **kw):
+    """A streamed chat completion of one user message, in session `sid`."""
+    return chat(client(gw, sid), [{"role": "user", "content": content}], stream=True, **kw)
+
+
 def test_chat_logprobs_n_models_and_completions(loop, served):
     gw, _, _ = served
 
@@ -106,14 +111,7 @@ def test_streaming_is_server_sent_events(loop, served):
 
     async def main():
         sid = gw.open_session()
-        stream = await chat(
-            client(gw, sid),
-            [{"role": "user", "content": "12+7="}],
-            max_tokens=8,
-            stream=True,
-            temperature=1.0,
-            stream_options={"include_usage": True},
-        )
+        stream = await streamed(gw, sid, "12+7=", max_tokens=8, temperature=1.0, stream_options={"include_usage": True})
         chunks = [ch async for ch in stream]
         return chunks, await gw.finish(sid)
 
@@ -406,13 +404,7 @@ def test_client_disconnect_mid_stream_aborts_in_vllm(loop, served):
 
     async def main():
         sid = gw.open_session()
-        stream = await chat(
-            client(gw, sid),
-            [{"role": "user", "content": "hi"}],
-            max_tokens=200,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
+        stream = await streamed(gw, sid, "hi", max_tokens=200, extra_body={"ignore_eos": True})
         got = 0
         async for _ in stream:
             got += 1

@@ -49,7 +49,7 @@ def small(tmp_path, **extra) -> list[str]:
         "model.path": str(MODEL),
         "model.tiny.sft_steps": 20,
         "generator.sampling.max_tokens": 8,
-        "rewards": "{task: 1.0}",
+        "rewards.weights": "{task: 1.0}",
     }  # partial credit: a barely trained model still gets a signal
     over.update(extra)
     return [f"{k}={v}" for k, v in over.items()]
@@ -75,7 +75,7 @@ def test_grpo_steps_then_resume(tmp_path):
         "eval.k": "[1,2]",
         "eval.temperature": 1.0,
     }
-    run(CONFIG, small(tmp_path, rewards="{task: 1.0, grpo_rollouts:knows_its_task: 1.0}", **evals))
+    run(CONFIG, small(tmp_path, **{"rewards.weights": "{task: 1.0, grpo_rollouts:knows_its_task: 1.0}"}, **evals))
     run_dir = tmp_path / "e2e"
     first = [r for r in rows(run_dir) if "eval/accuracy" not in r]
     assert [r["step"] for r in first] == [1, 2, 3]
@@ -110,7 +110,7 @@ def test_grpo_steps_then_resume(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("rewards={tsk: 1.0}", "unknown reward(s) ['tsk'] (config key 'rewards')"),
+        ("rewards.weights={tsk: 1.0}", "unknown reward(s) ['tsk'] (config key 'rewards.weights')"),
         ("group_size=1", "config key 'group_size' must be >= 2"),
         (
             "trainer_procs=3",
@@ -136,7 +136,7 @@ def test_gpu_gsm8k_config_is_valid(tmp_path, tiny_model_dir):
     cfg = load_config(
         "configs/grpo_qwen3_1.7b_gsm8k.yaml", [f"model.path={tiny_model_dir}", f"dataset.path={data}"], Config
     )
-    assert cfg.rewards == {"math": 1.0} and cfg.generator.kv_cache_memory_bytes is None
+    assert cfg.rewards.weights == {"math": 1.0} and cfg.generator.kv_cache_memory_bytes is None
     assert cfg.trainer.param_dtype == "bfloat16" and cfg.batch_size == 128
 
 
@@ -219,7 +219,7 @@ def services(loop, tmp_path_factory):
     reward and `grpo_rollouts:sandboxed`, whose sandbox crashes for half the prompts."""
     from apps.grpo import Services
 
-    cfg = load_config(CONFIG, small(tmp_path_factory.mktemp("grpo"), rewards=SANDBOXED), Config)
+    cfg = load_config(CONFIG, small(tmp_path_factory.mktemp("grpo"), **{"rewards.weights": SANDBOXED}), Config)
     s = loop.run_until_complete(Services.start(cfg))
     yield s
     loop.run_until_complete(s.shutdown())
@@ -249,7 +249,7 @@ def test_broken_rollouts_stop_the_run_with_a_clear_error(tmp_path, loop, service
                 max_rollout_failures=5,
                 sample_timeout_s=3,
                 run_name=name.split(":")[1],
-                rewards=SANDBOXED,
+                **{"rewards.weights": SANDBOXED},
             ),
             Config,
         )
@@ -291,7 +291,14 @@ def test_unavailable_rewards_mask_their_group_or_score_zero(tmp_path, loop, serv
     from apps.grpo import train
 
     for mode in ("mask", "zero"):
-        over = small(tmp_path, steps=2, checkpoint_every=0, run_name=mode, reward_unavailable=mode, rewards=SANDBOXED)
+        over = small(
+            tmp_path,
+            steps=2,
+            checkpoint_every=0,
+            run_name=mode,
+            reward_unavailable=mode,
+            **{"rewards.weights": SANDBOXED},
+        )
         loop.run_until_complete(train(load_config(CONFIG, over, Config), services))
     masked, zero = rows(tmp_path / "mask"), rows(tmp_path / "zero")
     for r in (masked, zero):
@@ -307,7 +314,11 @@ def test_code_configs_are_valid(tmp_path, tiny_model_dir):
     from forge.data import FilePrompts
 
     cfg = load_config("configs/grpo_code_tiny.yaml", [], Config)
-    assert cfg.task == "pyrev" and cfg.rewards == {"code_tests": 1.0} and cfg.code_tests.sandbox.workers == 8
+    assert (
+        cfg.task == "pyrev"
+        and cfg.rewards.weights == {"code_tests": 1.0}
+        and cfg.rewards.code_tests.sandbox.workers == 8
+    )
     row = {
         "task_id": 2,
         "text": "Write a function to double x.",
@@ -320,7 +331,7 @@ def test_code_configs_are_valid(tmp_path, tiny_model_dir):
     cfg = load_config(
         "configs/grpo_qwen3_1.7b_mbpp.yaml", [f"model.path={tiny_model_dir}", f"dataset.path={data}"], Config
     )
-    assert cfg.rewards == {"code_tests": 1.0} and cfg.reward_unavailable == "mask" and cfg.batch_size == 128
+    assert cfg.rewards.weights == {"code_tests": 1.0} and cfg.reward_unavailable == "mask" and cfg.batch_size == 128
     sample = next(iter(FilePrompts(cfg.dataset, cfg.seed)))
     assert "Your code should pass this test:\nassert double(2) == 4\n" in sample.prompt
     assert sample.answer == row["code"] and sample.row()["test_list"] == row["test_list"]

@@ -32,7 +32,7 @@ def test_cluster_configs_are_valid(tmp_path, tiny_model_dir, config):
 
     data = gsm8k_like(tmp_path / "train.jsonl")
     cfg = load_config(config, [f"model.path={tiny_model_dir}", f"dataset.path={data}"], Config)
-    assert cfg.task == "gsm8k" and cfg.rewards == {"math": 1.0}  # from the base
+    assert cfg.task == "gsm8k" and cfg.rewards.weights == {"math": 1.0}  # from the base
     assert cfg.job.placement["generator"] == "generator" and cfg.generator_replicas == 16
     assert cfg.trainer.serve_weights_on == "0.0.0.0" and cfg.batch_size == 128
 

@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from forge.types import RewardInput
-from services.judge import JudgeConfig
-from services.rewards import Rewards
+from services.rewards import Rewards, RewardsConfig
+from services.rewards.judge import JudgeConfig
 
 SAMPLE = RewardInput({"prompt": "rev abc=", "answer": "cba", "task": "reverse", "level": "easy"}, "cbb")
 RUBRIC = "Grade {prompt} -> {completion} (want {answer}, {level}). Score:"
@@ -26,7 +26,7 @@ def seven(tiny_model_dir):
 
 def score(loop, cfg, rewards=None, samples=(SAMPLE,)):
     async def main():
-        svc = await Rewards.options().as_service("reverse", rewards or {"judge": 1.0}, cfg)
+        svc = await Rewards.options().as_service(RewardsConfig(rewards or {"judge": 1.0}, judge=cfg))
         try:
             return await svc.score.route(list(samples))
         finally:
@@ -66,7 +66,10 @@ def test_an_answer_without_a_score_is_unavailable_not_wrong(loop, served):
     s1, s2 = score(loop, judge_cfg(gw, pattern=r"Score: (\d+)"), samples=[SAMPLE, SAMPLE])
     for s in (s1, s2):
         assert s.unavailable == "judge" and s.reward == 0.0 and s.components == {"judge": 0.0}
-        assert "judge: RewardUnavailable: no score in the judge's answer (config key 'judge.pattern'): '" in s.error
+        assert (
+            "judge: RewardUnavailable: no score in the judge's answer (config key 'rewards.judge.pattern'): '"
+            in s.error
+        )
 
 
 def test_an_unreachable_judge_is_unavailable_quickly(loop):

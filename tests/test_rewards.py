@@ -8,9 +8,21 @@ import pytest
 from forge.config import ConfigError
 from forge.rollout import masked
 from forge.types import RewardInput, Score
-from services.judge import Judge, JudgeConfig
-from services.rewards import Rewards, check_rewards, final_number, make_rewards, math_reward
-from services.sandbox import CodeTests
+from services.rewards import REWARDS, Rewards, RewardsConfig, builtin
+from services.rewards.builtin import final_number
+from services.rewards.code_tests import CodeTests
+from services.rewards.judge import Judge, JudgeConfig
+
+
+def weights(w: dict, **sections) -> RewardsConfig:
+    """A `rewards` section, checked as loading a config checks it."""
+    cfg = RewardsConfig(w, **sections)
+    cfg.validate()
+    return cfg
+
+
+def math_reward(answer: str, text: str) -> dict:
+    return builtin.math(RewardInput({"answer": answer}, text))
 
 
 @pytest.mark.parametrize(
@@ -28,25 +40,26 @@ def test_final_number(text, number):
 
 
 def test_math_reward():
-    assert math_reward("2 + 5 = 7\n#### 7", "Two plus five is 7.", "stop") == 1.0
-    assert math_reward("#### 7", "#### 7.0", "stop") == 1.0
-    assert math_reward("#### 7", "I think 8", "stop") == 0.0
+    assert math_reward("2 + 5 = 7\n#### 7", "Two plus five is 7.") == {"reward": 1.0, "correct": 1.0}
+    assert math_reward("#### 7", "#### 7.0")["reward"] == 1.0
+    assert math_reward("#### 7", "I think 8") == {"reward": 0.0, "correct": 0.0}
     with pytest.raises(ValueError, match="has no number"):
-        math_reward("seven", "7", "stop")
+        math_reward("seven", "7")
 
 
 def test_unknown_reward_names_what_is_known():
-    with pytest.raises(ValueError, match=r"unknown reward\(s\) \['task'\].*known: exact, math, format"):
-        check_rewards("gsm8k", {"task": 1.0})  # partial credit exists only for toy tasks
-    with pytest.raises(ConfigError, match="config key 'rewards.grpo_rollouts:nope': cannot import"):
-        check_rewards("gsm8k", {"grpo_rollouts:nope": 1.0})  # a user's function is imported before anything spawns
-    with pytest.raises(ConfigError, match="'rewards.grpo_rollouts:CUTOFF': int is not a function"):
-        check_rewards("gsm8k", {"grpo_rollouts:CUTOFF": 1.0})
+    with pytest.raises(ConfigError, match=r"unknown reward\(s\) \['tsk'\].*known: exact, math, format, task, judge"):
+        weights({"tsk": 1.0})
+    with pytest.raises(ConfigError, match="config key 'rewards.weights.grpo_rollouts:nope': cannot import"):
+        weights({"grpo_rollouts:nope": 1.0})  # a user's function is imported before anything spawns
+    with pytest.raises(ConfigError, match="'rewards.weights.grpo_rollouts:CUTOFF': int is not a function"):
+        weights({"grpo_rollouts:CUTOFF": 1.0})
+    assert weights({}).weights == {"exact": 1.0}
 
 
 def test_reward_service_weights_and_failures():
     async def main():
-        svc = await Rewards.options().as_service("gsm8k", {"math": 1.0, "format": 0.5})
+        svc = await Rewards.options().as_service(weights({"math": 1.0, "format": 0.5}))
         try:
             rows = [("#### 7", "7", "stop"), ("#### 7", "8", "length"), ("seven", "7", "stop")]
             return await svc.score.route([RewardInput({"prompt": "3+4?", "answer": a}, t, f) for a, t, f in rows])
@@ -68,7 +81,7 @@ def test_user_reward_functions_see_the_whole_sample():
 
     async def main():
         svc = await Rewards.options().as_service(
-            "gsm8k", {"exact": 1.0, "grpo_rollouts:length_reward": 0.5, "grpo_rollouts:graded_reward": 2.0}
+            weights({"exact": 1.0, "grpo_rollouts:length_reward": 0.5, "grpo_rollouts:graded_reward": 2.0})
         )
         try:
             task = {"prompt": "3+4?", "answer": "7", "task": "sums", "max_len": 2}
@@ -99,7 +112,7 @@ def test_unavailable_rewards_are_unknown_not_wrong():
     unless `reward_unavailable: zero`."""
 
     async def main():
-        svc = await Rewards.options().as_service("reverse", {"exact": 1.0, "grpo_rollouts:sandboxed": 1.0})
+        svc = await Rewards.options().as_service(weights({"exact": 1.0, "grpo_rollouts:sandboxed": 1.0}))
         try:
             rows = ["rev abd=", "rev abc="]  # the sandbox runs for the first, crashes for the second
             return await svc.score.route([RewardInput({"prompt": p, "answer": "x"}, "x") for p in rows])
@@ -116,15 +129,15 @@ def test_unavailable_rewards_are_unknown_not_wrong():
 
 
 def test_judge_config_errors_name_their_key():
-    with pytest.raises(ConfigError, match="config key 'judge.base_url' is not set"):
-        check_rewards("reverse", {"judge": 1.0}, JudgeConfig())
+    with pytest.raises(ConfigError, match="config key 'rewards.judge.base_url' is not set"):
+        weights({"judge": 1.0})
     with pytest.raises(ConfigError, match=r"config key 'judge.rubric': unknown field\(s\) \['reply'\]"):
         JudgeConfig(base_url="http://x/v1", rubric="{prompt} {reply}").check(columns=())
     with pytest.raises(ConfigError, match="config key 'judge.rubric': Single '}'"):
         JudgeConfig(rubric="{prompt}}").validate()
     with pytest.raises(ConfigError, match="config key 'judge.pattern' must have one group"):
         JudgeConfig(pattern=r"\d+").validate()
-    check_rewards("reverse", {"exact": 1.0}, JudgeConfig())  # no judge, no endpoint needed
+    weights({"exact": 1.0})  # no judge, no endpoint needed
     JudgeConfig(base_url="http://x/v1", rubric="{prompt} {question}").check(["question"])  # a dataset's column
 
 
@@ -137,12 +150,16 @@ def test_grpo_config_checks_the_judge_and_reward_unavailable(tmp_path):
 
     with pytest.raises(ConfigError, match="config key 'reward_unavailable': 'skip' is not one of mask, zero"):
         load("reward_unavailable=skip")
-    with pytest.raises(ConfigError, match="config key 'judge.base_url' is not set"):
-        load("rewards={judge: 1.0}")
-    with pytest.raises(ConfigError, match="config key 'judge.rubric': unknown field"):
-        load("rewards={judge: 1.0}", "judge.base_url=http://127.0.0.1:1/v1", "judge.rubric='Grade {reply}'")
-    cfg = load("rewards={judge: 1.0}", "judge.base_url=http://127.0.0.1:1/v1", "reward_unavailable=zero")
-    assert cfg.judge.base_url == "http://127.0.0.1:1/v1" and cfg.reward_unavailable == "zero"
+    with pytest.raises(ConfigError, match="config key 'rewards.judge.base_url' is not set"):
+        load("rewards.weights={judge: 1.0}")
+    judge = ["rewards.weights={judge: 1.0}", "rewards.judge.base_url=http://127.0.0.1:1/v1"]
+    with pytest.raises(ConfigError, match="config key 'rewards.judge.rubric': unknown field"):
+        load(*judge, "rewards.judge.rubric='Grade {reply}'")
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "p", "answer": "a"}\n')
+    with pytest.raises(ConfigError, match="config key 'rewards.weights': the 'task' reward scores toy tasks"):
+        load("rewards.weights={task: 1.0}", f"dataset.path={tmp_path}/rows.jsonl")
+    cfg = load(*judge, "reward_unavailable=zero")
+    assert cfg.rewards.judge.base_url == "http://127.0.0.1:1/v1" and cfg.reward_unavailable == "zero"
 
 
 def test_every_reward_is_finite_and_within_its_declared_range():
@@ -152,7 +169,7 @@ def test_every_reward_is_finite_and_within_its_declared_range():
 
     async def main():
         svc = await Rewards.options().as_service(
-            "reverse", {"grpo_rollouts:reported_fraction": 1.0, "grpo_rollouts:number_in_text": 1.0}
+            weights({"grpo_rollouts:reported_fraction": 1.0, "grpo_rollouts:number_in_text": 1.0})
         )
         try:
             rows = [(2, "0.5"), (999, "nan"), (1, "inf")]
@@ -170,6 +187,8 @@ def test_every_reward_is_finite_and_within_its_declared_range():
 
 
 def test_built_in_rewards_declare_their_range():
-    for fn in make_rewards("reverse").values():
+    built = RewardsConfig(dict.fromkeys(REWARDS, 1.0)).build()
+    assert sorted(built) == sorted(["exact", "math", "format", "task", "judge", "code_tests"])
+    for fn in built.values():
         assert fn.reward_range == (0.0, 1.0)
-    assert Judge.reward_range == CodeTests.reward_range == (0.0, 1.0)
+    assert isinstance(built["judge"], Judge) and isinstance(built["code_tests"], CodeTests)

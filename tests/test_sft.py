@@ -134,7 +134,7 @@ def test_the_walkthroughs_script_and_configs(tmp_path, tiny_model_dir, monkeypat
     sft_cfg = load_config(root / "configs/sft_upper.yaml", ["model.tiny=null", f"model.path={tiny_model_dir}"], Config)
     grpo = load_config(root / "configs/grpo_upper.yaml", [f"model.path={tiny_model_dir}"], GRPOConfig)
     for cfg in (sft_cfg, grpo):
-        assert cfg.eval.dataset.path == "runs/upper/eval.jsonl" and "runs.upper.reward:score" in cfg.rewards
+        assert cfg.eval.dataset.path == "runs/upper/eval.jsonl" and "runs.upper.reward:score" in cfg.rewards.weights
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     ids, mask = SFTExamples(sft_cfg.data, tok, sft_cfg.task, end_of_turn=END_OF_TURN).sample(0)
     assert tok.decode([t for t, m in zip(ids, mask) if m]).endswith("<|eos|>")

@@ -22,7 +22,7 @@ from typing import Any
 
 from forge.env import EnvStep
 from forge.tasks import get_task
-from services.rewards import math_reward
+from services.rewards.builtin import same_number
 
 TASK = get_task("calc")
 
@@ -143,7 +143,7 @@ class MathWithCalculator:
     def step(self, message: dict[str, Any]) -> EnvStep:
         calls = message.get("tool_calls") or []
         if not calls:
-            right = math_reward(self.answer, message.get("content") or "", "stop")
+            right = same_number(self.answer, message.get("content") or "")
             return EnvStep(done=True, reward=right, info={"correct": right, "tool_calls": float(self.calls)})
         replies = []
         for c in calls:

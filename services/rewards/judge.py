@@ -1,7 +1,8 @@
 """The `judge` reward: a model served through the OpenAI API grades each completion.
 
-    rewards: {judge: 1.0}
-    judge: {base_url: http://127.0.0.1:8000/v1, model: qwen3-8b, max_score: 10}
+    rewards:
+      weights: {judge: 1.0}
+      judge: {base_url: http://127.0.0.1:8000/v1, model: qwen3-8b, max_score: 10}
 
 The rubric is a template the sample fills in; `pattern` finds the score in the judge's answer,
 divided by `max_score`. The judge is infrastructure: an unreachable endpoint, a timeout, an
@@ -128,6 +129,6 @@ class Judge:
             score = float(found.group(1))  # type: ignore[union-attr]
         except (AttributeError, TypeError, ValueError):
             raise RewardUnavailable(
-                "judge", f"no score in the judge's answer (config key 'judge.pattern'): {text[:80]!r}"
+                "judge", f"no score in the judge's answer (config key 'rewards.judge.pattern'): {text[:80]!r}"
             ) from None
         return min(1.0, max(0.0, score / self.cfg.max_score))

@@ -1,0 +1,157 @@
+"""Rewards: the built-in rule and verifier rewards, a model judge, code run against tests, and
+users' own reward functions by import path, all with one signature, weighted into one Score.
+
+    rewards:                                   # the config section: a RewardsConfig
+      weights: {task: 1.0, my.module:fn: 0.5}  # name -> weight; empty: {exact: 1.0}
+      judge: {base_url: ..., model: ...}       # the `judge` reward's endpoint and rubric
+      code_tests: {all_pass: false}            # the `code_tests` reward's sandbox
+
+    rewards = await Rewards.options().as_service(cfg.rewards)
+    scores = await rewards.score.route([RewardInput(task_row, completion_text, finish_reason), ...])  # [Score]
+
+A reward function receives the whole sample, a `forge.types.RewardInput` (the task row with its
+columns, prompt, completion, finish reason, the messages of a multi-turn episode), and returns a
+float or a dict of named components (its reward is the dict's `reward`, else the sum of the
+rest; a `correct` key is the sample's correctness); it may be sync (run in a thread) or async,
+and may declare its values with `@forge.types.reward_range(low, high)`. `REWARDS` names the
+built-ins (services/rewards/builtin.py, judge.py, code_tests.py); any other name is a
+"package.module:function". A reward that raises, or returns a value that is not finite or
+outside its declared range, scores 0 for that sample and marks its Score failed: it never ends
+the run. One that raises `RewardUnavailable` (its infrastructure failed) also marks the Score
+`unavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from monarch.actor import endpoint
+
+from forge.actor import ForgeActor
+from forge.config import ConfigError, import_object
+from forge.env import call
+from forge.types import RewardInput, RewardUnavailable, Score, check_reward
+from services.rewards import builtin
+from services.rewards.code_tests import CodeTests, CodeTestsConfig
+from services.rewards.judge import Judge, JudgeConfig
+
+log = logging.getLogger("forge")
+RewardFn = Callable[[RewardInput], Any]
+
+
+@dataclass
+class RewardsConfig:
+    """The `rewards` section: which rewards score a sample, their weights, and the sections of
+    the rewards that need one."""
+
+    # name -> weight. Empty here so a config's dict replaces it instead of merging into it
+    # (OmegaConf merges dicts); empty after loading means {"exact": 1.0}.
+    weights: dict[str, float] = field(default_factory=dict)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the `judge` reward's model and rubric
+    code_tests: CodeTestsConfig = field(default_factory=CodeTestsConfig)  # the `code_tests` reward's sandbox
+
+    def validate(self) -> None:
+        """Every name is a built-in or an importable function (imported here, before anything
+        spawns), and the sections of the rewards used are complete."""
+        self.weights = dict(self.weights) or {"exact": 1.0}
+        unknown = sorted(n for n in self.weights if n not in REWARDS and ":" not in n)
+        if unknown:
+            raise ConfigError(
+                f"unknown reward(s) {unknown} (config key 'rewards.weights'); known: {', '.join(REWARDS)}, "
+                "or a function 'package.module:function'"
+            )
+        for name in self.weights:
+            if ":" in name:
+                user_reward(name)
+        if "judge" in self.weights:
+            self.check_judge(None)
+
+    def check_judge(self, columns: Iterable[str] | None) -> None:
+        """With the `judge` reward: its endpoint, and a rubric naming only `columns` of a sample
+        (a dataset file's, () for a toy task; None: not known yet)."""
+        try:
+            self.judge.check(columns)
+        except ConfigError as e:
+            raise ConfigError(re.sub(r"config key '(judge\.)", r"config key 'rewards.\1", str(e))) from None
+
+    def with_weights(self, weights: dict[str, float], key: str = "rewards.weights") -> RewardsConfig:
+        """These rewards' sections with other `weights` (an eval's, config key `key`), checked."""
+        other = dataclasses.replace(self, weights=dict(weights))
+        try:
+            other.validate()
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("'rewards.weights", f"'{key}")) from None
+        return other
+
+    def build(self) -> dict[str, RewardFn]:
+        """The reward functions by name."""
+        return {n: REWARDS[n](self) if n in REWARDS else user_reward(n) for n in self.weights}
+
+
+# The built-in rewards: name -> its function, made from the section.
+REWARDS: dict[str, Callable[[RewardsConfig], RewardFn]] = {
+    "exact": lambda cfg: builtin.exact,
+    "math": lambda cfg: builtin.math,
+    "format": lambda cfg: builtin.format_,
+    "task": lambda cfg: builtin.task,
+    "judge": lambda cfg: Judge(cfg.judge),
+    "code_tests": lambda cfg: CodeTests(cfg.code_tests),
+}
+
+
+def user_reward(name: str) -> RewardFn:
+    """The reward function a "package.module:function" name imports, checked callable."""
+    fn = import_object(f"rewards.weights.{name}", name)
+    if not callable(fn):
+        raise ConfigError(f"config key 'rewards.weights.{name}': {type(fn).__name__} is not a function")
+    return fn
+
+
+class Rewards(ForgeActor):
+    """Scores completions: the weighted sum of the configured rewards, and each component."""
+
+    def __init__(self, cfg: RewardsConfig):
+        self.weights = dict(cfg.weights) or {"exact": 1.0}
+        self.fns = dataclasses.replace(cfg, weights=self.weights).build()
+
+    @endpoint
+    async def score(self, samples: list[RewardInput]) -> list[Score]:
+        """For each sample: the weighted total, each component, and `correct` (the last reward's
+        that gives one, else exact match)."""
+        return list(await asyncio.gather(*(self._score(s) for s in samples)))
+
+    async def _one(self, name: str, s: RewardInput) -> Score:
+        """One reward's Score, checked finite and within the range its function declares."""
+        fn = self.fns[name]
+        out = fn(s) if getattr(fn, "inline", False) else await call(fn, s)
+        one = Score.coerce(out, f"returned {out!r}", loose=True)
+        check_reward(one.reward, "its reward", getattr(fn, "reward_range", None))
+        return one
+
+    async def _score(self, s: RewardInput) -> Score:
+        parts, errors, correct, unavailable = {}, [], None, None
+        for name in self.weights:
+            try:
+                one = await self._one(name, s)
+            except Exception as e:  # a broken reward scores 0 and is counted, the run goes on
+                log.warning("forge: reward %r failed on %r: %s", name, s.completion[:40], e)
+                errors.append(f"{name}: {type(e).__name__}: {e}")
+                if isinstance(e, RewardUnavailable):  # unknown, not wrong: the app masks it or scores 0
+                    unavailable = unavailable or e.kind
+                one = Score(0.0)
+            parts[name] = one.reward
+            parts.update({f"{name}/{k}": v for k, v in one.components.items()})
+            correct = correct if one.correct is None else one.correct
+        return Score(
+            reward=sum(w * parts[n] for n, w in self.weights.items()),
+            components=parts,
+            correct=builtin.exact(s) if correct is None else correct,
+            error="; ".join(errors) or None,
+            unavailable=unavailable,
+        )
