@@ -180,8 +180,8 @@ class MetricWriter:
             shutil.rmtree(self.run_dir / "tb", ignore_errors=True)
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         kept = self._open(resume_step)
-        done_s = json.loads(kept[-1])["wall_s"] if kept else 0.0
-        self.start = start_time if start_time is not None else time.time() - done_s
+        self._done_s = json.loads(kept[-1])["wall_s"] if kept else 0.0
+        self.start = start_time if start_time is not None else time.time() - self._done_s
         if "wandb" in backends:
             import wandb
 
@@ -210,6 +210,10 @@ class MetricWriter:
             purge = None if keep_until is None else keep_until + 1  # TensorBoard hides later events
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=purge)
         return kept
+
+    def start_clock(self) -> None:
+        """Wall time counts from now (on from the kept rows' last): set-up before training is not its time."""
+        self.start = time.time() - self._done_s
 
     def rewind(self, step: int) -> None:
         """The run continues from `step` (a checkpoint) again: drop the rows after it. Wall

@@ -127,6 +127,7 @@ class Run:
         if self.resume_from is not None:
             await self.rewind(self.resume_from)
         await discard_pending()  # services reused from an earlier run may still hold its values
+        self.writer.start_clock()
         if self.cfg.eval.before_train and self.resume_from is None:
             await self.evals.run(self.step, await self._eval_version())
         self.bar = tqdm(total=self.cfg.steps, initial=self.step, desc=self.app, unit="step")
