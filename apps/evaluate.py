@@ -27,8 +27,7 @@ async def evaluate_model(app_cfg: Any, model: str) -> dict[str, float]:
         str(model_dir(model)), app_cfg.generator
     )
     try:
-        weights = app_cfg.eval.rewards or app_cfg.rewards.weights
-        rewards = await Rewards.options().as_service(app_cfg.rewards.with_weights(weights))
+        rewards = await Rewards.options().as_service(app_cfg.rewards.with_weights(app_cfg.eval.rewards))
         try:
             return await evaluate(app_cfg.eval, samples, gen, rewards)
         finally:

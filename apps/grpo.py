@@ -117,7 +117,7 @@ class Config(RunConfig):
                 "config key 'rewards.weights': the 'task' reward scores toy tasks, not a dataset file's rows"
             )
         if self.eval.rewards:
-            self.rewards.with_weights(self.eval.rewards, "eval.rewards")
+            self.rewards.check_weights(self.eval.rewards, "eval.rewards")
         if "judge" in self.rewards.weights and not self.dataset.path:  # a dataset file's columns: checked once read
             self.rewards.check_judge(columns=())
 

@@ -76,7 +76,7 @@ class Config(RunConfig):
                     "config key 'eval.dataset.path': a run on a dataset file evaluates on a file too (held-out prompts)"
                 )
             if self.eval.rewards:
-                self.rewards.with_weights(self.eval.rewards, "eval.rewards")
+                self.rewards.check_weights(self.eval.rewards, "eval.rewards")
 
 
 async def run(cfg: Config) -> dict[str, float]:
@@ -97,9 +97,7 @@ async def run(cfg: Config) -> dict[str, float]:
         if cfg.eval.enabled:
             gen = await Generator.options().as_service(str(model), cfg.generator, weights)
             roles.append(gen)
-            rewards = await Rewards.options().as_service(
-                cfg.rewards.with_weights(cfg.eval.rewards or cfg.rewards.weights)
-            )
+            rewards = await Rewards.options().as_service(cfg.rewards.with_weights(cfg.eval.rewards))
             roles.append(rewards)
         return await train(cfg, examples, tokenizer.pad_token_id or 0, trainer, gen, rewards, last)
     finally:

@@ -6,7 +6,6 @@ and the trainer benchmark lives here or in services/models/layers.py, each with 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -15,15 +14,6 @@ from safetensors.torch import load_file
 from torchtitan.models.common.attention import FlexAttention
 
 from services import models
-
-
-def read_hf_config(model_dir: str | Path) -> dict:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-    hf = json.loads(path.read_text())
-    models.of(hf, str(path))  # a family forge knows, or an error naming the file
-    return hf
 
 
 def packed_causal_mask(positions: torch.Tensor) -> torch.Tensor:
@@ -38,7 +28,7 @@ def packed_causal_mask(positions: torch.Tensor) -> torch.Tensor:
 def load_hf_model(model_dir: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
     """The torchtitan model of `model_dir`'s family with its HF safetensors weights, fp32."""
     device = torch.device(device)
-    hf = read_hf_config(model_dir)
+    hf = models.hf_config(model_dir)
     family = models.of(hf)
     cfg = family.titan_config(hf, device.type)
     with torch.device("meta"):
@@ -96,7 +86,7 @@ def build_sharded_model(model_dir: str | Path, device: torch.device, param_dtype
         dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, world_size=world, spmd_backend="partial_dtensor"
     )
     dims.build_mesh()
-    model = models.of(read_hf_config(model_dir)).parallelize(
+    model = models.of_model(model_dir).parallelize(
         load_hf_model(model_dir, device),
         parallel_dims=dims,
         training=TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce="float32"),

@@ -123,13 +123,13 @@ class Trainer(ForgeActor):
     async def setup(self) -> None:
         import os
 
-        from services.titan import build_sharded_model, default_device, init_distributed, read_hf_config
+        from services.titan import build_sharded_model, default_device, init_distributed
 
         self.device = default_device()
         self.rank, self.world = init_distributed(self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(self.cfg.threads or max(1, (os.cpu_count() or 1) // self.world))
-        self.hf_config = read_hf_config(self.model_dir)
+        self.hf_config = models.hf_config(self.model_dir)
         family = models.of(self.hf_config)
         self.adapter = family.adapter(family.titan_config(self.hf_config, self.device.type))  # for HF exports
         self.model = build_sharded_model(self.model_dir, self.device, self.cfg.param_dtype)

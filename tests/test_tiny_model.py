@@ -129,12 +129,12 @@ def test_cli_builds_offline(tmp_path):
 def test_the_model_registry_is_where_a_family_is_known(tmp_path, tiny_model_dir):
     """A checkpoint's family comes from its config.json's model_type; one forge does not know
     is an error naming the file and the families it knows, before any model is built."""
-    from services import models, titan
+    from services import models
 
     family = models.of_model(tiny_model_dir)
     assert family.model_type == "qwen3" and family.end_of_turn == "<|im_end|>"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama9"}))
     with pytest.raises(ValueError, match=r"config.json: model_type 'llama9' is not supported \(supported: qwen3\)"):
-        titan.read_hf_config(tmp_path)
+        models.hf_config(tmp_path)
     with pytest.raises(ValueError, match="model.tiny.family: model_type 'llama9'"):
         make_tiny_model(tmp_path / "m", TinyModelSpec(family="llama9"))

@@ -46,9 +46,17 @@ def of(hf_config: dict[str, Any], where: str = "config.json") -> ModelFamily:
     return get(hf_config.get("model_type"), where)
 
 
-def of_model(model_dir: str | Path) -> ModelFamily:
-    """The family of the HF model in `model_dir` (its config.json's model_type)."""
+def hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """The config.json of the HF model in `model_dir`, of a family forge knows (else an error
+    naming the file)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-    return of(json.loads(path.read_text()), str(path))
+    hf = json.loads(path.read_text())
+    of(hf, str(path))
+    return hf
+
+
+def of_model(model_dir: str | Path) -> ModelFamily:
+    """The family of the HF model in `model_dir` (its config.json's model_type)."""
+    return of(hf_config(model_dir))

@@ -80,14 +80,16 @@ class RewardsConfig:
         except ConfigError as e:
             raise ConfigError(re.sub(r"config key '(judge\.)", r"config key 'rewards.\1", str(e))) from None
 
-    def with_weights(self, weights: dict[str, float], key: str = "rewards.weights") -> RewardsConfig:
-        """These rewards' sections with other `weights` (an eval's, config key `key`), checked."""
-        other = dataclasses.replace(self, weights=dict(weights))
+    def with_weights(self, weights: dict[str, float]) -> RewardsConfig:
+        """These rewards' sections with other `weights` (an eval's); with none, these."""
+        return dataclasses.replace(self, weights=dict(weights)) if weights else self
+
+    def check_weights(self, weights: dict[str, float], key: str) -> None:
+        """`validate` of other `weights` (config key `key`, e.g. eval.rewards)."""
         try:
-            other.validate()
+            self.with_weights(weights).validate()
         except ConfigError as e:
             raise ConfigError(str(e).replace("'rewards.weights", f"'{key}")) from None
-        return other
 
     def build(self) -> dict[str, RewardFn]:
         """The reward functions by name."""
@@ -116,9 +118,8 @@ def user_reward(name: str) -> RewardFn:
 class Rewards(ForgeActor):
     """Scores completions: the weighted sum of the configured rewards, and each component."""
 
-    def __init__(self, cfg: RewardsConfig):
-        self.weights = dict(cfg.weights) or {"exact": 1.0}
-        self.fns = dataclasses.replace(cfg, weights=self.weights).build()
+    def __init__(self, cfg: RewardsConfig):  # a validated section (loading a config validates it)
+        self.weights, self.fns = dict(cfg.weights), cfg.build()
 
     @endpoint
     async def score(self, samples: list[RewardInput]) -> list[Score]:
