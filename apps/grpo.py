@@ -22,23 +22,20 @@ from apps.sft import warm_start
 from forge.buffer import ReplayBuffer
 from forge.config import ConfigError, import_object
 from forge.data import DatasetConfig, FilePrompts, TaskPrompts
-from forge.job import Job, JobConfig
+from forge.job import JobConfig
 from forge.metrics import Reduce, record_metric
 from forge.rollout import REWARD_UNAVAILABLE, RolloutLoops, Rollouts, SingleTurn
 from forge.run import ActorState, Run, RunConfig
 from forge.service import ReplicaRestored
-from forge.store import start_store, stop_store
 from forge.tasks import get_task
 from forge.types import collate
 from services.agentic import AgenticConfig, AgenticRollouts
-from services.envs import EnvPool
 from services.evals import BackgroundEvals, EvalConfig, held_out
-from services.gateway import Gateway
-from services.generator import Generator, GeneratorConfig
-from services.reference import Reference
-from services.rewards import Rewards, RewardsConfig
+from services.generator import GeneratorConfig
+from services.rewards import RewardsConfig
+from services.roles import Roles
 from services.tiny_model import ModelConfig
-from services.trainer import Trainer, TrainerConfig, weight_store
+from services.trainer import TrainerConfig
 
 
 @dataclass
@@ -131,78 +128,20 @@ class Config(RunConfig):
             self.eval.dataset.answer_key = self.dataset.answer_key
 
 
-@dataclass
-class Services:
-    """What a GRPO run talks to. Spawned once per run; a benchmark reuses them across runs."""
-
-    store: Any
-    trainer: Any
-    gen: Any
-    rewards: Any
-    ref: Any | None
-    gateway: Gateway | None = None  # the OpenAI API over `gen`, for agents and environments
-    envs: Any | None = None  # the environment pool
-    eval_rewards: Any | None = None  # the eval's own rewards, when `eval.rewards` differs from the run's
-    job: Job | None = None  # the Monarch job whose hosts run the roles
-
-    @classmethod
-    async def start(cls, cfg: Config) -> Services:
-        model = str(cfg.model.resolve(warm_start))
-        job = Job(cfg.job)
-        try:
-            hosts = job.hosts
-            store = await start_store(hosts("store"))
-            weights = weight_store(cfg.trainer)  # the run's versions
-            trainer = await Trainer.options(
-                procs=cfg.trainer_procs, hosts=hosts("trainer"), max_restores=cfg.trainer_restores
-            ).as_service(model, cfg.trainer, weights)
-            gen = await Generator.options(
-                replicas=cfg.generator_replicas, hosts=hosts("generator"), spread=True
-            ).as_service(model, cfg.generator, weights)
-            rewards = await Rewards.options(hosts=hosts("rewards")).as_service(cfg.rewards)
-            ref = (
-                await Reference.options(hosts=hosts("reference")).as_service(model)
-                if cfg.trainer.loss.kl_coef > 0
-                else None
-            )
-            s = cls(store, trainer, gen, rewards, ref, job=job)
-            if cfg.eval.enabled and cfg.eval.rewards:
-                s.eval_rewards = await Rewards.options().as_service(cfg.rewards.with_weights(cfg.eval.rewards))
-            if cfg.agentic.enabled:
-                s.gateway = await Gateway.start(gen, model, cfg.agentic.gateway, cfg.generator)
-            if cfg.agentic.env:
-                s.envs = await EnvPool.options(
-                    replicas=cfg.agentic.env_replicas, hosts=hosts("envs"), spread=True
-                ).as_service(cfg.agentic.env, cfg.agentic.envs_per_replica)
-            return s
-        except BaseException:
-            job.stop()  # its hosts, and whatever already runs on them, go with it: no orphan workers
-            raise
-
-    async def shutdown(self) -> None:
-        if self.gateway is not None:
-            await self.gateway.shutdown()
-        roles = (self.envs, self.gen, self.trainer, self.rewards, self.ref, self.eval_rewards)
-        await asyncio.gather(*(r.shutdown() for r in roles if r is not None), return_exceptions=True)
-        await stop_store(self.store)
-        if self.job is not None:
-            self.job.stop()
-
-
 async def run(cfg: Config) -> dict[str, float]:
     last = cfg.resume_point()
-    services = await Services.start(cfg)
+    roles = await Roles.start(cfg, warm_start)
     try:
-        return await train(cfg, services, resume_from=last)
+        return await train(cfg, roles, resume_from=last)
     finally:
-        await asyncio.shield(services.shutdown())
+        await asyncio.shield(roles.shutdown())
 
 
 BAR = {"reward": ("reward_mean", ".3f"), "acc": ("accuracy", ".2f"), "tok_s": ("tokens_per_s", ".0f")}
 
 
-async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> dict[str, float]:
-    """The GRPO loop on running services; returns the last metrics row. Raises RunStopped when
+async def train(cfg: Config, s: Roles, resume_from: Path | None = None) -> dict[str, float]:
+    """The GRPO loop on running roles; returns the last metrics row. Raises RunStopped when
     the run cannot go on (the trainer could not be restored, rollouts keep failing, no batch
     comes), naming the checkpoint to resume from."""
     run = Run("grpo", cfg, resume_from, show=BAR)
@@ -217,11 +156,13 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
         dynamic_sampling=cfg.dynamic_sampling,
     )
     held_out_samples = held_out(cfg.eval, cfg.task) if cfg.eval.enabled else []
-    evals = BackgroundEvals(cfg.eval, held_out_samples, s.gen, s.eval_rewards or s.rewards, run.writer, "grpo")
-    loops = RolloutLoops(rollouts(cfg, s), prompts, buffer, s.gen, cfg)
+    evals = BackgroundEvals(
+        cfg.eval, held_out_samples, s.gen, s.eval_rewards or s.rewards, s.weights, run.writer, "grpo"
+    )
+    loops = RolloutLoops(rollouts(cfg, s), prompts, buffer, s.weights, cfg)
     restored: ReplicaRestored | None = None
     try:
-        await run.start(s.trainer, evals, prompts=prompts, buffer=ActorState(buffer))
+        await run.start(s.trainer, s.weights, evals, prompts=prompts, buffer=ActorState(buffer))
         async with run, loops.running(run.version):
             while not run.finished:
                 try:
@@ -237,14 +178,14 @@ async def train(cfg: Config, s: Services, resume_from: Path | None = None) -> di
     return run.row
 
 
-def rollouts(cfg: Config, s: Services) -> Rollouts:
+def rollouts(cfg: Config, s: Roles) -> Rollouts:
     """Groups of multi-turn episodes through the gateway (`agentic`), else of the `rollout` function."""
     if cfg.agentic.enabled:
         return AgenticRollouts(cfg.agentic, s.gateway, s.envs, cfg.group_size, cfg.trainer.loss.normalize_std)
     return SingleTurn(import_object("rollout", cfg.rollout), cfg.rollout, s.gen, s.rewards, cfg)
 
 
-async def step(cfg: Config, s: Services, run: Run, loops: RolloutLoops, buffer: Any) -> None:
+async def step(cfg: Config, s: Roles, run: Run, loops: RolloutLoops, buffer: Any) -> None:
     """One GRPO step: a batch of scored groups (generated beside the loop), train, push weights."""
     t0 = time.perf_counter()
     episodes = await loops.batch(run.version)
@@ -255,7 +196,7 @@ async def step(cfg: Config, s: Services, run: Run, loops: RolloutLoops, buffer: 
     t2 = time.perf_counter()
     version, metrics = await s.trainer.train_step.route(batch)
     t3 = time.perf_counter()
-    await s.trainer.push_weights.route()  # returns once published
+    await s.weights.push()  # returns once published; the generators load it while they generate
     await buffer.notify_version.call_one(version)
     record_batch(episodes, run.version, metrics)
     wall = time.perf_counter() - t0
@@ -283,7 +224,7 @@ async def recover(e: ReplicaRestored, run: Run, loops: RolloutLoops, buffer: Any
     await loops.stop()  # their prompts are replayed from the checkpoint's position
     saved = await run.rewind(Path(e.restore_point).parent, trainer_restored=True)
     await buffer.lose.call_one((saved["version"], run.version - 1))  # the dead trainer's later versions
-    loops.start(run.version)
+    await loops.start(run.version)
     record_metric("trainer_restores", 1, Reduce.SUM)
     tqdm.write(
         f"grpo: {e}. It died at step {died_at}; the run continues from step {run.step} "

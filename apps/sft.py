@@ -25,6 +25,7 @@ from forge.metrics import record_metric
 from forge.run import Run, RunConfig
 from forge.store import WeightStore, start_store, stop_store
 from forge.types import Episode, collate
+from forge.weight_sync import WeightSync
 from services import models
 from services.evals import BackgroundEvals, EvalConfig, held_out
 from services.generator import Generator, GeneratorConfig
@@ -90,31 +91,43 @@ async def run(cfg: Config) -> dict[str, float]:
     store = await start_store()
     weights = WeightStore(cfg.trainer.weights, transport=cfg.trainer.transport)
     roles: list[Any] = []
+    gen = rewards = sync = None
     try:
         trainer = await Trainer.options(procs=cfg.trainer_procs).as_service(str(model), cfg.trainer, weights)
         roles.append(trainer)
-        gen = rewards = None
         if cfg.eval.enabled:
             gen = await Generator.options().as_service(str(model), cfg.generator, weights)
             roles.append(gen)
+            sync = WeightSync(trainer, gen)
+            await sync.start()
             rewards = await Rewards.options().as_service(cfg.rewards.with_weights(cfg.eval.rewards))
             roles.append(rewards)
-        return await train(cfg, examples, tokenizer.pad_token_id or 0, trainer, gen, rewards, last)
+        return await train(cfg, examples, tokenizer.pad_token_id or 0, trainer, gen, sync, rewards, last)
     finally:
+        if sync is not None:
+            await sync.stop()
         await asyncio.shield(asyncio.gather(*(r.shutdown() for r in roles), return_exceptions=True))
         await stop_store(store)
 
 
 async def train(
-    cfg: Config, examples: SFTExamples, pad_id: int, trainer: Any, gen: Any, rewards: Any, resume_from: Path | None
+    cfg: Config,
+    examples: SFTExamples,
+    pad_id: int,
+    trainer: Any,
+    gen: Any,
+    weights: WeightSync | None,
+    rewards: Any,
+    resume_from: Path | None,
 ) -> dict[str, float]:
-    """The SFT loop on running services; returns the last metrics row."""
+    """The SFT loop on running services (`gen`, `weights` and `rewards` for evals, else None);
+    returns the last metrics row."""
     run = Run("sft", cfg, resume_from, show={"loss": ("loss", ".3f")}, plot_keys=EVAL_PLOT, pushes_every_step=False)
     examples.reset()
     evals = BackgroundEvals(
-        cfg.eval, held_out(cfg.eval, cfg.task) if cfg.eval.enabled else [], gen, rewards, run.writer, "sft"
+        cfg.eval, held_out(cfg.eval, cfg.task) if cfg.eval.enabled else [], gen, rewards, weights, run.writer, "sft"
     )
-    await run.start(trainer, evals, examples=examples)
+    await run.start(trainer, weights, evals, examples=examples)
     async with run:
         while run.step < cfg.steps:
             start = time.perf_counter()

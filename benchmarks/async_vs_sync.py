@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from apps.grpo import Config, Services, train
+from apps.grpo import Config, train
 from benchmarks.common import ROOT, parse_args, tiny_model, write_result
 from forge.config import load_config
 from forge.data import TaskPrompts
@@ -56,6 +56,7 @@ from forge.metrics import Reduce, record_metric
 from forge.tasks import get_task
 from forge.types import RewardInput
 from services.agentic import AgenticRollouts
+from services.roles import Roles
 
 SHORT, CAP = (2, 8), 48
 TASK_MEDIAN_S, TASK_SIGMA, TASK_CAP_S, JITTER_SIGMA = 0.098, 1.95, 6.0, 0.3  # P(< 60 ms) = 40%, P(> 1.2 s) = 10%
@@ -187,7 +188,7 @@ def summary(run_dir: Path, steps: int, agentic: bool) -> dict[str, float]:
     }
 
 
-async def alone(services: Services, cfg: Config) -> dict[str, Any]:
+async def alone(services: Roles, cfg: Config) -> dict[str, Any]:
     """Service times with nothing else running, medians of REPEATS: the generation of each
     single-turn sample length, the scoring of a group, and an agentic episode without its tool
     latency (its calls through the gateway and its environment steps)."""
@@ -221,7 +222,7 @@ async def measure(steps: int, runs_dir: Path, model: str) -> dict[bool, dict[int
     leave its gateway and environment pool idle), after the service times alone (ALONE):
     agentic -> max_staleness -> summary."""
     cfgs = {agentic: {k: config(k, steps, runs_dir, model, agentic) for k in (0, 1, 4)} for agentic in (False, True)}
-    services = await Services.start(cfgs[True][0])
+    services = await Roles.start(cfgs[True][0])
     variants: dict[bool, dict[int, dict[str, float]]] = {False: {}, True: {}}
     try:
         ALONE.update(await alone(services, cfgs[True][0]))

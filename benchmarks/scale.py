@@ -3,8 +3,8 @@
     python -m benchmarks.scale [--quick] [--replicas 64 256] [--steps 16]   # or: forge bench scale
 
 What is real: the GRPO app's loop (apps/grpo.py `train`), its replay buffer and staleness rule,
-the reward service, the Service routing over every generator replica, the weight store's
-versions. What is a cost model: the generator and the trainer.
+the reward service, the Service routing over every generator replica, the WeightSync that
+tells them of each version. What is a cost model: the generator and the trainer.
 - `SimGenerator`: a sample takes a duration drawn from the workload; `generate(prompt, n)`
   answers when its n samples are done (vLLM's n). A new policy version costs `fetch_s` in the
   background (once per host: one transfer per host), then pauses generation `swap_s`.
@@ -100,43 +100,33 @@ def ideal(w: Workload, groups: int, samples: int = 2000, seed: int = 0) -> dict[
 
 # ---- the cost models -----------------------------------------------------------------
 
-# What a host's replicas share: one look at the store's latest version per poll, and one
-# transfer per version (version -> when it is on the host, monotonic).
-_HOST_LATEST = {"version": None, "at": 0.0}
+# What a host's replicas share: one transfer per version (version -> when it is on the host, monotonic).
 _ON_HOST: dict[int, float] = {}
 
 
 class SimGenerator(ForgeActor):
     """A generator replica's costs without a model: samples take the workload's durations;
-    new versions are fetched (once per host) while generating, then swapped under a pause."""
+    a new version is fetched (once per host) while generating, then swapped under a pause."""
 
-    def __init__(self, w: Workload, weights: Any, poll_s: float = 0.05):
-        self.w, self.weights, self.poll_s = w, weights, poll_s
+    def __init__(self, w: Workload):
+        self.w = w
         self.version = 0
         self.started: collections.Counter[int] = collections.Counter()  # samples started, by policy version
         self.paused_s = 0.0  # total pause so far: a request in flight waits out the pauses it spans
         self.resumed_at = 0.0
 
-    @endpoint
-    async def setup(self) -> None:
-        self._follower = asyncio.create_task(self._follow())
-
-    async def _follow(self) -> None:
-        while True:
-            if time.monotonic() - _HOST_LATEST["at"] >= self.poll_s:
-                _HOST_LATEST["at"] = time.monotonic()
-                _HOST_LATEST["version"] = await self.weights.latest()
-            latest = _HOST_LATEST["version"]
-            if latest is not None and latest > self.version:
-                now = time.monotonic()
-                ready = _ON_HOST.setdefault(latest, now + self.w.wall(self.w.fetch_s))
-                await asyncio.sleep(max(0.0, ready - now))
-                pause = self.w.wall(self.w.swap_s)
-                self.resumed_at = time.monotonic() + pause
-                self.paused_s += pause
-                await asyncio.sleep(pause)
-                self.version = latest
-            await asyncio.sleep(self.poll_s)
+    @concurrent_endpoint
+    async def load_version(self, version: int) -> int:
+        if version > self.version:
+            now = time.monotonic()
+            ready = _ON_HOST.setdefault(version, now + self.w.wall(self.w.fetch_s))
+            await asyncio.sleep(max(0.0, ready - now))
+            pause = self.w.wall(self.w.swap_s)
+            self.resumed_at = time.monotonic() + pause
+            self.paused_s += pause
+            await asyncio.sleep(pause)
+            self.version = version
+        return self.version
 
     @concurrent_endpoint
     async def generate(self, prompt: str, n: int = 1, sampling: dict | None = None) -> list[Completion]:
@@ -170,16 +160,10 @@ class SimGenerator(ForgeActor):
     async def started_by_version(self) -> dict[int, int]:
         return dict(self.started)
 
-    @endpoint
-    async def stop_following(self) -> None:
-        # Before the shared procs stop: a store reply that finds its caller gone fails the store.
-        self._follower.cancel()
-        await asyncio.gather(self._follower, return_exceptions=True)
-
 
 class SimTrainer(ForgeActor):
     """The trainer's costs: `train_s` a step, `publish_s` a push (a tiny tensor goes into the
-    real weight store, so generators follow real versions)."""
+    real weight store)."""
 
     def __init__(self, w: Workload, weights: Any):
         self.w, self.weights, self.version = w, weights, 0
@@ -256,29 +240,31 @@ def config(w: Workload, replicas: int, max_staleness: int, steps: int, runs_dir:
 
 
 async def measure(w: Workload, replicas: int, steps: int, runs_dir: Path) -> dict[str, Any]:
-    from apps.grpo import Services, train
+    from apps.grpo import train
     from forge.service import Service
     from forge.store import WeightStore, start_store, stop_store
+    from forge.weight_sync import WeightSync
     from services.rewards import Rewards, RewardsConfig
+    from services.roles import Roles
 
     store = await start_store()
     weights = WeightStore("scale")
     await weights.publish(0, {"w": torch.zeros(1)})
     placement = Colocated(SimGenerator, replicas=replicas)
-    gen = Service(placement, (w, weights), {})
+    gen = Service(placement, (w,), {})
     await gen.start()
     trainer = await SimTrainer.options().as_service(w, weights)
+    sync = WeightSync(trainer, gen)
+    await sync.start()
     rewards = await Rewards.options().as_service(RewardsConfig(weights={"exact": 1.0}))
-    services = Services(store, trainer, gen, rewards, ref=None)
+    services = Roles(store, trainer, gen, sync, rewards, ref=None)
     modes: dict[str, Any] = {}
     try:
         for k in MODES:
             cfg = config(w, replicas, k, steps, runs_dir)
             shutil.rmtree(cfg.run_dir, ignore_errors=True)
-            await trainer.push_weights.route()  # every mode starts with the generators on the trainer's version
-            while min(await gen.policy_version.fanout()) < await trainer.policy_version.route():
-                await asyncio.sleep(0.05)
-            first = await trainer.policy_version.route()
+            first = await sync.push()  # every mode starts with the generators on the trainer's version
+            await sync.wait_held(first)
             cpu = time.process_time()
             await train(cfg, services)
             cpu = time.process_time() - cpu
@@ -288,7 +274,7 @@ async def measure(w: Workload, replicas: int, steps: int, runs_dir: Path) -> dic
             episodes = sum(n for c in await gen.started_by_version.fanout() for v, n in c.items() if first <= v < last)
             modes[f"max_staleness={k}"] = summary(cfg.run_dir, cpu, episodes, steps, cfg.batch_size)
     finally:
-        await gen.stop_following.fanout()
+        await sync.stop()
         await weights.clear()
         await asyncio.gather(trainer.shutdown(), rewards.shutdown(), gen.shutdown(), return_exceptions=True)
         await placement.stop()

@@ -143,7 +143,7 @@ MEDIUM = dict(
 
 
 async def generator_stall(model: str, versions: int = 6, cross_host: bool = False, staged: bool = True) -> dict:
-    """A generator follows the store while 8 request streams run: per version, the time from
+    """A generator follows the store (told by a WeightSync) while 8 request streams run: per version, the time from
     publish to live and how long generation was paused. The writer keeps 2 versions, as the
     trainer does; the first two versions go into new files (cold), the rest reuse them.
     `cross_host`: the generator counts as another host's, so it streams each version first.
@@ -151,11 +151,14 @@ async def generator_stall(model: str, versions: int = 6, cross_host: bool = Fals
     from safetensors.torch import load_file
 
     from forge.store import WeightStore
+    from forge.weight_sync import WeightSync
     from services.generator import Generator, GeneratorConfig
 
     store = WeightStore("bench-gen")
     env = {"_MONARCH_WORKER_ADDR": "ipc:///forge-bench/generator-host"} if cross_host else None
     gen = await Generator.options(env=env).as_service(model, GeneratorConfig(staged_swap=staged), store)
+    sync = WeightSync(None, gen)  # this bench publishes itself, as the trainer would
+    await sync.start()
     sd = load_file(Path(model) / "model.safetensors")
     stop = asyncio.Event()
 
@@ -170,8 +173,8 @@ async def generator_stall(model: str, versions: int = 6, cross_host: bool = Fals
         for v in range(1, versions + 1):
             t = time.perf_counter()
             await store.publish(v, sd)
-            while await gen.policy_version.route() < v:
-                await asyncio.sleep(0.005)
+            sync.publish(v)
+            await sync.wait_held(v)
             live.append(time.perf_counter() - t)
             await store.drop_older_than(v - 1)
             await asyncio.sleep(0.3)  # generation between versions
@@ -179,6 +182,7 @@ async def generator_stall(model: str, versions: int = 6, cross_host: bool = Fals
         stop.set()
         await asyncio.gather(*busy)
     finally:
+        await sync.stop()
         await gen.shutdown()
         await store.clear()
     return {

@@ -1,7 +1,9 @@
 """Replay buffer: GRPO groups in, training batches of whole groups out, with a staleness bound.
 
     buffer = await ReplayBuffer.options().as_actor(capacity=16, max_staleness=1)
-    await buffer.add.call_one(group)                       # a GRPO group (list of Episodes)
+    start = await buffer.restart.call_one(version)         # the rollouts begin, for batches of `version` on
+    ticket = await buffer.admit.call_one(start)            # room for a group; its weights: ticket.weights or newer
+    await buffer.add.call_one(group, ticket)               # a GRPO group (list of Episodes)
     episodes = await buffer.sample.call_one(8, version)   # waits until 8 fresh groups exist
 
 A group is the unit: its advantages are relative to each other, so a batch that held part of a
@@ -13,12 +15,21 @@ version v only if v - p <= max_staleness (0: on-policy). `sample` drops the stal
 and checks the bound on what it returns. A group whose episodes are all filtered out (too
 long; zero reward variance with `dynamic_sampling`) takes no place. When `capacity` groups are
 held, `add` waits for room (back-pressure on the rollout loops).
+
+Admission is where a group meets the staleness bound before it is generated: `admit` gives
+a Ticket with the oldest policy version its weights may have (`max_staleness` older than the next batch's;
+generating on older weights would be thrown away). On-policy (max_staleness 0) it also admits
+exactly `capacity` groups per batch, as a synchronous system starts them: without that, loops
+that finish early start extra groups, the batch fills with the fastest ones and the slow ones
+are thrown away (wasted generation, and a batch biased to short episodes). A group admitted
+that fails (`withdraw`) or that the buffer does not keep gives its room back.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import defaultdict, deque
+from dataclasses import dataclass
 from typing import Any
 
 from monarch.actor import concurrent_endpoint, endpoint
@@ -29,6 +40,16 @@ from forge.types import Episode
 
 class StalenessError(AssertionError):
     """An episode older than max_staleness reached a batch."""
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A group's admission: which start of the rollouts admitted it, for which batch, and the
+    oldest policy version its weights may have."""
+
+    start: int
+    version: int
+    weights: int
 
 
 class ReplayBuffer(ForgeActor):
@@ -48,6 +69,9 @@ class ReplayBuffer(ForgeActor):
         self.changed = asyncio.Condition()
         self.stats = {"added": 0, "dropped_stale": 0, "dropped_filtered": 0, "dropped_lost": 0, "sampled": 0}
         self.lost: list[tuple[int, int]] = []  # (after, upto]: versions of a trainer that died
+        self.version = 0  # the next batch's policy version
+        self.admitted: defaultdict[int, int] = defaultdict(int)  # on-policy: version -> groups started or kept
+        self.start = 0  # the rollouts' current start: a call from an earlier one admits nothing
 
     def _lost(self, group: list[Episode]) -> bool:
         if any(lo < e.policy_version <= hi for e in group for lo, hi in self.lost):
@@ -64,11 +88,60 @@ class ReplayBuffer(ForgeActor):
         self.stats["dropped_filtered"] += len(group) - len(kept)
         return kept
 
+    @endpoint
+    async def restart(self, version: int) -> int:
+        """The rollouts (re)start, for batches of policy `version` on: what was admitted
+        before is forgotten (after a rewind, that version's batch starts anew). Returns the
+        start to admit groups of."""
+        async with self.changed:
+            self.version = version
+            self.admitted.clear()
+            self.start += 1
+            self.changed.notify_all()
+            return self.start
+
     @concurrent_endpoint
-    async def add(self, group: list[Episode]) -> int:
-        """Add one group; returns how many of its episodes were kept."""
+    async def admit(self, start: int) -> Ticket | None:
+        """Room for one group of the rollouts' `start`, to be generated now. On-policy, waits
+        while the next batch's groups are all admitted. None once the rollouts restarted: a
+        call outlives a caller that was cancelled, and must not take the room of those after it."""
+        async with self.changed:
+            if self.max_staleness == 0:
+                await self.changed.wait_for(lambda: start != self.start or self.admitted[self.version] < self.capacity)
+            if start != self.start:
+                return None
+            if self.max_staleness == 0:
+                self.admitted[self.version] += 1
+            return Ticket(start, self.version, self.version - self.max_staleness)
+
+    @concurrent_endpoint
+    async def withdraw(self, ticket: Ticket) -> None:
+        """An admitted group that will not come (its rollout failed): its room goes to another."""
+        async with self.changed:
+            self._give_back(ticket)
+
+    def _give_back(self, ticket: Ticket) -> None:
+        if ticket.start == self.start and self.admitted.get(ticket.version, 0) > 0:
+            self.admitted[ticket.version] -= 1
+            self.changed.notify_all()
+
+    def _advance(self, version: int) -> None:
+        """The batch before `version` was taken: admission moves on to the next."""
+        if version > self.version:
+            self.version = version
+            for old in [v for v in self.admitted if v < version]:
+                del self.admitted[old]
+            self.changed.notify_all()
+
+    @concurrent_endpoint
+    async def add(self, group: list[Episode], ticket: Ticket | None = None) -> int:
+        """Add one group (admitted with `ticket`, if it was); returns how many of its episodes
+        were kept."""
         kept = self._keep(group)
         if not kept:
+            if ticket is not None:
+                async with self.changed:
+                    self._give_back(ticket)
             return 0
         async with self.changed:
             await self.changed.wait_for(lambda: len(self.groups) < self.capacity)
@@ -109,6 +182,7 @@ class ReplayBuffer(ForgeActor):
                     f"version {version} after {timeout_s}s ({len(self.groups)} held)"
                 ) from None
             taken = [self.groups.popleft() for _ in range(groups)]
+            self._advance(version + 1)
             self.changed.notify_all()  # room for waiting adds
         if not all(self._fresh(g, version) for g in taken):
             raise StalenessError(

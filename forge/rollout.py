@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -112,32 +111,33 @@ class SingleTurn:
 
 class RolloutLoops:
     """`cfg.rollout_tasks` loops, each putting groups of `rollouts` (of the next prompts) into
-    `buffer` beside training, and the batches they make. A failing rollout costs its group: the
-    loop backs off (a passing outage) and goes on, until `cfg.max_rollout_failures` fail in a
-    row. On-policy (`cfg.max_staleness` 0), each group is placed through an OnPolicyGate.
+    `buffer` beside training, and the batches they make. Each group is admitted by the buffer
+    first (room in a batch to come, and how old its weights may be) and starts once the
+    generators hold those weights (`weights`, a forge.weight_sync.WeightSync). A failing
+    rollout costs its group: the loop backs off (a passing outage) and goes on, until
+    `cfg.max_rollout_failures` fail in a row.
 
         async with loops.running(version):
             episodes = await loops.batch(version)     # `cfg.groups_per_step` groups usable by it
     """
 
-    def __init__(self, rollouts: Rollouts, prompts: Any, buffer: Any, gen: Any, cfg: Any):
-        self.rollouts, self.prompts, self.buffer, self.gen, self.cfg = rollouts, prompts, buffer, gen, cfg
+    def __init__(self, rollouts: Rollouts, prompts: Any, buffer: Any, weights: Any, cfg: Any):
+        self.rollouts, self.prompts, self.buffer, self.weights, self.cfg = rollouts, prompts, buffer, weights, cfg
         self.tasks: list[asyncio.Task] = []
-        self.gate: OnPolicyGate | None = None
+        self.start_id = 0  # the buffer's name for this start of the loops
         self.streak, self.last_error = 0, None  # rollouts failing in a row, and the last one's error
 
     @contextlib.asynccontextmanager
     async def running(self, version: int) -> AsyncIterator[RolloutLoops]:
-        self.start(version)
+        await self.start(version)
         try:
             yield self
         finally:
             await self.stop()
 
-    def start(self, version: int) -> None:
+    async def start(self, version: int) -> None:
         """Start the loops, for batches of policy `version` on."""
-        if self.cfg.max_staleness == 0:
-            self.gate = OnPolicyGate(self.gen, self.cfg.groups_per_step, version)
+        self.start_id = await self.buffer.restart.call_one(version)
         self.tasks = [asyncio.create_task(self._loop()) for _ in range(self.cfg.rollout_tasks)]
 
     async def stop(self) -> None:
@@ -154,8 +154,6 @@ class RolloutLoops:
             [get, *self.tasks], timeout=self.cfg.sample_timeout_s, return_when=asyncio.FIRST_COMPLETED
         )
         if get in done:
-            if self.gate is not None:
-                self.gate.advance(version + 1)  # rollouts from here on are for the next batch
             return get.result()
         get.cancel()
         for t in done:
@@ -170,7 +168,7 @@ class RolloutLoops:
     async def _loop(self) -> None:
         while True:
             try:
-                await self._one()
+                await self._group()
                 self.streak = 0
             except RolloutError:
                 raise  # a broken contract fails every call alike: stop now
@@ -186,72 +184,16 @@ class RolloutLoops:
                     ) from None
                 await asyncio.sleep(min(0.05 * 2 ** (self.streak - 1), 2.0))  # a passing outage backs off
 
-    async def _one(self) -> None:
-        if self.gate is None:
-            await self._group()
+    async def _group(self) -> None:
+        """One group into the buffer."""
+        # Room in a batch to come, and how old its weights may be.
+        ticket = await self.buffer.admit.call_one(self.start_id)
+        if ticket is None:  # the loops restarted under this call: the new ones admit their own
             return
-        async with self.gate.place() as place:  # on-policy: the next batch's weights, and room in it
-            place.kept = await self._group() > 0
-
-    async def _group(self) -> int:
-        """One group into the buffer; returns how many of its episodes the buffer kept."""
-        episodes = await self.rollouts.group(next(self.prompts))
-        return await self.buffer.add.call_one(episodes) if episodes else 0
-
-
-class OnPolicyGate:
-    """On-policy rollouts (max_staleness 0): each batch is exactly the groups started for it, on
-    the weights it trains, as in a synchronous system. Without the gate, loops that finish early
-    start extra groups, the batch fills with the fastest ones and the slow ones are thrown away:
-    wasted generation, and a batch biased to short episodes.
-
-        async with gate.place() as place:              # waits for the version's weights and room
-            ...; place.kept = await buffer.add.call_one(episodes) > 0
-        gate.advance(version + 1)                      # the step took its batch: rollouts for the next
-
-    A group that fails, or that the buffer does not keep, gives its room back."""
-
-    def __init__(self, gen: Any, groups: int, version: int, poll_s: float = 0.02):
-        self.gen, self.groups, self.version, self.poll_s = gen, groups, version, poll_s
-        self.planned: defaultdict[int, int] = defaultdict(int)  # version -> groups started or kept
-        self._live: dict[int, asyncio.Future] = {}
-        self._changed = asyncio.Event()  # set when room may have opened: waiters look again
-
-    def advance(self, version: int) -> None:
-        if version <= self.version:  # a rewind (checkpoint restore): that version's batch starts anew
-            self.planned.clear()
-        self.version = version
-        self._changed.set()
-
-    async def _weights_live(self, version: int) -> None:
-        # Every replica: a group on a replica still a version behind would be dropped as stale,
-        # and this batch would wait for it forever.
-        while min(await self.gen.policy_version.fanout(), default=version) < version:
-            await asyncio.sleep(self.poll_s)
-
-    @contextlib.asynccontextmanager
-    async def place(self) -> AsyncIterator[_Place]:
-        while self.planned[self.version] >= self.groups:
-            self._changed.clear()
-            await self._changed.wait()
-        place = _Place(self.version)
-        self.planned[place.version] += 1
         try:
-            live = self._live.get(place.version)
-            if live is None or (live.done() and (live.cancelled() or live.exception())):
-                # One poll of the replicas per version, shared by the groups that wait for it.
-                live = asyncio.ensure_future(self._weights_live(place.version))
-                self._live = {place.version: live}
-            await asyncio.shield(live)
-            yield place
-        finally:
-            if not place.kept:
-                self.planned[place.version] -= 1
-                self._changed.set()
-            if place.version < self.version:
-                self.planned.pop(place.version, None)
-
-
-class _Place:
-    def __init__(self, version: int):
-        self.version, self.kept = version, False
+            await self.weights.wait_held(ticket.weights)
+            episodes = await self.rollouts.group(next(self.prompts))
+        except Exception:
+            await self.buffer.withdraw.call_one(ticket)
+            raise
+        await self.buffer.add.call_one(episodes, ticket)

@@ -1,7 +1,7 @@
 """What every app's run shares, so an app's loop is its algorithm and little else.
 
     run = Run("sft", cfg, resume_from)                 # its directory, config.yaml, metrics writer
-    await run.start(trainer, evals, examples=examples) # resumed from `resume_from`, if given
+    await run.start(trainer, weights, evals, examples=examples)  # resumed from `resume_from`, if given
     async with run:                                    # Ctrl-C saves; the bar, writer and plots close
         while run.step < cfg.steps:
             ...                                        # the app's step: train, record metrics
@@ -93,7 +93,8 @@ class Run:
     `show`: the bar's figures, label -> (metrics key, format). `plot_keys`: the curves of
     rewards.png (None: the app's defaults). `pushes_every_step`: the app publishes the weights
     it trains each step (GRPO), so an eval takes the current version; otherwise (SFT) an eval
-    publishes them first."""
+    publishes them first. Weights are published through the run's WeightSync (`weights` at
+    `start`; None when nothing generates)."""
 
     def __init__(
         self,
@@ -114,15 +115,16 @@ class Run:
         self.row: dict[str, float] = {}
         self.writer = MetricWriter(self.dir, cfg.metrics, resume_step=self.step if resume_from else None)
         self.trainer: Any = None
+        self.weights: Any = None
         self.evals: Any = None
         self.parts: dict[str, Part] = {}
         self.bar: tqdm | None = None
         self._plotted = time.monotonic()
 
-    async def start(self, trainer: Any, evals: Any, **parts: Part) -> None:
+    async def start(self, trainer: Any, weights: Any, evals: Any, **parts: Part) -> None:
         """Begin on running services: resume from the checkpoint given, else evaluate the
         starting policy (`eval.before_train`)."""
-        self.trainer, self.evals, self.parts = trainer, evals, parts
+        self.trainer, self.weights, self.evals, self.parts = trainer, weights, evals, parts
         self.version = await trainer.policy_version.route()  # 0, unless these services already trained
         if self.resume_from is not None:
             await self.rewind(self.resume_from)
@@ -144,9 +146,11 @@ class Run:
         for name, part in self.parts.items():
             await _result(part.load_state_dict(saved[name]))
         if self.pushes_every_step and not trainer_restored:
-            await self.trainer.push_weights.route()  # generators resume on the trained policy
+            await self.weights.push()  # generators resume on the trained policy
         self.step = saved["step"]
         self.version = await self.trainer.policy_version.route()
+        if trainer_restored:
+            self.weights.publish(self.version)  # the restored replica published it itself
         self.trainer.set_restore_point(str(ckpt / "trainer"))
         if trainer_restored:
             self.writer.rewind(self.step)
@@ -217,7 +221,7 @@ class Run:
         return bool(every) and self.step % every == 0
 
     async def _eval_version(self) -> int:
-        return self.version if self.pushes_every_step else await self.trainer.push_weights.route()
+        return self.version if self.pushes_every_step else await self.weights.push()
 
     def _plot(self) -> None:
         if (self.dir / "metrics.jsonl").exists():

@@ -143,35 +143,32 @@ def summarize(
 
 
 async def evaluate_pinned(
-    cfg: EvalConfig, samples: list[Sample], gen: Any, rewards: Any, version: int = 0
+    cfg: EvalConfig, samples: list[Sample], gen: Any, rewards: Any, weights: Any, version: int = 0
 ) -> dict[str, float]:
-    """`evaluate` on one policy version: waits (a while) until every generator replica has
-    `version` or newer, then holds each on what it has until the eval ends (or `max_hold_s`),
-    so no weight swap lands mid-eval. Rollouts go on meanwhile, on the held version."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + cfg.max_hold_s
-    while min(await gen.policy_version.fanout()) < version and loop.time() < deadline:
-        await asyncio.sleep(0.05)
-    await gen.hold_weights.fanout(cfg.max_hold_s)
-    try:
+    """`evaluate` on one policy version: waits (a while) until `weights` (a WeightSync) says
+    every generator replica has `version` or newer, then holds them on what they have until
+    the eval ends (or `max_hold_s`), so no weight swap lands mid-eval. Rollouts go on
+    meanwhile, on the held version."""
+    async with weights.hold(version, cfg.max_hold_s):
         return await evaluate(cfg, samples, gen, rewards)
-    finally:
-        await asyncio.shield(gen.release_weights.fanout())
 
 
 class BackgroundEvals:
     """An app's evals beside its training loop: one at a time, each on a pinned version, each
     writing its row at the step it evaluated; a failing eval costs only itself."""
 
-    def __init__(self, cfg: EvalConfig, samples: list[Sample], gen: Any, rewards: Any, writer: Any, app: str):
-        self.cfg, self.samples, self.gen, self.rewards, self.writer, self.app = cfg, samples, gen, rewards, writer, app
+    def __init__(
+        self, cfg: EvalConfig, samples: list[Sample], gen: Any, rewards: Any, weights: Any, writer: Any, app: str
+    ):
+        self.cfg, self.samples, self.gen, self.rewards, self.weights = cfg, samples, gen, rewards, weights
+        self.writer, self.app = writer, app
         self.task: asyncio.Task | None = None
         self.accuracy = float("nan")  # the last eval's, for a progress bar
 
     async def run(self, step: int, version: int) -> None:
         """Evaluate policy `version` (the weights of `step`) now."""
         try:
-            result = await evaluate_pinned(self.cfg, self.samples, self.gen, self.rewards, version)
+            result = await evaluate_pinned(self.cfg, self.samples, self.gen, self.rewards, self.weights, version)
         except Exception as e:  # noqa: BLE001
             log.warning("%s: the eval at step %d failed: %s: %s", self.app, step, type(e).__name__, e)
             return

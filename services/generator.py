@@ -4,8 +4,9 @@
     completions = await gen.generate.route("rev abc=", n=8)      # one GRPO group
     await gen.load_weights.fanout(state_dict, version=3)         # staged, then swapped in; no restart
 
-With `weights_from=WeightStore(...)`, each replica follows the store's latest version in
-the background (and a respawned replica starts on it).
+With `weights_from=WeightStore(...)`, each replica loads the versions a WeightSync
+(forge/weight_sync.py) announces, from the store, while it keeps generating (and a respawned
+replica starts on the store's latest).
 
 Each replica runs one AsyncLLM (continuous batching): concurrent `generate` calls are
 batched by vLLM. Every Completion carries its token ids, the logprob of each sampled token
@@ -71,7 +72,6 @@ class GeneratorConfig:
     request_timeout_s: float = 300.0
     cache_dir: str = ".cache/forge/vllm"  # vLLM's compile cache survives between runs here
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    poll_s: float = 0.1  # how often a replica that follows a WeightStore looks for a new version
     # True: a swap prepares the new weights beside the live ones while generation goes on and
     # pauses only to install them (services/vllm_staging.py); needs memory for a second copy
     # of the weights meanwhile. False: vLLM's in-place reload, all of it while generation waits.
@@ -124,8 +124,8 @@ def _preview(prompt: Any) -> str:
 
 
 class Generator(ForgeActor):
-    """vLLM generation service. Endpoints: generate, load_weights, policy_version, last_swaps,
-    engine_pids."""
+    """vLLM generation service. Endpoints: generate, stream, abort, load_weights, load_version,
+    policy_version, last_swaps, engine_pids."""
 
     @classmethod
     def check_args(cls, model: str | Path, cfg: GeneratorConfig | None = None, weights_from: Any = None) -> None:
@@ -134,15 +134,15 @@ class Generator(ForgeActor):
             raise TypeError(f"Generator: cfg must be a GeneratorConfig, got {type(cfg).__name__}")
 
     def __init__(self, model: str | Path, cfg: GeneratorConfig | None = None, weights_from: Any = None):
-        """`weights_from`: a forge.store.WeightStore to follow (load each new latest version)."""
+        """`weights_from`: the forge.store.WeightStore that `load_version` loads from."""
         self.model, self.cfg = str(model), cfg or GeneratorConfig()
         self.store = weights_from
         self.version = 0
         self.engine = None
         self._swap = asyncio.Lock()
+        self._pull = asyncio.Lock()  # one fetch of the store's latest at a time
         self._pauses: collections.deque[float] = collections.deque(maxlen=32)
         self._in_flight, self._busy_mark = 0, 0.0
-        self._holds, self._hold_until = 0, 0.0  # evals holding this version, and until when at most
 
     @endpoint
     async def setup(self) -> None:
@@ -159,7 +159,6 @@ class Generator(ForgeActor):
         await self._warm_up()
         if self.store is not None:
             await self._pull_latest()  # a respawned replica starts on the latest policy
-            self._follower = asyncio.create_task(self._follow())
 
     async def _warm_up(self) -> None:
         # vLLM torch.compiles its sampling and logprob kernels on the first requests that use
@@ -174,38 +173,22 @@ class Generator(ForgeActor):
             ):
                 pass
 
-    async def _follow(self) -> None:
-        while True:
-            try:
-                await self._pull_latest()
-            except Exception as e:  # e.g. a version dropped while we fetched it: the next poll takes a newer one
-                log.warning("forge: generator could not load new weights: %s", e)
-            await asyncio.sleep(self.cfg.poll_s)
-
-    def _held(self) -> bool:
-        return self._holds > 0 and asyncio.get_running_loop().time() < self._hold_until
-
     async def _pull_latest(self) -> None:
-        """Fetch the store's latest version (generation goes on meanwhile), then swap it in,
-        unless an eval holds the current one."""
+        """Fetch the store's latest version (generation goes on meanwhile), then swap it in."""
         version = await self.store.latest()
-        if version is None or version <= self.version or self._held():
+        if version is None or version <= self.version:
             return
         start = asyncio.get_running_loop().time()
         path = await self.store.local_path(version)
         if path is not None:  # shm (the writer's file or this host's copy): vLLM's worker maps it itself
             try:
                 check = functools.partial(self.store.check_intact, version, path)
-                paused = await self.swap_from_file(path, version, follow=True, check=check)
+                paused = await self.swap_from_file(path, version, check=check)
             except KeyError:  # dropped (and its file reused) while we read it: take the newer one
                 log.warning("forge: weights version %d was replaced while loading; loading the latest", version)
                 return await self._pull_latest()
-            if paused is None:
-                return
         else:
-            paused = await self.load_weights_local(await self.store.fetch(version), version, follow=True)
-            if paused is None:
-                return
+            paused = await self.load_weights_local(await self.store.fetch(version), version)
         record_metric("generator/weight_sync_s", asyncio.get_running_loop().time() - start)
         record_metric("generator/weight_swap_paused_s", paused, Reduce.MAX)
 
@@ -346,14 +329,12 @@ class Generator(ForgeActor):
         was paused."""
         return await self.load_weights_local(state_dict, version)
 
-    async def load_weights_local(
-        self, state_dict: dict[str, torch.Tensor], version: int, follow: bool = False
-    ) -> float | None:
+    async def load_weights_local(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         fd, path = tempfile.mkstemp(suffix=".safetensors", dir=run_dir())
         os.close(fd)
         try:
             await asyncio.to_thread(write_safetensors, state_dict, path)
-            return await self.swap_from_file(path, version, keep_mapping=False, follow=follow)
+            return await self.swap_from_file(path, version, keep_mapping=False)
         finally:
             os.unlink(path)
 
@@ -362,17 +343,13 @@ class Generator(ForgeActor):
         path: str,
         version: int,
         keep_mapping: bool = True,
-        follow: bool = False,
         check: Callable[[], Awaitable[None]] | None = None,
-    ) -> float | None:
-        """Swap in the weights of `path` as `version`; the seconds generation paused. `follow`:
-        the follower's own swap, skipped (None) while an eval holds the current version.
+    ) -> float:
+        """Swap in the weights of `path` as `version`; the seconds generation paused.
         `check` raises if what was read of the file is not the version (the writer reused it):
         it runs before staged weights go live, or after an in-place reload."""
         loop = asyncio.get_running_loop()
         async with self._swap:
-            if follow and self._held():
-                return None
             staged = self.cfg.staged_swap and await self._stage(path, keep_mapping)
             if staged and check is not None:
                 await check()
@@ -409,22 +386,22 @@ class Generator(ForgeActor):
         record_metric("generator/weight_stage_s", time.perf_counter() - start, Reduce.MAX)
         return True
 
-    @endpoint
-    async def policy_version(self) -> int:
+    @concurrent_endpoint
+    async def load_version(self, version: int) -> int:
+        """Load the store's latest version, `version` or newer, while generation goes on (a
+        WeightSync calls it once the trainer published `version`). Returns the version held."""
+        if self.store is None:
+            raise ValueError("Generator.load_version: this generator has no weight store (weights_from)")
+        async with self._pull:
+            if self.version < version:
+                await self._pull_latest()
+        if self.version < version:
+            raise KeyError(f"Generator.load_version: version {version} is not in the weight store {self.store.name!r}")
         return self.version
 
     @endpoint
-    async def hold_weights(self, seconds: float) -> int:
-        """Keep the current policy version (new ones wait) until release_weights, or `seconds`
-        at most: an eval's samples then all come from one version. Returns that version."""
-        async with self._swap:  # a swap under way lands first
-            self._holds += 1
-            self._hold_until = max(self._hold_until, asyncio.get_running_loop().time() + seconds)
-            return self.version
-
-    @endpoint
-    async def release_weights(self) -> None:
-        self._holds = max(0, self._holds - 1)
+    async def policy_version(self) -> int:
+        return self.version
 
     @endpoint
     async def last_swaps(self) -> list[float]:
@@ -439,8 +416,6 @@ class Generator(ForgeActor):
         return [c.pid for c in psutil.Process().children(recursive=True) if c.name().startswith("VLLM::")]
 
     async def __cleanup__(self, exc: Exception | None) -> None:
-        if getattr(self, "_follower", None) is not None:
-            self._follower.cancel()
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.shutdown(timeout=1.0)  # within Monarch's cleanup deadline

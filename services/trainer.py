@@ -2,7 +2,7 @@
 
     trainer = await Trainer.options(procs=2).as_service(model_dir, TrainerConfig(lr=1e-4), store)
     version, metrics = await trainer.train_step.route(batch)  # every rank takes its share of the rows
-    await trainer.push_weights.route()                         # publish `version`, no waiting
+    await trainer.push_weights.route()                         # publish `version` (an app: WeightSync.push)
 
 The trainer owns the policy version: each optimizer step makes the next one, `push_weights`
 publishes the current one. The model is torchtitan's of the checkpoint's family (sized from the
@@ -231,8 +231,8 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def push_weights(self) -> int:
-        """Publish the current weights as the current policy version and return it; generators
-        pull it themselves. Only rank 0 writes (the gathered full state dict); versions older
+        """Publish the current weights as the current policy version and return it (a WeightSync
+        tells the generators, which pull it). Only rank 0 writes (the gathered full state dict); versions older
         than `keep_versions` are dropped."""
         return await self._push()
 

@@ -30,11 +30,12 @@ def loop():
 
 @pytest.fixture(scope="module")
 def served(loop, tiny_model_dir):
-    """A store the generator follows, the generator, and a gateway with the hermes tool parser
-    (the tiny model), shared by a module's tests. Per module, not per session: TorchStore is
+    """The gateway with the hermes tool parser (the tiny model), its generator, the store the
+    generator loads from and the WeightSync that tells it of new versions, shared by a module's tests. Per module, not per session: TorchStore is
     one per process, and tests elsewhere start their own."""
 
     from forge.store import WeightStore, start_store, stop_store
+    from forge.weight_sync import WeightSync
     from services.gateway import Gateway, GatewayConfig
     from services.generator import Generator, GeneratorConfig
 
@@ -43,13 +44,16 @@ def served(loop, tiny_model_dir):
         weights = WeightStore("gateway-test")
         cfg = GeneratorConfig(max_model_len=512)
         gen = await Generator.options().as_service(str(tiny_model_dir), cfg, weights)
+        sync = WeightSync(None, gen)  # the tests publish, as a trainer would
+        await sync.start()
         gw = await Gateway.start(
             gen, tiny_model_dir, GatewayConfig(tool_parser="hermes", served_model_name="tiny"), cfg
         )
-        return store, weights, gen, gw
+        return store, weights, gen, sync, gw
 
-    store, weights, gen, gw = loop.run_until_complete(start())
-    yield gw, gen, weights
+    store, weights, gen, sync, gw = loop.run_until_complete(start())
+    yield gw, gen, weights, sync
+    loop.run_until_complete(sync.stop())
     loop.run_until_complete(gw.shutdown())
     loop.run_until_complete(weights.clear())
     loop.run_until_complete(gen.shutdown())

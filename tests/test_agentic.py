@@ -45,7 +45,7 @@ def allowed(tiny_model_dir):
 
 
 def rollouts(served, envs=None, group_size=4, **cfg):
-    gw, _, _ = served
+    gw, *_ = served
     return AgenticRollouts(AgenticConfig(**cfg), gw, envs, group_size, std_normalize=True)
 
 
@@ -192,7 +192,7 @@ def test_an_openenv_environment_runs_through_the_adapter(loop, served):
         def _parse_state(self, payload):
             return State(**payload)
 
-    gw, _, _ = served
+    gw, *_ = served
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -46,7 +46,7 @@ def streamed(gw, sid, content, **kw):
 
 
 def test_chat_logprobs_n_models_and_completions(loop, served):
-    gw, _, _ = served
+    gw, *_ = served
 
     async def main():
         sid = gw.open_session()
@@ -87,7 +87,7 @@ def test_episode_clients_share_one_ssl_context(loop, served, monkeypatch):
     flight. Each client still works on its own and is closed on its own."""
     import ssl
 
-    gw, _, _ = served
+    gw, *_ = served
     made = []
     real = ssl.create_default_context
     monkeypatch.setattr(ssl, "create_default_context", lambda *a, **kw: made.append(1) or real(*a, **kw))
@@ -107,7 +107,7 @@ def test_episode_clients_share_one_ssl_context(loop, served, monkeypatch):
 
 
 def test_streaming_is_server_sent_events(loop, served):
-    gw, _, _ = served
+    gw, *_ = served
 
     async def main():
         sid = gw.open_session()
@@ -123,7 +123,7 @@ def test_streaming_is_server_sent_events(loop, served):
 def test_tool_call_round_trip(loop, served, tiny_model_dir):
     """The template lists the tool, the model's call comes back parsed as `tool_calls`, and the
     tool's answer goes back in; the call and the answer are in the next prompt, token for token."""
-    gw, _, _ = served
+    gw, *_ = served
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -167,7 +167,7 @@ def test_three_turns_are_one_sample_with_the_generators_tokens_and_logprobs(loop
     """The recording of a 3-turn chat is what the generator sampled (ids and logprobs as the
     responses report them); the turns extend each other, so they are one sequence whose
     sampled-token logprobs equal an fp32 transformers forward of it (1e-4)."""
-    gw, _, _ = served
+    gw, *_ = served
     tok, allowed = letters
 
     async def main():
@@ -213,7 +213,7 @@ def test_three_turns_are_one_sample_with_the_generators_tokens_and_logprobs(loop
 def test_edited_history_falls_back_to_one_sample_per_turn(loop, served, letters):
     """The template drops the reasoning of earlier turns, and an agent may rewrite its history:
     either way the next prompt does not extend the last one, and the recording says so."""
-    gw, _, _ = served
+    gw, *_ = served
     _, allowed = letters
 
     async def main():
@@ -240,7 +240,7 @@ def test_edited_history_falls_back_to_one_sample_per_turn(loop, served, letters)
 
 
 def test_sessions_interleave_and_stay_apart(loop, served, letters):
-    gw, _, _ = served
+    gw, *_ = served
     _, allowed = letters
 
     async def conversation(question: str) -> tuple[str, list]:
@@ -262,7 +262,7 @@ def test_sessions_interleave_and_stay_apart(loop, served, letters):
 
 
 def test_refusals_name_what_is_wrong(loop, served):
-    gw, gen, _ = served
+    gw, gen, *_ = served
 
     async def main():
         sid = gw.open_session()
@@ -317,7 +317,7 @@ def test_only_forges_routes_are_served(loop, served):
     """vLLM's other routes that generate (/v1/responses, /v1/messages, /invocations) would skip
     max_inflight, the health check, the limits and the session's record: 404, naming what is
     served."""
-    gw, _, _ = served
+    gw, *_ = served
 
     async def main():
         sid = gw.open_session()
@@ -339,7 +339,7 @@ def test_only_forges_routes_are_served(loop, served):
 def test_request_and_session_limits(loop, served):
     """Per request (400): choices, max_tokens, body bytes; per session (429): requests in flight
     and turns recorded. Each names the gateway key; a refused call records nothing."""
-    gw, _, _ = served
+    gw, *_ = served
 
     async def main():
         sid = gw.open_session()
@@ -381,7 +381,7 @@ def test_request_and_session_limits(loop, served):
 def test_request_ids_are_the_servers(loop, served):
     """A client's X-Request-Id or `request_id` would key the generator's request, and a
     duplicate's cleanup abort another's: the gateway drops both, so vLLM makes its own."""
-    gw, _, _ = served
+    gw, *_ = served
 
     async def main():
         sid = gw.open_session()
@@ -400,7 +400,7 @@ def test_request_ids_are_the_servers(loop, served):
 
 
 def test_client_disconnect_mid_stream_aborts_in_vllm(loop, served):
-    gw, gen, _ = served
+    gw, gen, *_ = served
 
     async def main():
         sid = gw.open_session()
@@ -422,7 +422,7 @@ def test_client_disconnect_mid_stream_aborts_in_vllm(loop, served):
 
 
 def test_sessions_are_bounded_and_time_out(loop, served):
-    gw, _, _ = served
+    gw, *_ = served
 
     async def main():
         limit, timeout = gw.cfg.max_sessions, gw.cfg.session_timeout_s
@@ -444,9 +444,9 @@ def test_sessions_are_bounded_and_time_out(loop, served):
 
 
 def test_weights_move_under_the_gateway(loop, served, tiny_model_dir):
-    """The generator follows the store while the gateway serves: each recorded turn carries the
-    policy version it ran under."""
-    gw, gen, weights = served
+    """The generator loads new versions while the gateway serves: each recorded turn carries
+    the policy version it ran under."""
+    gw, gen, weights, sync = served
     from safetensors.torch import load_file
 
     sd = load_file(tiny_model_dir / "model.safetensors")
@@ -456,10 +456,8 @@ def test_weights_move_under_the_gateway(loop, served, tiny_model_dir):
         c = client(gw, sid)
         await chat(c, [{"role": "user", "content": "a"}], max_tokens=2)
         await weights.publish(1, {k: v + 0.01 for k, v in sd.items()})
-        deadline = time.monotonic() + 60
-        while await gen.policy_version.route() < 1:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        sync.publish(1)
+        await sync.wait_held(1, timeout_s=60)
         await chat(c, [{"role": "user", "content": "b"}], max_tokens=2)
         return await gw.finish(sid)
 
@@ -468,32 +466,32 @@ def test_weights_move_under_the_gateway(loop, served, tiny_model_dir):
 
 
 def test_an_eval_holds_the_generators_version(loop, served, tiny_model_dir):
-    """While held (an eval pins its policy), new versions wait; on release, or when the hold
-    runs out, the generator moves on."""
-    gw, gen, weights = served
+    """While an eval holds the generator on its version, new versions wait; on release, or
+    when the hold runs out, the generator moves on."""
+    gw, gen, weights, sync = served
     from safetensors.torch import load_file
 
     sd = load_file(tiny_model_dir / "model.safetensors")
 
-    async def reaches(version: int) -> float:
-        start = deadline = time.monotonic()
-        deadline += 60
-        while await gen.policy_version.route() < version:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        return time.monotonic() - start
+    async def publish(version: int, delta: float) -> None:
+        await weights.publish(version, {k: t + delta for k, t in sd.items()})
+        sync.publish(version)
 
     async def main():
         v = await gen.policy_version.route()
-        assert await gen.hold_weights.fanout(30.0) == [v]
-        await weights.publish(v + 1, {k: t + 0.02 for k, t in sd.items()})
-        await asyncio.sleep(1.0)  # ten polls of the store
-        assert await gen.policy_version.route() == v
-        await gen.release_weights.fanout()
-        await reaches(v + 1)
-        await gen.hold_weights.fanout(1.5)  # never released: the hold runs out
-        await weights.publish(v + 2, {k: t + 0.03 for k, t in sd.items()})
-        assert await reaches(v + 2) >= 1.0
+        async with sync.hold(v, 30.0) as held:
+            assert held == v
+            await publish(v + 1, 0.02)
+            await asyncio.sleep(1.0)
+            assert await gen.policy_version.route() == v
+        await sync.wait_held(v + 1, timeout_s=60)
+        never_released = sync.hold(v + 1, 1.5)
+        await never_released.__aenter__()
+        start = time.monotonic()
+        await publish(v + 2, 0.03)
+        await sync.wait_held(v + 2, timeout_s=60)
+        assert time.monotonic() - start >= 1.0
+        await never_released.__aexit__(None, None, None)
 
     loop.run_until_complete(main())
 

@@ -217,10 +217,10 @@ def test_ctrl_c_saves_and_leaves_no_processes(tmp_path):
 def services(loop, tmp_path_factory):
     """One set of GRPO services for the tests that run `train` on them: the partial-credit
     reward and `grpo_rollouts:sandboxed`, whose sandbox crashes for half the prompts."""
-    from apps.grpo import Services
+    from services.roles import Roles
 
     cfg = load_config(CONFIG, small(tmp_path_factory.mktemp("grpo"), **{"rewards.weights": SANDBOXED}), Config)
-    s = loop.run_until_complete(Services.start(cfg))
+    s = loop.run_until_complete(Roles.start(cfg))
     yield s
     loop.run_until_complete(s.shutdown())
 

@@ -96,7 +96,8 @@ def test_grpo_with_the_trainer_and_the_generator_on_two_process_job_hosts(tmp_pa
     """A short GRPO run with the trainer (and the weight store) on one ProcessJob host and the
     generator on another, weights streamed across them (forge.transfer): parameters change,
     versions advance, and the job's processes and their /dev/shm directories end with the run."""
-    from apps.grpo import Services, train
+    from apps.grpo import train
+    from services.roles import Roles
 
     cfg = load_config(CONFIG, small(tmp_path, steps=2, checkpoint_every=2, **PROCESS_JOB), Config)
     placed: dict[str, str] = {}
@@ -104,7 +105,7 @@ def test_grpo_with_the_trainer_and_the_generator_on_two_process_job_hosts(tmp_pa
     generator_versions: list[int] = []
 
     async def main():
-        services = await Services.start(cfg)
+        services = await Roles.start(cfg)
         try:
             spawned.extend(psutil.Process().children(recursive=True))
             placed.update({role: host_of(f"forge:{role}") for role in ("trainer", "generator", "store", "rewards")})

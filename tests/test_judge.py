@@ -43,7 +43,7 @@ def judge_cfg(gw, **kw):
 def test_the_judge_scores_by_its_rubric(loop, served, seven):
     """The reward is the score the pattern finds in the judge's answer over max_score; the judge
     answers as it does to the same request made directly (temperature 0)."""
-    gw, _, _ = served
+    gw, *_ = served
     cfg = judge_cfg(gw, pattern=r"(\d)", max_score=9, extra_body=seven)
 
     async def direct():
@@ -62,7 +62,7 @@ def test_the_judge_scores_by_its_rubric(loop, served, seven):
 
 
 def test_an_answer_without_a_score_is_unavailable_not_wrong(loop, served):
-    gw, _, _ = served
+    gw, *_ = served
     s1, s2 = score(loop, judge_cfg(gw, pattern=r"Score: (\d+)"), samples=[SAMPLE, SAMPLE])
     for s in (s1, s2):
         assert s.unavailable == "judge" and s.reward == 0.0 and s.components == {"judge": 0.0}

@@ -1,78 +1,223 @@
-"""The on-policy gate: exactly one batch of rollouts per policy version, on its weights."""
+"""The policy version the generators serve (forge/weight_sync.py) and the buffer's admission of
+rollouts (forge/buffer.py): on-policy, exactly one batch of groups per version, on its weights;
+off-policy, never on weights older than max_staleness allows."""
 
 import asyncio
+import contextlib
+import itertools
+import time
+from types import SimpleNamespace
 
 import pytest
 
-from forge.rollout import OnPolicyGate
+from forge.buffer import ReplayBuffer
+from forge.rollout import RolloutLoops
+from forge.types import Episode, Score
+from forge.weight_sync import WeightSync
 
 
-class Replicas:
-    """`gen.policy_version.fanout()` of a service whose replicas are at `versions`."""
+class Fanout:
+    def __init__(self, fn):
+        self.fn = fn
 
-    def __init__(self, *versions: int):
-        self.versions = list(versions)
-        self.policy_version = self
+    async def fanout(self, *args):
+        return await self.fn(*args)
 
-    async def fanout(self) -> list[int]:
+
+class FakeGen:
+    """A generator service of `replicas` replicas that load a version in `load_s`; the next
+    `fail` loads raise."""
+
+    def __init__(self, replicas: int = 2, load_s: float = 0.05):
+        self.versions, self.load_s, self.loads, self.fail = [0] * replicas, load_s, [], 0
+        self.policy_version = Fanout(self._versions)
+        self.load_version = Fanout(self._load)
+
+    async def _versions(self):
+        return list(self.versions)
+
+    async def _load(self, version):
+        self.loads.append(version)
+        await asyncio.sleep(self.load_s)
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("a replica died mid-load")
+        self.versions = [max(v, version) for v in self.versions]
         return list(self.versions)
 
 
-async def started(gate: OnPolicyGate, tries: int, kept=lambda i: True, fail=()) -> list[int]:
-    """Run `tries` groups through the gate concurrently; the versions of those that started."""
-    began: list[int] = []
-
-    async def group(i: int) -> None:
-        async with gate.place() as place:
-            began.append(place.version)
-            await asyncio.sleep(0.01)
-            if i in fail:
-                raise RuntimeError("rollout failed")
-            place.kept = kept(i)
-
-    tasks = [asyncio.ensure_future(group(i)) for i in range(tries)]
-    await asyncio.wait(tasks, timeout=0.3)
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    return began
+@contextlib.asynccontextmanager
+async def syncing(gen: FakeGen):
+    """A WeightSync over `gen`, for the test to publish to, stopped after it."""
+    sync = WeightSync(None, gen)
+    await sync.start()
+    try:
+        yield sync
+    finally:
+        await sync.stop()
 
 
-def test_a_batch_gets_exactly_its_groups_once_every_replica_has_its_weights():
+def test_the_generators_load_each_new_version_and_skip_those_published_meanwhile():
     async def main():
-        gen = Replicas(0, 1)  # one replica still on version 0
-        gate = OnPolicyGate(gen, groups=2, version=1, poll_s=0.005)
-        assert await started(gate, 5) == []  # nothing starts on old weights
-        gen.versions = [1, 1]
-        assert await started(gate, 5) == [1, 1]  # 2 groups: the batch, no more
-        gate.advance(2)
-        gen.versions = [2, 2]
-        assert await started(gate, 5) == [2, 2]
+        gen = FakeGen()
+        async with syncing(gen) as sync:
+            sync.publish(1)
+            await sync.wait_held(1, timeout_s=5)
+            sync.publish(2)
+            await asyncio.sleep(0.01)  # the load of 2 is under way
+            sync.publish(3)
+            sync.publish(4)
+            await sync.wait_held(4, timeout_s=5)
+            assert gen.loads == [1, 2, 4] and gen.versions == [4, 4] and sync.held == 4
+            gen.fail = 2  # a load that fails is tried again
+            sync.publish(5)
+            await sync.wait_held(5, timeout_s=5)
+            assert gen.loads[3:] == [5, 5, 5]
+            with pytest.raises(TimeoutError):
+                await sync.wait_held(6, timeout_s=0.2)  # never published
+
+    asyncio.run(main())
+
+
+def test_a_hold_keeps_the_generators_on_their_version_until_released_or_run_out():
+    async def main():
+        gen = FakeGen()
+        async with syncing(gen) as sync:
+            sync.publish(1)
+            async with sync.hold(1, 5.0) as held:  # waits for version 1, then holds it
+                assert held == 1 and gen.versions == [1, 1]
+                sync.publish(2)
+                await asyncio.sleep(0.2)
+                assert gen.versions == [1, 1] and gen.loads == [1]
+            await sync.wait_held(2, timeout_s=5)  # released: the version waiting lands
+
+            sync.publish(3)
+            await asyncio.sleep(0.01)
+            async with sync.hold(3, 5.0) as held:  # a load under way lands first
+                assert held == 3
+
+            never_released = sync.hold(3, 0.3)
+            await never_released.__aenter__()
+            start = time.monotonic()
+            sync.publish(4)
+            await sync.wait_held(4, timeout_s=5)
+            assert time.monotonic() - start >= 0.25  # the hold ran out
+            await never_released.__aexit__(None, None, None)
+
+    asyncio.run(main())
+
+
+def test_a_hold_is_granted_while_versions_come_faster_than_the_generators_load_them():
+    """An eval's hold lands after the load under way, even when the next version is always
+    published before that load ends (waiting for a gap between loads would never end)."""
+
+    async def main():
+        gen = FakeGen(load_s=0.05)
+        async with syncing(gen) as sync:
+
+            async def trainer():
+                for v in itertools.count(1):
+                    sync.publish(v)
+                    await asyncio.sleep(0.01)
+
+            pushing = asyncio.create_task(trainer())
+            try:
+                await sync.wait_held(2, timeout_s=5)
+                async with asyncio.timeout(2), sync.hold(2, 5.0) as held:
+                    loads = len(gen.loads)
+                    await asyncio.sleep(0.2)
+                    assert gen.versions == [held, held] and len(gen.loads) == loads  # nothing loads while held
+            finally:
+                pushing.cancel()
+
+    asyncio.run(main())
+
+
+class Recorder:
+    """Rollouts that note the version the generators hold when each group starts; group `i`
+    fails when `fail(i)`, and is empty (masked) when `empty(i)`."""
+
+    def __init__(self, gen: FakeGen, fail=lambda i: False, empty=lambda i: False):
+        self.gen, self.fail, self.empty = gen, fail, empty
+        self.started: list[int] = []
+
+    async def group(self, sample):
+        i, version = len(self.started), min(self.gen.versions)
+        self.started.append(version)
+        await asyncio.sleep(0.01)
+        if self.fail(i):
+            raise RuntimeError("rollout failed")
+        if self.empty(i):
+            return []
+        return [Episode([1, 2], [0, 1], [0.0, 0.0], score=Score(r), policy_version=version) for r in (0.0, 1.0)]
+
+
+@contextlib.asynccontextmanager
+async def loops_on(gen, rollouts, max_staleness: int, groups: int = 2):
+    """RolloutLoops of `rollouts` into a buffer of `groups` per step, and the WeightSync they wait on."""
+    cfg = SimpleNamespace(groups_per_step=groups, rollout_tasks=5, max_rollout_failures=5, sample_timeout_s=10)
+    buffer = await ReplayBuffer.options().as_actor(capacity=groups * (max_staleness + 1), max_staleness=max_staleness)
+    try:
+        async with syncing(gen) as sync:
+            yield RolloutLoops(rollouts, itertools.count(), buffer, sync, cfg), sync
+    finally:
+        await buffer.shutdown()
+
+
+def test_on_policy_a_batch_is_exactly_the_groups_started_for_it_on_its_weights():
+    async def main():
+        gen = FakeGen()
+        rollouts = Recorder(gen)
+        async with loops_on(gen, rollouts, max_staleness=0) as (loops, sync):
+            async with loops.running(1):
+                await asyncio.sleep(0.3)
+                assert rollouts.started == []  # nothing starts on old weights
+                sync.publish(1)
+                batch = await loops.batch(1)
+                assert {e.policy_version for e in batch} == {1} and len(batch) == 4
+                await asyncio.sleep(0.3)
+                assert rollouts.started == [1, 1]  # the batch's 2 groups, and none before version 2
+                sync.publish(2)
+                assert {e.policy_version for e in await loops.batch(2)} == {2}
+                assert rollouts.started == [1, 1, 2, 2]
+            async with loops.running(2):  # a rewind to version 2: its batch starts anew
+                assert {e.policy_version for e in await loops.batch(2)} == {2}
+            assert rollouts.started == [1, 1, 2, 2, 2, 2]
 
     asyncio.run(main())
 
 
 @pytest.mark.parametrize(
-    "kept, fail, expected",
+    "fail, empty",
     [
-        (lambda i: True, {0}, 3),  # a failed group gives its room back: one more starts
-        (lambda i: i != 1, (), 3),  # a group the buffer did not keep (filtered, masked): room for another
-        (lambda i: False, (), 5),  # nothing kept: every try starts
+        (lambda i: i == 0, lambda i: False),  # a failed group gives its room back: one more starts
+        (lambda i: False, lambda i: i == 1),  # a group the buffer did not keep (masked): room for another
     ],
 )
-def test_a_group_that_is_not_kept_gives_its_room_back(kept, fail, expected):
+def test_a_group_that_is_not_kept_gives_its_room_back(fail, empty):
     async def main():
-        gate = OnPolicyGate(Replicas(3), groups=2, version=3, poll_s=0.005)
-        assert len(await started(gate, 5, kept=kept, fail=fail)) == expected
+        gen = FakeGen()
+        rollouts = Recorder(gen, fail=fail, empty=empty)
+        async with loops_on(gen, rollouts, max_staleness=0) as (loops, sync):
+            async with loops.running(0):
+                assert len(await loops.batch(0)) == 4
+                await asyncio.sleep(0.3)
+            assert rollouts.started == [0, 0, 0]
 
     asyncio.run(main())
 
 
-def test_a_rewind_starts_that_versions_batch_anew():
+def test_off_policy_groups_never_start_on_weights_older_than_max_staleness_allows():
     async def main():
-        gate = OnPolicyGate(Replicas(5), groups=1, version=5, poll_s=0.005)
-        assert await started(gate, 2) == [5]
-        gate.advance(5)  # restored from a checkpoint at the same version
-        assert await started(gate, 2) == [5]
+        gen = FakeGen()
+        rollouts = Recorder(gen)
+        async with loops_on(gen, rollouts, max_staleness=1) as (loops, sync):
+            async with loops.running(3):  # batch 3 may use weights 2 or 3; the generators hold 0
+                await asyncio.sleep(0.3)
+                assert rollouts.started == []
+                sync.publish(2)
+                batch = await loops.batch(3)
+                assert {e.policy_version for e in batch} == {2}
+                assert len(rollouts.started) > 2  # off-policy: no per-batch limit
 
     asyncio.run(main())

@@ -43,6 +43,20 @@ class FakeTrainer:
         self.restore_point = point
 
 
+class FakeWeights:
+    """The run's WeightSync: a push publishes the trainer's version."""
+
+    def __init__(self, trainer):
+        self.trainer, self.published = trainer, 0
+
+    async def push(self):
+        self.published = self.trainer.version
+        return self.published
+
+    def publish(self, version):
+        self.published = version
+
+
 def _write(path, state):
     os.makedirs(path, exist_ok=True)
     with open(f"{path}/state.json", "w") as f:
@@ -103,7 +117,7 @@ def config(tmp_path, **eval_keys):
 async def train(cfg, stop_at=None, fail_at=None, resume_from=None):
     trainer, evals, data = FakeTrainer(), FakeEvals(), Counter()
     run = Run("test", cfg, resume_from)
-    await run.start(trainer, evals, data=data)
+    await run.start(trainer, FakeWeights(trainer), evals, data=data)
     async with run:
         while run.step < cfg.steps:
             if run.step == stop_at:

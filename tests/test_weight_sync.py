@@ -1,9 +1,8 @@
-"""Versioned weights on TorchStore, followed by a generator replica in the background."""
+"""Versioned weights on TorchStore, loaded by a generator replica while it generates."""
 
 import asyncio
 import os
 import signal
-import time
 from pathlib import Path
 
 import psutil
@@ -13,14 +12,14 @@ from safetensors.torch import load_file
 from test_generator import max_logprob_error, perturbed
 
 from forge.store import WeightStore, start_store, stop_store
+from forge.weight_sync import WeightSync
 from services.generator import Generator, GeneratorConfig
 
 
-async def wait_version(gen, version: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while await gen.policy_version.route() < version:
-        assert time.monotonic() < deadline, f"generator never reached version {version}"
-        await asyncio.sleep(0.05)
+async def loaded(sync: WeightSync, version: int) -> None:
+    """`version` is in the store: the generators load it (within a minute)."""
+    sync.publish(version)
+    await sync.wait_held(version, timeout_s=60)
 
 
 def test_store_roundtrip_both_transports():
@@ -118,6 +117,8 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
         procs = await start_store()
         shm = WeightStore("policy", transport="shm")
         gen = await Generator.options().as_service(str(tiny_model_dir), GeneratorConfig(max_model_len=256), shm)
+        sync = WeightSync(None, gen)  # this test publishes, as the trainer does
+        await sync.start()
         tstore = WeightStore("policy", transport="torchstore")
         try:
             assert await gen.policy_version.route() == 0
@@ -128,7 +129,7 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
             streams = [asyncio.ensure_future(gen.generate.route("rev abc=", sampling=long)) for _ in range(32)]
             await asyncio.sleep(0.3)
             await shm.publish(1, v1)
-            await wait_version(gen, 1)
+            await loaded(sync, 1)
             done = [c for s in await asyncio.gather(*streams) for c in s]
             assert len(done) == 32 and all(len(c.token_ids) == 96 for c in done)
             assert any(c.max_policy_version > c.policy_version for c in done)  # swapped mid-request
@@ -144,14 +145,14 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
             # The TorchStore transport (what another host would use) reaches the generator too.
             v2 = perturbed(base, 2)
             await tstore.publish(2, v2)
-            await wait_version(gen, 2)
+            await loaded(sync, 2)
             after = await gen.generate.route("rev ab=", n=4, sampling={"max_tokens": 16})
             assert max_logprob_error(tiny_model_dir, after, v2) <= 1e-4
 
             # A respawned replica comes back on the latest version.
             await shm.publish(3, perturbed(base, 3))
             await shm.drop_older_than(3)
-            await wait_version(gen, 3)
+            await loaded(sync, 3)
             engine_pids = await gen.engine_pids.route()
             actor_pid = psutil.Process(engine_pids[0]).ppid()
             os.kill(actor_pid, signal.SIGKILL)
@@ -168,6 +169,7 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
                 psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engine_pids
             )
         finally:
+            await sync.stop()
             await shm.clear()  # this test is the writer: its /dev/shm files go with it
             await gen.shutdown()
             await stop_store(procs)
@@ -193,13 +195,15 @@ def test_trainer_to_generator_parity_and_reference(tiny_model_dir):
         trainer = await Trainer.options(procs=1).as_service(str(tiny_model_dir), cfg, weights)
         gen = await Generator.options().as_service(str(tiny_model_dir), GeneratorConfig(max_model_len=256), weights)
         ref = await Reference.options().as_service(str(tiny_model_dir), chunk_rows=3)
+        sync = WeightSync(trainer, gen)
+        await sync.start()
         try:
             initial = await trainer.logprobs.route(fixed_batch())
             for _ in range(3):
                 b = fixed_batch()
                 await trainer.train_step.route(on_policy(b, await trainer.logprobs.route(b)))
-            assert await trainer.push_weights.route() == 3
-            await wait_version(gen, 3)
+            assert await sync.push() == 3
+            await sync.wait_held(3, timeout_s=60)
             groups = await asyncio.gather(
                 *(gen.generate.route(p, n=4, sampling={"max_tokens": 24}) for p in ("rev abc=", "12+7=", "sort cba="))
             )
@@ -208,6 +212,7 @@ def test_trainer_to_generator_parity_and_reference(tiny_model_dir):
             trainer_lp = await trainer.logprobs.route(batch)
             ref_fixed = await ref.logprobs.route(fixed_batch())
         finally:
+            await sync.stop()
             await asyncio.gather(gen.shutdown(), trainer.shutdown(), ref.shutdown())
             await stop_store(store)
         return groups, batch, trainer_lp, initial, ref_fixed
