@@ -26,7 +26,6 @@ from forge.run import Run, RunConfig
 from forge.store import WeightStore, start_store, stop_store
 from forge.types import Episode, collate
 from forge.weight_sync import WeightSync
-from services import models
 from services.evals import BackgroundEvals, EvalConfig, held_out
 from services.generator import Generator, GeneratorConfig
 from services.rewards import Rewards, RewardsConfig
@@ -87,7 +86,7 @@ async def run(cfg: Config) -> dict[str, float]:
     model = cfg.model.resolve(warm_start)
     tokenizer = AutoTokenizer.from_pretrained(model)
     # A bad file stops here, before any spawn.
-    examples = SFTExamples(cfg.data, tokenizer, cfg.task, cfg.seed, end_of_turn=models.of_model(model).end_of_turn)
+    examples = SFTExamples(cfg.data, tokenizer, cfg.task, cfg.seed)
     store = await start_store()
     weights = WeightStore(cfg.trainer.weights, transport=cfg.trainer.transport)
     roles: list[Any] = []

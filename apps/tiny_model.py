@@ -1,7 +1,7 @@
 """`forge make-tiny-model`: build the offline tiny model and its tokenizer (HF format),
 optionally warm-started by a short run of the SFT app on a toy task.
 
-    forge make-tiny-model --out DIR [--task add] [--sft-steps N] [--sft-noise F] [--seed S] [--force]
+    forge make-tiny-model --out DIR [--family qwen3|llama3] [--task add] [--sft-steps N] [--sft-noise F] [--seed S] [--force]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from apps.sft import warm_start
 from forge import tasks
 from forge.cli import fail
+from services import models
 from services.tiny_model import BUILD_FILE, TinyModelSpec, make_tiny_model
 
 
@@ -24,12 +25,15 @@ def main(argv: list[str] | None = None) -> Path:
         "--sft-steps", type=int, default=0, help="warm-start steps of the SFT app on the task (0: random init)"
     )
     p.add_argument("--sft-noise", type=float, default=0.0, help="fraction of warm-start answer characters made random")
+    p.add_argument("--family", default="qwen3", help=f"model family ({', '.join(models.NAMES)})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
     a = p.parse_args(argv)
     if a.task not in tasks.TASKS:
         fail(f"--task: unknown task {a.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
-    spec = TinyModelSpec(task=a.task, sft_steps=a.sft_steps, sft_noise=a.sft_noise, seed=a.seed)
+    if a.family not in models.NAMES:
+        fail(f"--family: unknown model family {a.family!r}; known: {', '.join(models.NAMES)}")
+    spec = TinyModelSpec(family=a.family, task=a.task, sft_steps=a.sft_steps, sft_noise=a.sft_noise, seed=a.seed)
     out = make_tiny_model(a.out, spec, force=a.force, warm_start=warm_start)
     info = json.loads((out / BUILD_FILE).read_text())
     print(f"tiny model in {out}: {info['parameters']:,} parameters, built in {info['build_seconds']} s")

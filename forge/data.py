@@ -13,7 +13,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from forge.config import ConfigError
-from forge.tasks import Sample, chat_tokens, get_task
+from forge.tasks import Sample, chat_tokens, end_of_turn, get_task
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -137,11 +137,13 @@ class SFTDataConfig:
 class SFTExamples(IndexedPrompts):
     """An endless stream of supervised examples as (token ids, loss mask): the file's rows,
     reshuffled each epoch from the seed, or fresh toy-task samples. Resumable (its index).
-    `end_of_turn`: the token that ends an assistant turn in the model family's chat template."""
+    Chat rows train on the assistant turns, up to and with the token that ends them in the
+    tokenizer's chat template."""
 
-    def __init__(self, cfg: SFTDataConfig, tokenizer: Any, task: str, seed: int = 0, *, end_of_turn: str):
+    def __init__(self, cfg: SFTDataConfig, tokenizer: Any, task: str, seed: int = 0):
         super().__init__(seed)
-        self.cfg, self.tokenizer, self.task, self.end_of_turn = cfg, tokenizer, get_task(task), end_of_turn
+        self.cfg, self.tokenizer, self.task = cfg, tokenizer, get_task(task)
+        self.end_of_turn = end_of_turn(tokenizer)
         self.rows = None
         if cfg.path:
             import datasets

@@ -224,10 +224,29 @@ class PrintReverse(Reverse):
 TASKS: dict[str, Task] = {t.name: t for t in (Reverse(), Add(), Sort(), CalcTool(), Guess(), PrintReverse())}
 
 
+def end_of_turn(tokenizer) -> str:
+    """The token that ends an assistant turn in `tokenizer`'s chat template: the first one it
+    writes after a turn's content (Qwen3's `<|im_end|>`, Llama 3's `<|eot_id|>`). The template
+    owns it, so a model of any family, or one whose template differs from its family's, gets its own."""
+    marker = "forge-end-of-turn-probe"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}], tokenize=False
+    )
+    if marker not in text:
+        raise ValueError("the tokenizer's chat template does not write an assistant turn's content as given")
+    after = text[text.rindex(marker) + len(marker) :]
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    token = tokenizer.convert_ids_to_tokens(ids[0]) if ids else ""
+    own = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())  # not a piece of text
+    if token not in own or not after.startswith(token):
+        raise ValueError(f"the tokenizer's chat template ends an assistant turn with no token of its own: {after!r}")
+    return token
+
+
 def chat_tokens(tokenizer, messages: list[dict[str, str]], end_of_turn: str) -> tuple[list[int], list[int]]:
     """A conversation as the chat template renders it: its token ids, and the labels to train
-    on (the assistant turns' tokens, up to and with their `end_of_turn` token, the model
-    family's; -100 elsewhere)."""
+    on (the assistant turns' tokens, up to and with their `end_of_turn` token, the template's
+    (`end_of_turn(tokenizer)`); -100 elsewhere)."""
     ids: list[int] = []
     labels: list[int] = []
     rendered = ""

@@ -100,9 +100,9 @@ class TinyModelSpec:
     sft_noise: float = 0.0
 
     def key(self) -> str:
-        src = b"".join(
-            Path(m.__file__).read_bytes() for m in (sys.modules[__name__], tasks, data)
-        )  # data: the warm start's samples
+        family = sys.modules[models.get(self.family, "model.tiny.family").tiny.__module__]  # its builder
+        # data: the warm start's samples
+        src = b"".join(Path(m.__file__).read_bytes() for m in (sys.modules[__name__], tasks, data, family))
         blob = json.dumps(asdict(self), sort_keys=True).encode() + src
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -160,9 +160,13 @@ def make_tiny_model(
     if spec.sft_steps and warm_start is None:
         raise ConfigError("config key 'model.tiny.sft_steps': a warm start needs the SFT app (apps/sft.py)")
     start = time.perf_counter()
-    torch.manual_seed(spec.seed)
     tokenizer = build_tokenizer(spec.seed)
+    torch.manual_seed(spec.seed)  # the model's initial weights
     model = models.get(spec.family, "model.tiny.family").tiny(spec, tokenizer)
+    # A chat turn ends at its template's end-of-turn token as well as at EOS (Qwen3's and Llama 3's
+    # generation configs do the same), so vLLM stops there.
+    turn_end = tokenizer.convert_tokens_to_ids(tasks.end_of_turn(tokenizer))
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, turn_end]
     # Write next to the target and swap in whole, so an interrupted build never looks cached.
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -164,6 +164,9 @@ def _check_shapes(staged: list[tuple[nn.Module, nn.Module]]) -> None:
 def stage(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Staged:
     """Load and process `weights` (checkpoint names and format) into a shadow of `model`;
     the live model is not touched."""
+    if any(hasattr(m, "w13_weight") for m in model.modules()):
+        # Fused MoE experts: their kernel's weights are set up once, with the live layer.
+        raise StageError("a fused-MoE model is reloaded in place")
     pairs: dict[nn.Module, nn.Module] = {}
     shadow = _skeleton(model, pairs)
     _shadow_tensors(pairs)

@@ -102,6 +102,12 @@ class WeightReloader:
         if getattr(model.config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
             # A tied lm_head keeps a processed copy of the embedding; refresh it from the new one.
             head.quant_method.process_weights_after_loading(head)
+        for layer in model.modules():
+            experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+            if type(experts).__name__ == "CPUUnquantizedExperts":
+                # On a weight update vLLM copies the loaded experts into the storage its CPU
+                # kernel prepacked at start-up, without prepacking them again: do that here.
+                experts.process_weights_after_loading(layer)
         if not keep_mapping:  # a one-off file: its memory goes when it is unlinked
             forget_mapping(path)
         return len(weights)

@@ -21,6 +21,22 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_dir() -> Path:
+    """The tiny model of the llama3 family (random init, Llama 3's rope scaling), cached like it."""
+    from services.tiny_model import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(ROOT / ".cache/forge/models/test-tiny-llama3", TinyModelSpec(family="llama3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir() -> Path:
+    """The tiny model of the qwen3_moe family (random init: 4 experts, 2 per token)."""
+    from services.tiny_model import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(ROOT / ".cache/forge/models/test-tiny-qwen3_moe", TinyModelSpec(family="qwen3_moe"))
+
+
+@pytest.fixture(scope="session")
 def loop():
     """One event loop for services that outlive a test (one vLLM engine per module or session)."""
     loop = asyncio.new_event_loop()

@@ -4,6 +4,7 @@ import asyncio
 import os
 import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,9 +51,15 @@ def max_logprob_error(model_dir: Path, completions: list, sd: dict | None = None
     `sd` if given) at `temperature`: log_softmax(logits / T), what the trainer computes."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if sd is not None:
-        model.load_state_dict(sd, strict=False)  # tied lm_head follows the embedding
+    with tempfile.TemporaryDirectory() as tmp:
+        if sd is not None:
+            # A checkpoint of its own, loaded as one: transformers converts what it must (it fuses
+            # a MoE's experts), where load_state_dict(strict=False) would skip those names.
+            for f in Path(model_dir).iterdir():
+                if f.suffix != ".safetensors":
+                    shutil.copy(f, tmp)
+            save_file({k: v.contiguous() for k, v in sd.items()}, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+        model = AutoModelForCausalLM.from_pretrained(tmp if sd is not None else model_dir, dtype=torch.float32).eval()
     worst = 0.0
     for c in completions:
         with torch.no_grad():

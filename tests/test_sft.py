@@ -14,9 +14,6 @@ from forge.config import ConfigError, load_config
 from forge.data import SFTDataConfig, SFTExamples
 from forge.losses import LossConfig, sft
 from forge.types import Episode, collate
-from services import models
-
-END_OF_TURN = models.get("qwen3").end_of_turn  # the tiny model's family
 
 CHAT = [
     {"role": "system", "content": "reverse"},
@@ -34,18 +31,14 @@ def write_jsonl(path, rows) -> str:
 
 def test_only_assistant_and_completion_tokens_carry_loss(tmp_path, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    chats = SFTExamples(
-        SFTDataConfig(path=write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}])), tok, "add", end_of_turn=END_OF_TURN
-    )
+    chats = SFTExamples(SFTDataConfig(path=write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}])), tok, "add")
     ids, mask = chats.sample(0)
     trained = tok.decode([t for t, m in zip(ids, mask) if m])
     assert trained == "cba<|im_end|>yx<|im_end|>"  # the assistant turns and their end-of-turn, nothing else
     rendered = tok.apply_chat_template(CHAT, tokenize=False)
     assert ids == tok(rendered, add_special_tokens=False)["input_ids"]  # the whole rendered chat is the input
     rows = [{"prompt": "2+2=", "completion": "4"}]
-    pairs = SFTExamples(
-        SFTDataConfig(path=write_jsonl(tmp_path / "p.jsonl", rows)), tok, "add", end_of_turn=END_OF_TURN
-    )
+    pairs = SFTExamples(SFTDataConfig(path=write_jsonl(tmp_path / "p.jsonl", rows)), tok, "add")
     ids, mask = pairs.sample(0)
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == "4<|eos|>"
     # The loss is the mean NLL of exactly those tokens: other tokens' logprobs do not move it.
@@ -61,7 +54,7 @@ def test_a_file_without_the_columns_is_named_before_anything_starts(tmp_path, ti
     path = write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     with pytest.raises(ConfigError, match=r"has columns \['text'\]: neither 'messages' \(data.messages_key\)"):
-        SFTExamples(SFTDataConfig(path=path), tok, "add", end_of_turn=END_OF_TURN)
+        SFTExamples(SFTDataConfig(path=path), tok, "add")
     with pytest.raises(ConfigError, match="config key 'eval.dataset.path': a run on a dataset file evaluates"):
         load_config("configs/sft_tiny.yaml", [f"data.path={path}"], Config)
     with pytest.raises(ConfigError, match="config key 'trainer.loss.name': the SFT app trains with 'sft'"):
@@ -136,5 +129,5 @@ def test_the_walkthroughs_script_and_configs(tmp_path, tiny_model_dir, monkeypat
     for cfg in (sft_cfg, grpo):
         assert cfg.eval.dataset.path == "runs/upper/eval.jsonl" and "runs.upper.reward:score" in cfg.rewards.weights
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ids, mask = SFTExamples(sft_cfg.data, tok, sft_cfg.task, end_of_turn=END_OF_TURN).sample(0)
+    ids, mask = SFTExamples(sft_cfg.data, tok, sft_cfg.task).sample(0)
     assert tok.decode([t for t, m in zip(ids, mask) if m]).endswith("<|eos|>")

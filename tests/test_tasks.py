@@ -5,7 +5,6 @@ import statistics
 import pytest
 
 from forge import tasks
-from services import models
 
 # Each task solved independently of forge/tasks.py, from its prompt alone.
 SOLVE = {
@@ -104,7 +103,7 @@ def test_calc_tool_and_its_demonstrations(tiny_model_dir):
     assert all(c[2]["content"] == (calc.tool(c[1]["content"]) or "") for c in noisy)  # the tool answers the call made
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ids, labels = tasks.chat_tokens(tok, clean, models.get("qwen3").end_of_turn)
+    ids, labels = tasks.chat_tokens(tok, clean, tasks.end_of_turn(tok))
     assert ids == tok.apply_chat_template(clean, tokenize=True, return_dict=False)
     trained = [i for i, label in zip(ids, labels) if label != -100]
     assert trained == [i for i, label in zip(ids, labels) if label == i] and len(labels) == len(ids)

@@ -132,9 +132,35 @@ def test_the_model_registry_is_where_a_family_is_known(tmp_path, tiny_model_dir)
     from services import models
 
     family = models.of_model(tiny_model_dir)
-    assert family.model_type == "qwen3" and family.end_of_turn == "<|im_end|>"
+    assert (family.name, family.model_type) == ("qwen3", "qwen3")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama9"}))
-    with pytest.raises(ValueError, match=r"config.json: model_type 'llama9' is not supported \(supported: qwen3\)"):
+    supported = r"\(supported: qwen3 \(qwen3\), llama \(llama3\), qwen3_moe \(qwen3_moe\)\)"
+    with pytest.raises(ValueError, match=r"config.json: model_type 'llama9' is not supported " + supported):
         models.hf_config(tmp_path)
-    with pytest.raises(ValueError, match="model.tiny.family: model_type 'llama9'"):
+    with pytest.raises(ValueError, match="model.tiny.family: family 'llama9'"):
         make_tiny_model(tmp_path / "m", TinyModelSpec(family="llama9"))
+
+
+def test_a_turn_ends_where_the_chat_template_ends_it(tiny_model_dir):
+    """The token that ends an assistant turn (what SFT trains the model to write, and where the
+    tiny models' generation stops) is read from the template: the tiny one's <|im_end|>, a
+    Llama 3-shaped one's <|eot_id|>; a template that writes no token of its own there is an error."""
+    from transformers import AutoTokenizer
+
+    from forge import tasks
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tasks.end_of_turn(tok) == "<|im_end|>"
+    assert json.loads((tiny_model_dir / "generation_config.json").read_text())["eos_token_id"] == [
+        tok.eos_token_id,
+        tok.convert_tokens_to_ids("<|im_end|>"),
+    ]
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = (
+        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    )
+    assert tasks.end_of_turn(tok) == "<|eot_id|>"
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(ValueError, match="ends an assistant turn with no token of its own"):
+        tasks.end_of_turn(tok)

@@ -177,16 +177,20 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
     asyncio.run(main())
 
 
-def test_trainer_to_generator_parity_and_reference(tiny_model_dir):
-    """The trainer pushes a trained policy; the generator serves it; on the generator's own
-    tokens, trainer logprobs match the generator's (k3 KL <= 1e-4, IS ratio 1 within 1e-5).
-    The reference keeps the initial policy, chunked or not."""
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_llama_dir", "tiny_moe_dir"])  # qwen3, llama3, qwen3_moe
+def test_trainer_to_generator_parity_and_reference(model, request):
+    """For each model family: the trainer pushes a trained policy (HF names, its family's
+    adapter); the generator serves it; on the generator's own tokens, trainer logprobs match
+    the generator's (k3 KL <= 1e-4, IS ratio 1 within 1e-5) and an fp32 transformers forward
+    of the pushed weights (1e-4). The reference keeps the initial policy, chunked or not."""
     from test_trainer import fixed_batch, on_policy
 
     from forge.losses import LossConfig
     from forge.types import Episode, collate
     from services.reference import Reference
     from services.trainer import Trainer, TrainerConfig
+
+    tiny_model_dir = request.getfixturevalue(model)
 
     async def main():
         store = await start_store()
@@ -211,13 +215,16 @@ def test_trainer_to_generator_parity_and_reference(tiny_model_dir):
             batch = collate(episodes, pad_id=0)
             trainer_lp = await trainer.logprobs.route(batch)
             ref_fixed = await ref.logprobs.route(fixed_batch())
+            pushed = await weights.fetch(3)
         finally:
             await sync.stop()
             await asyncio.gather(gen.shutdown(), trainer.shutdown(), ref.shutdown())
+            await weights.clear()
             await stop_store(store)
-        return groups, batch, trainer_lp, initial, ref_fixed
+        return groups, batch, trainer_lp, initial, ref_fixed, pushed
 
-    groups, batch, trainer_lp, initial, ref_fixed = asyncio.run(main())
+    groups, batch, trainer_lp, initial, ref_fixed, pushed = asyncio.run(main())
+    assert max_logprob_error(tiny_model_dir, [c for g in groups for c in g], pushed) <= 1e-4
     assert all(c.policy_version == 3 for g in groups for c in g)
     m = batch.loss_mask.bool()
     d = (trainer_lp - batch.gen_logprobs)[m]  # log(pi_trainer / pi_generator) per token

@@ -1,7 +1,7 @@
 """Model families, keyed by the `model_type` of an HF config.json: the one place that knows a
-family. A new family is a module here with a `FAMILY` and a line in `FAMILIES`.
+family. A new family is a module here and a line in `FAMILIES`.
 
-    family = models.of(hf_config)          # or models.get("qwen3")
+    family = models.of(hf_config)          # by config.json's model_type ("llama"); by forge's name: models.get("llama3")
     cfg = family.titan_config(hf_config, device_type)       # torchtitan's model args
     model = cfg.build(); model.load_state_dict(family.adapter(cfg).from_hf(hf_state))
 """
@@ -14,36 +14,51 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.models import qwen3
+from services.models import llama3, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True)
 class ModelFamily:
+    name: str  # forge's (`model.tiny.family`, `forge make-tiny-model --family`)
     model_type: str  # config.json's
     titan_config: Callable[[dict, str], Any]  # (HF config, device type) -> torchtitan model config
     adapter: Callable[[Any], Any]  # (torchtitan model config) -> its state-dict adapter (from_hf, to_hf)
     parallelize: Callable[..., Any]  # torchtitan's parallelize function (FSDP2, activation checkpointing)
-    end_of_turn: str  # the token that ends an assistant turn in the family's chat template
     tiny: Callable[[Any, Any], Any]  # (TinyModelSpec, tokenizer) -> a small HF model of the family
 
 
 FAMILIES: dict[str, ModelFamily] = {
     f.model_type: f
     for f in (
-        ModelFamily("qwen3", qwen3.titan_config, qwen3.adapter, qwen3.parallelize, qwen3.END_OF_TURN, qwen3.tiny_model),
+        ModelFamily("qwen3", "qwen3", qwen3.titan_config, qwen3.adapter, qwen3.parallelize, qwen3.tiny_model),
+        ModelFamily("llama3", "llama", llama3.titan_config, llama3.adapter, llama3.parallelize, llama3.tiny_model),
+        ModelFamily(
+            "qwen3_moe",
+            "qwen3_moe",
+            qwen3_moe.titan_config,
+            qwen3_moe.adapter,
+            qwen3_moe.parallelize,
+            qwen3_moe.tiny_model,
+        ),
     )
 }
+NAMES: dict[str, ModelFamily] = {f.name: f for f in FAMILIES.values()}
 
 
-def get(model_type: str | None, where: str = "model_type") -> ModelFamily:
-    """The family of `model_type`, or an error naming `where` it came from and the families known."""
-    if model_type not in FAMILIES:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
-    return FAMILIES[model_type]
+def get(name: str | None, where: str = "model.tiny.family") -> ModelFamily:
+    """The family forge calls `name`, or an error naming `where` it came from and the families known."""
+    if name not in NAMES:
+        raise ValueError(f"{where}: family {name!r} is not supported (supported: {', '.join(NAMES)})")
+    return NAMES[name]
 
 
 def of(hf_config: dict[str, Any], where: str = "config.json") -> ModelFamily:
-    return get(hf_config.get("model_type"), where)
+    """The family of an HF config (its `model_type`), or an error naming `where` it came from."""
+    model_type = hf_config.get("model_type")
+    if model_type not in FAMILIES:
+        known = ", ".join(f"{t} ({f.name})" for t, f in FAMILIES.items())
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {known})")
+    return FAMILIES[model_type]
 
 
 def hf_config(model_dir: str | Path) -> dict[str, Any]:

@@ -7,7 +7,9 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.nn_modules import RMSNorm
 
 # Init for the projections when a model is trained from scratch; HF weights overwrite it.
@@ -42,3 +44,21 @@ def rms_norm(n: int, eps: float) -> RMSNorm.Config:
 def rope_theta(hf: dict, default: float = 1e6) -> float:
     # transformers 5 keeps rope_theta under rope_parameters; older files have it top-level.
     return float((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", default)))
+
+
+class ParamDtypeGroupedExperts(GroupedExperts):
+    """torchtitan's grouped experts computed in their parameters' dtype: torchtitan's own cast
+    every expert matmul to bf16, so an fp32 trainer would not match an fp32 generator (6e-4
+    apart on the tiny MoE). Under bf16 mixed precision the parameters, and so the matmuls, are bf16."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        x = x_RD.to(w1.dtype)
+        h = F.silu(self._grouped_mm(A=x, B_t=w1.transpose(-2, -1), offs=offs))
+        h = h * self._grouped_mm(A=x, B_t=w3.transpose(-2, -1), offs=offs)
+        return self._grouped_mm(A=h, B_t=w2.transpose(-2, -1), offs=offs).type_as(x_RD)
