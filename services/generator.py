@@ -141,6 +141,7 @@ class Generator(ForgeActor):
         self.engine = None
         self._swap = asyncio.Lock()
         self._pull = asyncio.Lock()  # one fetch of the store's latest at a time
+        self._stage_errors: set[str] = set()
         self._pauses: collections.deque[float] = collections.deque(maxlen=32)
         self._in_flight, self._busy_mark = 0, 0.0
 
@@ -381,7 +382,9 @@ class Generator(ForgeActor):
             await asyncio.sleep(0.002)  # a poll is one small call between engine steps
         errors = [s for s in status if s]
         if errors:
-            log.warning("forge: cannot stage new weights (%s); reloading them while generation waits", errors[0])
+            if errors[0] not in self._stage_errors:  # once each: a model that cannot be staged says so every swap
+                self._stage_errors.add(errors[0])
+                log.warning("forge: cannot stage new weights (%s); reloading them while generation waits", errors[0])
             return False
         record_metric("generator/weight_stage_s", time.perf_counter() - start, Reduce.MAX)
         return True
