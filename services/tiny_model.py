@@ -26,6 +26,7 @@ import torch
 from forge import data, tasks
 from forge.config import ConfigError
 from services import models
+from services.models import tiny as tiny_keys
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>", "<|im_start|>", "<|im_end|>"]
 PAD, BOS, EOS, UNK = SPECIAL_TOKENS[:4]
@@ -101,8 +102,8 @@ class TinyModelSpec:
 
     def key(self) -> str:
         family = sys.modules[models.get(self.family, "model.tiny.family").tiny.__module__]  # its builder
-        # data: the warm start's samples
-        src = b"".join(Path(m.__file__).read_bytes() for m in (sys.modules[__name__], tasks, data, family))
+        # data: the warm start's samples; tiny_keys: what every family's builder shares
+        src = b"".join(Path(m.__file__).read_bytes() for m in (sys.modules[__name__], tasks, data, family, tiny_keys))
         blob = json.dumps(asdict(self), sort_keys=True).encode() + src
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+from torchtitan.models.common.config_utils import make_gqa_config
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.nn_modules import RMSNorm
 
@@ -35,6 +37,21 @@ class PackedSDPA(ScaledDotProductAttention):
 def attention_config(device_type: str) -> FlexAttention.Config | PackedSDPA.Config:
     # torchtitan's FlexAttention has no backward on CPU; SDPA is the same attention there.
     return PackedSDPA.Config() if device_type == "cpu" else FlexAttention.Config()
+
+
+def gqa_config(hf: dict, device_type: str, rope: Any, **extra: Any) -> Any:
+    """torchtitan's grouped-query attention sized from the HF config `hf` (`extra`: a family's
+    own keys, e.g. Qwen3's head_dim and qk_norm)."""
+    return make_gqa_config(
+        dim=hf["hidden_size"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf["num_key_value_heads"],
+        wqkv_param_init=INIT,
+        wo_param_init=INIT,
+        inner_attention=attention_config(device_type),
+        rope=rope,
+        **extra,
+    )
 
 
 def rms_norm(n: int, eps: float) -> RMSNorm.Config:

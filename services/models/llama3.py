@@ -39,11 +39,11 @@ def rope_config(hf: dict, head_dim: int) -> Any:
 def titan_config(hf: dict, device_type: str = "cpu") -> Any:
     """torchtitan's Llama3Model.Config for the HF config `hf` (attention for `device_type`)."""
     from torchtitan.models.common import Embedding, Linear
-    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.common.config_utils import make_ffn_config
     from torchtitan.models.llama3 import Llama3Model
     from torchtitan.models.llama3.model import Llama3TransformerBlock
 
-    from services.models.layers import INIT, attention_config, rms_norm
+    from services.models.layers import INIT, gqa_config, rms_norm
 
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("config.json: attention_bias / mlp_bias are not supported for llama (Llama 3 has none)")
@@ -54,15 +54,7 @@ def titan_config(hf: dict, device_type: str = "cpu") -> Any:
     layer = Llama3TransformerBlock.Config(
         attention_norm=rms_norm(dim, eps),
         ffn_norm=rms_norm(dim, eps),
-        attention=make_gqa_config(
-            dim=dim,
-            n_heads=hf["num_attention_heads"],
-            n_kv_heads=hf["num_key_value_heads"],
-            wqkv_param_init=INIT,
-            wo_param_init=INIT,
-            inner_attention=attention_config(device_type),
-            rope=rope_config(hf, head_dim),
-        ),
+        attention=gqa_config(hf, device_type, rope_config(hf, head_dim)),
         feed_forward=make_ffn_config(
             dim=dim, hidden_dim=hf["intermediate_size"], w1_param_init=INIT, w2w3_param_init=INIT
         ),

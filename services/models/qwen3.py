@@ -15,25 +15,15 @@ def titan_config(hf: dict, device_type: str = "cpu", moe: Any = None) -> Any:
     """torchtitan's Qwen3Model.Config for the HF config `hf` (attention for `device_type`);
     `moe(hf, layer)`: the MoE config of a layer that has one (qwen3_moe.py), else None."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.common.config_utils import make_ffn_config
     from torchtitan.models.qwen3 import Qwen3Model, Qwen3TransformerBlock
 
-    from services.models.layers import INIT, attention_config, rms_norm, rope_theta
+    from services.models.layers import INIT, gqa_config, rms_norm, rope_theta
 
     dim, vocab, eps = hf["hidden_size"], hf["vocab_size"], hf["rms_norm_eps"]
     head_dim = hf.get("head_dim") or dim // hf["num_attention_heads"]
     rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=rope_theta(hf))
-    attention = make_gqa_config(
-        dim=dim,
-        n_heads=hf["num_attention_heads"],
-        n_kv_heads=hf["num_key_value_heads"],
-        head_dim=head_dim,
-        wqkv_param_init=INIT,
-        wo_param_init=INIT,
-        inner_attention=attention_config(device_type),
-        rope=rope,
-        qk_norm=rms_norm(head_dim, eps),
-    )
+    attention = gqa_config(hf, device_type, rope, head_dim=head_dim, qk_norm=rms_norm(head_dim, eps))
 
     def layer(i: int) -> Any:
         sparse = moe(hf, i) if moe is not None else None

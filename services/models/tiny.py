@@ -5,23 +5,23 @@ from __future__ import annotations
 
 from typing import Any
 
+# TinyModelSpec's sizes, named as HF configs name them.
+SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
 
 def hf_config_keys(spec: Any, tokenizer: Any) -> dict[str, Any]:
     """The HF config keys of a tiny model of `spec`'s sizes (a TinyModelSpec) for `tokenizer`."""
     if len(tokenizer) > spec.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab_size {spec.vocab_size}")
-    return dict(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-    )
+    keys: dict[str, Any] = {name: getattr(spec, name) for name in SIZES}
+    keys.update({f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")})
+    return keys | {"tie_word_embeddings": True, "torch_dtype": "float32"}
