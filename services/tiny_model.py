@@ -100,6 +100,12 @@ class TinyModelSpec:
     # rarely are, the gap RL closes.
     sft_noise: float = 0.0
 
+    def validate(self) -> None:
+        if self.family not in models.NAMES:
+            raise ConfigError(
+                f"config key 'model.tiny.family': unknown model family {self.family!r}; known: {', '.join(models.NAMES)}"
+            )
+
     def key(self) -> str:
         family = sys.modules[models.get(self.family, "model.tiny.family").tiny.__module__]  # its builder
         # data: the warm start's samples; tiny_keys: what every family's builder shares

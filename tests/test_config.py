@@ -88,6 +88,19 @@ def test_missing_model_dir_is_named(tmp_path):
     assert "config key 'model.path'" in one_line(e) and "absent" in str(e.value)
 
 
+def test_an_unknown_tiny_model_family_is_named_at_load():
+    from apps.grpo import Config
+
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/grpo_tiny.yaml", ["model.tiny.family=llama9"], Config)
+    assert "config key 'model.tiny.family': unknown model family 'llama9'; known: qwen3, llama3, qwen3_moe" in one_line(
+        e
+    )
+    assert load_config("configs/grpo_tiny.yaml", ["model.tiny.family=llama3"], Config).model.path.endswith(
+        "tiny-llama3-reverse-sft300-noise0.3"
+    )
+
+
 def test_shipped_configs_load():
     from apps.sft import Config
 
