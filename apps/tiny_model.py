@@ -1,7 +1,7 @@
 """`forge make-tiny-model`: build the offline tiny model and its tokenizer (HF format),
 optionally warm-started by a short run of the SFT app on a toy task.
 
-    forge make-tiny-model --out DIR [--family qwen3|llama3] [--task add] [--sft-steps N] [--sft-noise F] [--seed S] [--force]
+    forge make-tiny-model --out DIR [--family qwen3|llama3|qwen3_moe|hf] [--task add] [--sft-steps N] [--sft-noise F] [--seed S] [--force]
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ class BareTitan(ForgeActor):
             t = time.perf_counter()
             self.opt.zero_grad()
             lp, _ = token_logprobs(self.model, b.input_ids, with_entropy=True)
-            grpo(lp, b, importance_weight(lp, b.gen_logprobs, cfg.is_cap), cfg).backward()
+            grpo(lp, b, importance_weight(lp, b, cfg), cfg).backward()
             dist_utils.clip_grad_norm_(list(self.model.parameters()), max_norm=1.0, foreach=True)
             self.opt.step()
             self.sched.step()

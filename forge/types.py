@@ -31,6 +31,9 @@ class Completion:
     policy_version: int = 0  # weights the request was admitted under (the oldest used)
     max_policy_version: int | None = None  # newest weights used, if a reload landed mid-request
     prompt: str | None = None
+    # MoE with routing replay: the experts each layer routed each token to, [prompt + completion
+    # tokens, layers, top_k] int16, -1 where the generator computed none (the trainer routes those).
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.token_ids):
@@ -162,10 +165,11 @@ class Episode:
     advantage: float = 0.0
     policy_version: int = 0
     score: Score = field(default_factory=lambda: Score(0.0))
+    routed_experts: torch.Tensor | None = None  # [tokens, layers, top_k], as in Completion
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
-        for name in ("loss_mask", "gen_logprobs"):
+        for name in ("loss_mask", "gen_logprobs", "routed_experts"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"Episode.{name} has {len(value)} entries for {n} tokens")
@@ -178,6 +182,7 @@ class Episode:
             loss_mask=[0] * p + [1] * len(c.token_ids),
             gen_logprobs=[0.0] * p + list(c.logprobs),
             policy_version=c.policy_version,
+            routed_experts=c.routed_experts,
             **kw,
         )
 
@@ -204,6 +209,9 @@ class Batch:
     # long, each token's position in its own episode (0 where one starts), on packed rows only;
     # None: one episode per row, from column 0.
     positions: torch.Tensor | None = None
+    # long, [rows, seq, layers, top_k]: the experts the generator routed each token to, replayed
+    # by the trainer (-1: route it yourself); None: no episode has a record.
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_episodes(self) -> int:
@@ -262,4 +270,29 @@ def collate(episodes: Sequence[Episode], pad_id: int, pack_to: int = 0, rows_mul
             positions[r, start:] = torch.arange(width - start)
             start = s.stop
     versions = torch.tensor([e.policy_version for e in episodes], dtype=torch.long)
-    return Batch(**b, ref_logprobs=None, policy_versions=versions, positions=positions if pack_to else None)
+    routed = _routed_experts(episodes, rows, width)
+    return Batch(
+        **b,
+        ref_logprobs=None,
+        policy_versions=versions,
+        positions=positions if pack_to else None,
+        routed_experts=routed,
+    )
+
+
+def _routed_experts(episodes: Sequence[Episode], rows: list[list[int]], width: int) -> torch.Tensor | None:
+    """The episodes' routing records laid out as collate lays out their tokens (-1 elsewhere)."""
+    shapes = {tuple(e.routed_experts.shape[1:]) for e in episodes if e.routed_experts is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"collate: episodes' routed_experts have different [layers, top_k]: {sorted(shapes)}")
+    out = torch.full((len(rows), width, *shapes.pop()), -1, dtype=torch.long)
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            n = len(episodes[i].tokens)
+            if episodes[i].routed_experts is not None:
+                out[r, start : start + n] = episodes[i].routed_experts
+            start += n
+    return out

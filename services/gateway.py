@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import torch
 
 from forge.types import Episode
 from services.generator import Generator, GeneratorConfig
@@ -105,6 +106,8 @@ class Turn:
     logprobs: list[list[float]]
     finish_reasons: list[str | None]
     versions: tuple[int, int]
+    # Each choice's routing record (a MoE with routing replay): [prompt + its tokens, layers, top_k].
+    routed_experts: list[Any] | None = None
 
 
 @dataclass
@@ -148,23 +151,45 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
+    # Each token's routing, as the first turn that computed it recorded it (a MoE with routing
+    # replay); dropped for the whole sequence if one of its turns has no record.
+    routing: torch.Tensor | None = None
+    routed: bool = True
 
     def continued_by(self, prompt: list[int]) -> bool:
         return len(prompt) >= len(self.tokens) and prompt[: len(self.tokens)] == self.tokens
 
     def add(self, t: int, turn: Turn, choice: int) -> None:
-        new_prompt = turn.prompt_ids[len(self.tokens) :]
+        start = len(self.tokens)
+        new_prompt = turn.prompt_ids[start:]
         sampled = turn.token_ids[choice]
         self.tokens += new_prompt + sampled
         self.mask += [0] * len(new_prompt) + [1] * len(sampled)
         self.logprobs += [0.0] * len(new_prompt) + turn.logprobs[choice]
         self.versions.append(turn.versions[0])
         self.turns.append(t)
+        self._route(turn.routed_experts[choice] if turn.routed_experts else None, start)
+
+    def _route(self, record: torch.Tensor | None, start: int) -> None:
+        """Append a turn's record of its new tokens; the earlier tokens it computed (those the
+        prefix cache did not hold) fill what the earlier turns lack (-1)."""
+        self.routed = self.routed and record is not None
+        if not self.routed:
+            self.routing = None
+            return
+        earlier = (
+            record[:start] if self.routing is None else torch.where(self.routing < 0, record[:start], self.routing)
+        )
+        self.routing = torch.cat([earlier, record[start:]])
 
     def episode(self) -> Episode:
         # Staleness is judged by the oldest turn.
         return Episode(
-            tokens=self.tokens, loss_mask=self.mask, gen_logprobs=self.logprobs, policy_version=min(self.versions)
+            tokens=self.tokens,
+            loss_mask=self.mask,
+            gen_logprobs=self.logprobs,
+            policy_version=min(self.versions),
+            routed_experts=self.routing,
         )
 
 
@@ -233,7 +258,7 @@ class _ServiceEngine:
                     finish[c.index] = c.finish_reason
                 yielded = True
                 yield out
-            versions = await call
+            *versions, routing = await call
             ended = True
         finally:
             self._targets.pop(request_id, None)
@@ -249,6 +274,7 @@ class _ServiceEngine:
                     logprobs=[logprobs[i] for i in n],
                     finish_reasons=[finish[i] for i in n],
                     versions=tuple(versions),
+                    routed_experts=routing if any(r is not None for r in routing) else None,
                 )
             )
 

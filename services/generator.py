@@ -81,6 +81,9 @@ class GeneratorConfig:
     # on it for a second after every step; that spin takes a whole core from the trainer on a
     # small machine (tiny model, 8 requests at once: the same tokens/s, 1.2 cores against 2.0).
     cpu_threads: int = 1
+    # MoE: record the experts each token was routed to, for the trainer to replay (R3); null: on
+    # for a MoE model, off for a dense one.
+    routing_replay: bool | None = None
     engine: dict[str, Any] = field(default_factory=dict)  # any other vllm AsyncEngineArgs field
 
     def validate(self) -> None:
@@ -157,6 +160,7 @@ class Generator(ForgeActor):
         except Exception as e:  # e.g. pydantic's ValidationError, which cannot be pickled back to the caller
             raise ValueError(f"Generator: vLLM cannot start on {self.model}: {e}") from None
         self.vocab_size = self.engine.model_config.get_vocab_size()
+        self.routing = await self._record_routing()
         await self._warm_up()
         if self.store is not None:
             await self._pull_latest()  # a respawned replica starts on the latest policy
@@ -173,6 +177,34 @@ class Generator(ForgeActor):
                 TokensPrompt(prompt_token_ids=[0]), self._sampling_params(n, sp), uuid.uuid4().hex
             ):
                 pass
+
+    async def _record_routing(self) -> bool:
+        if self.cfg.routing_replay is False:
+            return False
+        hooked = (await self.engine.collective_rpc("forge_record_routing"))[0]
+        if not hooked and self.cfg.routing_replay:
+            raise ConfigError(f"config key 'generator.routing_replay' is true, but {self.model} has no routed experts")
+        return bool(hooked)
+
+    async def _routed_experts(self, request_id: str, prompt_len: int, samples: list[tuple[int, int]]) -> list[Any]:
+        """The routing record of each (sample index, tokens) of a finished request: [prompt +
+        completion tokens, layers, top_k] int16, -1 where none was computed; None without routing
+        replay. The samples share their prompt: a prompt position that one of them computed (the
+        others found it in the prefix cache) is filled in for all."""
+        if not self.routing:
+            return [None] * len(samples)
+        found = (await self.engine.collective_rpc("forge_routed_experts", args=(request_id,)))[0]
+        out = []
+        for index, n in samples:
+            shape, data = found[index]
+            got = torch.frombuffer(bytearray(data), dtype=torch.int16).reshape(shape)[: prompt_len + n]
+            record = torch.full((prompt_len + n, *shape[1:]), -1, dtype=torch.int16)
+            record[: got.shape[0]] = got
+            out.append(record)
+        for r in out:
+            for other in out:
+                r[:prompt_len] = torch.where(r[:prompt_len] < 0, other[:prompt_len], r[:prompt_len])
+        return out
 
     async def _pull_latest(self) -> None:
         """Fetch the store's latest version (generation goes on meanwhile), then swap it in."""
@@ -276,14 +308,18 @@ class Generator(ForgeActor):
         only), TimeoutError after `timeout_s` (default: config `request_timeout_s`)."""
         sp = {**dataclasses.asdict(self.cfg.sampling), **(sampling or {})}
         params = self._sampling_params(n, sp)
-        admitted = self.version
+        admitted, request_id = self.version, uuid.uuid4().hex
         final = None
-        async for out in self._outputs(self._engine_prompt(prompt), params, uuid.uuid4().hex, timeout_s, prompt):
+        async for out in self._outputs(self._engine_prompt(prompt), params, request_id, timeout_s, prompt):
             final = out
         finished = self.version
+        prompt_ids = list(final.prompt_token_ids)
+        routing = await self._routed_experts(
+            request_id, len(prompt_ids), [(c.index, len(c.token_ids)) for c in final.outputs]
+        )
         return [
             Completion(
-                prompt_ids=list(final.prompt_token_ids),
+                prompt_ids=prompt_ids,
                 token_ids=list(c.token_ids),
                 logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
                 text=c.text,
@@ -292,24 +328,34 @@ class Generator(ForgeActor):
                 policy_version=admitted,
                 max_policy_version=finished,
                 prompt=prompt if isinstance(prompt, str) else None,
+                routed_experts=routed,
             )
-            for c in final.outputs
+            for c, routed in zip(final.outputs, routing)
         ]
 
     @concurrent_endpoint
-    async def stream(self, port: Any, prompt: dict[str, Any], params: Any, request_id: str) -> tuple[int, int]:
+    async def stream(
+        self, port: Any, prompt: dict[str, Any], params: Any, request_id: str
+    ) -> tuple[int, int, list[Any]]:
         """Server mode (services/gateway.py): one request as vLLM's own server makes it (a rendered
         EngineInput and SamplingParams). Each RequestOutput vLLM yields is sent to `port`, then
-        None; returns the policy versions the request was admitted and finished under. The first
-        message is "start": a retry on another replica (this one died) starts again with it."""
-        admitted = self.version
+        None; returns the policy versions the request was admitted and finished under, and each
+        sample's routing record (by index; see `generate`). The first message is "start": a retry
+        on another replica (this one died) starts again with it."""
+        from vllm.sampling_params import RequestOutputKind
+
+        admitted, sampled = self.version, collections.Counter()
         port.send("start")
         try:
             async for out in self._outputs(prompt, params, request_id, None, prompt.get("prompt_token_ids")):
+                for c in out.outputs:  # tokens so far: DELTA outputs carry only the new ones
+                    n = len(c.token_ids)
+                    sampled[c.index] = sampled[c.index] + n if params.output_kind == RequestOutputKind.DELTA else n
                 port.send(out)
         finally:
             port.send(None)
-        return admitted, self.version
+        prompt_len = len(prompt.get("prompt_token_ids") or [])
+        return admitted, self.version, await self._routed_experts(request_id, prompt_len, sorted(sampled.items()))
 
     @endpoint
     async def abort(self, request_id: str) -> None:

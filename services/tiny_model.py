@@ -100,12 +100,6 @@ class TinyModelSpec:
     # rarely are, the gap RL closes.
     sft_noise: float = 0.0
 
-    def validate(self) -> None:
-        if self.family not in models.NAMES:
-            raise ConfigError(
-                f"config key 'model.tiny.family': unknown model family {self.family!r}; known: {', '.join(models.NAMES)}"
-            )
-
     def key(self) -> str:
         family = sys.modules[models.get(self.family, "model.tiny.family").tiny.__module__]  # its builder
         # data: the warm start's samples; tiny_keys: what every family's builder shares
@@ -197,12 +191,32 @@ class ModelConfig:
     """The `model` section of every app config: an HF directory, optionally forge-built."""
 
     path: str = ".cache/forge/models/tiny"
+    # The model family (services/models/: qwen3, llama3, qwen3_moe); null: config.json's
+    # model_type says. Set, it must be the checkpoint's (a tiny model is built of it).
+    family: str | None = None
     # When set, `path` is (re)built from this spec if missing or stale (cached otherwise).
     tiny: TinyModelSpec | None = None
 
     def validate(self) -> None:
-        if self.tiny is None and not (Path(self.path) / "config.json").is_file():
+        for key, family in (("family", self.family), ("tiny.family", self.tiny and self.tiny.family)):
+            if family is not None and family not in models.NAMES:
+                raise ConfigError(
+                    f"config key 'model.{key}': unknown model family {family!r}; known: {', '.join(models.NAMES)}"
+                )
+        if self.tiny is not None:
+            if self.family not in (None, self.tiny.family):
+                raise ConfigError(
+                    f"config key 'model.tiny.family' is {self.tiny.family!r}, but 'model.family' is {self.family!r}"
+                )
+            return
+        if not (Path(self.path) / "config.json").is_file():
             raise ConfigError(f"config key 'model.path': no HF model (config.json) in {self.path}")
+        try:
+            family = models.of_model(self.path).name
+        except ValueError as e:
+            raise ConfigError(f"config key 'model.path': {e}") from None
+        if self.family not in (None, family):
+            raise ConfigError(f"config key 'model.family' is {self.family!r}, but {self.path} holds a {family} model")
 
     def resolve(self, warm_start: WarmStart | None = None) -> Path:
         """The model's directory, built first when `tiny` asks for it (warm-started by `warm_start`)."""

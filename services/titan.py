@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from torchtitan.models.common.attention import FlexAttention
 
 from services import models
+from services.models import hf
+from services.models.layers import route_as
 
 
 def packed_causal_mask(positions: torch.Tensor) -> torch.Tensor:
@@ -25,14 +29,20 @@ def packed_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
 
 
-def load_hf_model(model_dir: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """The torchtitan model of `model_dir`'s family with its HF safetensors weights, fp32."""
+def load_hf_model(
+    model_dir: str | Path, device: str | torch.device = "cpu", parallelism: Any = None
+) -> torch.nn.Module:
+    """The torchtitan model of `model_dir`'s family with its HF safetensors weights, fp32; with a
+    torchtitan ParallelismConfig, its modules carry the sharding that config asks for (EP), for
+    their family's parallelize to apply."""
     device = torch.device(device)
     hf = models.hf_config(model_dir)
     family = models.of(hf)
     cfg = family.titan_config(hf, device.type)
+    if parallelism is not None:
+        cfg.update_from_config(config=SimpleNamespace(parallelism=parallelism))
     with torch.device("meta"):
-        model = cfg.build()
+        model = family.build(cfg)
     model.to_empty(device=device)
     with torch.no_grad():
         # init_weights re-ties the embeddings (to_empty unties them) and fills the RoPE cache.
@@ -70,9 +80,12 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_sharded_model(model_dir: str | Path, device: torch.device, param_dtype: str = "float32") -> torch.nn.Module:
+def build_sharded_model(
+    model_dir: str | Path, device: torch.device, param_dtype: str = "float32", expert_parallel: int = 1
+) -> torch.nn.Module:
     """The HF model of `model_dir` in torchtitan, FSDP2-sharded (its family's parallelize) over
-    every rank of the default process group (`init_distributed` first), in training mode."""
+    every rank of the default process group (`init_distributed` first), in training mode; a MoE's
+    experts split over `expert_parallel` of those ranks (torchtitan's EP: all-to-all dispatch)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -80,17 +93,28 @@ def build_sharded_model(model_dir: str | Path, device: torch.device, param_dtype
     from torchtitan.distributed import utils as dist_utils
 
     world = dist.get_world_size()
-    # "partial_dtensor": the default SPMD backend fails with more than one rank here.
-    dist_utils.set_spmd_backend("partial_dtensor")
+    family = models.of_model(model_dir)
+    backend = "partial_dtensor"  # torchtitan's default SPMD backend fails with more than one rank here
+    dist_utils.set_spmd_backend(backend)
     dims = ParallelDims(
-        dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, world_size=world, spmd_backend="partial_dtensor"
+        dp_replicate=1,
+        dp_shard=world,
+        cp=1,
+        tp=1,
+        pp=1,
+        ep=expert_parallel,
+        world_size=world,
+        spmd_backend=backend,
     )
     dims.build_mesh()
-    model = models.of_model(model_dir).parallelize(
-        load_hf_model(model_dir, device),
+    parallelism = ParallelismConfig(
+        data_parallel_shard_degree=world, expert_parallel_degree=expert_parallel, spmd_backend=backend
+    )
+    model = family.parallelize(
+        load_hf_model(model_dir, device, parallelism if expert_parallel > 1 else None),
         parallel_dims=dims,
         training=TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce="float32"),
-        parallelism=ParallelismConfig(data_parallel_shard_degree=world, spmd_backend="partial_dtensor"),
+        parallelism=parallelism,
         compile_config=CompileConfig(enable=False),
         ac_config=None,
         dump_folder="/tmp",
@@ -111,7 +135,12 @@ def gradients_summed() -> bool:
 
 
 def _forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(model.config.first_attention.inner_attention, FlexAttention.Config):
+    attention = getattr(getattr(model, "config", None), "first_attention", None)
+    if attention is None:  # the hf family: transformers' attention, given its mask
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        return model(ids, positions=positions, attention_masks=hf.attention_masks(model, positions))
+    if isinstance(attention.inner_attention, FlexAttention.Config):
         # Flex attends to whatever its block mask allows: causal, within each packed episode.
         if positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
@@ -127,10 +156,12 @@ def token_logprobs(
     chunk_rows: int = 0,
     with_entropy: bool = False,
     positions: torch.Tensor | None = None,
+    routed_experts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token t | tokens < t) for every t, token-aligned ([rows, seq], 0 at t=0), and
     optionally the entropy of each of those next-token distributions (no grad). On packed rows
-    (`positions`, see `collate`) each episode sees only itself.
+    (`positions`, see `collate`) each episode sees only itself. A MoE replays `routed_experts`
+    (the generator's routing, Batch.routed_experts) where given.
 
     cross_entropy on the logits avoids a second [rows, seq, vocab] log-softmax tensor;
     `chunk_rows` bounds the logits alive at once (the reference model, under no_grad)."""
@@ -140,6 +171,7 @@ def token_logprobs(
     for start in range(0, rows, step):
         ids = input_ids[start : start + step]
         pos = positions[start : start + step] if positions is not None else None
+        route_as(model, routed_experts[start : start + step] if routed_experts is not None else None)
         logits = _forward(model, ids, pos)[:, :-1].float()
         flat = logits.reshape(-1, logits.shape[-1])
         lp = -torch.nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)

@@ -26,7 +26,7 @@ from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
-from forge.losses import LossConfig, get_loss, importance_weight, k3_kl, loss_units
+from forge.losses import LossConfig, get_loss, importance_weight, k3_kl, loss_units, mismatch_sums
 from forge.store import WeightStore
 from forge.types import Batch
 from services import models
@@ -60,12 +60,17 @@ class TrainerConfig:
     keep_versions: int = 2  # versions kept in the store (>= the staleness window + 1)
     threads: int = 0  # torch threads per rank (0: the cores divided by the ranks)
     param_dtype: str = "float32"  # FSDP2 compute dtype of parameters (bfloat16 on GPU); grads reduce in fp32
+    # MoE: split the experts over this many of the trainer's procs (a divisor of trainer_procs), the
+    # rest of the model FSDP-sharded over all of them as always.
+    expert_parallel: int = 1
 
     def validate(self) -> None:
         if self.lr_decay not in DECAYS:
             raise ConfigError(f"config key 'trainer.lr_decay': {self.lr_decay!r} is not one of {', '.join(DECAYS)}")
         if self.grad_accum < 1:
             raise ConfigError(f"config key 'trainer.grad_accum' must be >= 1, got {self.grad_accum}")
+        if self.expert_parallel < 1:
+            raise ConfigError(f"config key 'trainer.expert_parallel' must be >= 1, got {self.expert_parallel}")
 
 
 def weight_store(cfg: TrainerConfig) -> WeightStore:
@@ -110,6 +115,11 @@ class Trainer(ForgeActor):
         if not isinstance(cfg, TrainerConfig):
             raise TypeError(f"Trainer: cfg must be a TrainerConfig, got {type(cfg).__name__}")
         require_file("model.path", Path(model) / "config.json")
+        hf = models.hf_config(model)
+        if cfg.expert_parallel > 1 and not (hf.get("num_experts") or hf.get("num_local_experts")):
+            raise ConfigError(
+                f"config key 'trainer.expert_parallel' is {cfg.expert_parallel}, but {model} has no experts"
+            )
 
     def __init__(self, model: str | Path, cfg: TrainerConfig, store: WeightStore | None = None):
         self.model_dir, self.cfg = str(model), cfg
@@ -132,7 +142,7 @@ class Trainer(ForgeActor):
         self.hf_config = models.hf_config(self.model_dir)
         family = models.of(self.hf_config)
         self.adapter = family.adapter(family.titan_config(self.hf_config, self.device.type))  # for HF exports
-        self.model = build_sharded_model(self.model_dir, self.device, self.cfg.param_dtype)
+        self.model = build_sharded_model(self.model_dir, self.device, self.cfg.param_dtype, self.cfg.expert_parallel)
         self.optimizers, self.schedulers = build_optimizers(self.model, self.cfg)
         self.loss_fn = get_loss(self.cfg.loss.name)
 
@@ -166,37 +176,36 @@ class Trainer(ForgeActor):
         # FSDP averages gradients over ranks (gloo: sums them); the shares already sum to 1 over all ranks.
         grad_scale = 1 if gradients_summed() else self.world
         self.optimizers.zero_grad()
-        # loss, kl, entropy, is_ratio, is_capped, tokens: summed on the device, copied to the host once.
-        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
+        # loss, kl, entropy, is_ratio, is_capped, tokens, then the mismatch sums: summed on the
+        # device, copied to the host once; the largest |delta logprob| reduces by max.
+        sums = torch.zeros(10, dtype=torch.float64, device=self.device)
+        peak = torch.zeros(1, dtype=torch.float64, device=self.device)
         for mb, share in zip(micro, shares):
-            lp, ent = token_logprobs(self.model, mb.input_ids, with_entropy=True, positions=mb.positions)
-            w = importance_weight(lp, mb.gen_logprobs, self.cfg.loss.is_cap)
-            loss = self.loss_fn(lp, mb, w, loss_cfg) * share
+            lp, ent = token_logprobs(
+                self.model, mb.input_ids, with_entropy=True, positions=mb.positions, routed_experts=mb.routed_experts
+            )
+            loss = self.loss_fn(lp, mb, importance_weight(lp, mb, loss_cfg), loss_cfg) * share
             (loss * grad_scale).backward()
-            m = mb.loss_mask
             with torch.no_grad():
-                raw = torch.exp(lp - mb.gen_logprobs)
-                kl = (k3_kl(lp, mb.ref_logprobs) * m).sum() if mb.ref_logprobs is not None else lp.new_zeros(())
-                sums += torch.stack(
-                    [
-                        loss.detach(),
-                        kl,
-                        (ent * m).sum(),
-                        (raw * m).sum(),
-                        ((raw > self.cfg.loss.is_cap).to(m.dtype) * m).sum(),
-                        m.sum(),
-                    ]
-                ).double()
-        grad_norm = dist_utils.clip_grad_norm_(list(self.model.parameters()), max_norm=self.cfg.max_norm, foreach=True)
+                step_sums = self._step_sums(mb, lp, ent, loss)
+                sums += step_sums[:-1]
+                peak = torch.maximum(peak, step_sums[-1:])
+        grad_norm = dist_utils.clip_grad_norm_(
+            list(self.model.parameters()),
+            max_norm=self.cfg.max_norm,
+            foreach=True,
+            ep_enabled=self.cfg.expert_parallel > 1,  # expert grads live on their own mesh
+        )
         self.optimizers.step()
         self.schedulers.step()
         self.step += 1
         self.version += 1
         dist.all_reduce(sums)
-        loss, kl, ent, ratio, capped, tokens, norm = torch.cat(
-            [sums, torch.as_tensor(grad_norm).reshape(1).to(sums)]
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        loss, kl, ent, ratio, capped, tokens, mm_kl, mm_abs, mm_out, fresh, mm_max, norm = torch.cat(
+            [sums, peak, torch.as_tensor(grad_norm).reshape(1).to(sums)]
         ).tolist()
-        n = max(tokens, 1.0)
+        n, nf = max(tokens, 1.0), max(fresh, 1.0)
         return self.version, {
             "loss": loss,
             "kl": kl / n,
@@ -206,7 +215,26 @@ class Trainer(ForgeActor):
             "grad_norm": norm,
             "lr": self.schedulers.schedulers[0].get_last_lr()[0],
             "trained_tokens": tokens,
+            # Over the tokens sampled on the weights this step starts from (none: 0).
+            "mismatch/kl": mm_kl / nf,
+            "mismatch/abs_logprob_mean": mm_abs / nf,
+            "mismatch/abs_logprob_max": mm_max,
+            "mismatch/outside_cap_frac": mm_out / nf,
+            "mismatch/tokens": fresh,
         }
+
+    def _step_sums(self, mb: Batch, lp: torch.Tensor, ent: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's share of the step's metrics (see train_step), its max |delta| last."""
+        m, cap = mb.loss_mask, self.cfg.loss.is_cap
+        raw = torch.exp(lp - mb.gen_logprobs)
+        kl = (k3_kl(lp, mb.ref_logprobs) * m).sum() if mb.ref_logprobs is not None else lp.new_zeros(())
+        # Each token's episode's version; padding (doc -1) gets the -1 appended (a shard may hold none).
+        versions = torch.cat([mb.policy_versions, mb.policy_versions.new_full((1,), -1)])[mb.doc_ids]
+        fresh = m * (versions == self.version).to(m.dtype)
+        own = torch.stack(
+            [loss.detach(), kl, (ent * m).sum(), (raw * m).sum(), ((raw > cap).to(m.dtype) * m).sum(), m.sum()]
+        )
+        return torch.cat([own.double(), mismatch_sums(lp, mb, fresh, cap)])
 
     @endpoint
     async def logprobs(self, batch: Batch) -> torch.Tensor:
@@ -215,7 +243,9 @@ class Trainer(ForgeActor):
 
         with torch.no_grad():
             b = batch.to(self.device)
-            return token_logprobs(self.model, b.input_ids, positions=b.positions)[0].cpu()
+            return token_logprobs(self.model, b.input_ids, positions=b.positions, routed_experts=b.routed_experts)[
+                0
+            ].cpu()
 
     def _full_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model with HF names, on rank 0 (every rank must call this)."""
@@ -336,7 +366,16 @@ def _rows(b: Batch, rows: slice | torch.Tensor, width: int | None = None) -> Bat
     """Rows of a padded batch, optionally cut to their first `width` columns, with the
     episodes they hold renumbered 0.. in order (doc_ids, policy_versions)."""
     keep = {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
-    for name in ("input_ids", "loss_mask", "advantages", "gen_logprobs", "ref_logprobs", "doc_ids", "positions"):
+    for name in (
+        "input_ids",
+        "loss_mask",
+        "advantages",
+        "gen_logprobs",
+        "ref_logprobs",
+        "doc_ids",
+        "positions",
+        "routed_experts",
+    ):
         if keep[name] is not None:
             keep[name] = keep[name][rows, :width]
     docs = keep["doc_ids"]

@@ -15,6 +15,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from forge.shm import forget_mapping, read_safetensors
+from services.vllm_routing import RoutingRecorder
 from services.vllm_staging import commit, stage
 
 
@@ -56,9 +57,10 @@ class WeightReloader:
     """Mixed into vLLM's worker; called through `AsyncLLM.collective_rpc`. Two ways to swap:
     `forge_stage` + `forge_commit` (the new weights are prepared while generation goes on, the
     commit is a copy and a pointer swap) or `forge_reload` (vLLM's own reload, all of it while
-    generation waits)."""
+    generation waits). With routing replay, `forge_record_routing` then `forge_routed_experts`."""
 
     _stager: ThreadPoolExecutor | None = None
+    _routing: RoutingRecorder | None = None
     _staging: Future | None = None
     _replaced: list = []
 
@@ -88,6 +90,7 @@ class WeightReloader:
         if staging is None:
             raise RuntimeError("forge_commit: nothing staged")
         self._replaced = commit(staging.result())
+        self._rebind_routing()
         return len(self._replaced)
 
     def forge_reload(self, path: str, keep_mapping: bool = True) -> int:
@@ -110,4 +113,23 @@ class WeightReloader:
                 experts.process_weights_after_loading(layer)
         if not keep_mapping:  # a one-off file: its memory goes when it is unlinked
             forget_mapping(path)
+        self._rebind_routing()
         return len(weights)
+
+    def forge_record_routing(self) -> int:
+        """Record the experts every MoE layer routes each computed token to; returns the layers
+        hooked (0: not a MoE model)."""
+        config = self.model_runner.model_config
+        if config.get_num_experts() <= 0:
+            return 0
+        if self._routing is None:
+            self._routing = RoutingRecorder(config.get_total_num_hidden_layers(), config.get_num_experts_per_tok())
+        return self._routing.bind(self.model_runner)
+
+    def forge_routed_experts(self, request_id: str) -> dict[int, tuple[tuple[int, ...], bytes]]:
+        """The routing records of a finished request's samples (RoutingRecorder.take), once."""
+        return {} if self._routing is None else self._routing.take(request_id)
+
+    def _rebind_routing(self) -> None:
+        if self._routing is not None:  # a reload may rebuild the MoE layers and their routers
+            self._routing.bind(self.model_runner)

@@ -37,6 +37,15 @@ def tiny_moe_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_hf_dir() -> Path:
+    """The tiny model of the hf family (any other causal LM, through torchtitan's transformers
+    backend): a Qwen2, random init."""
+    from services.tiny_model import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(ROOT / ".cache/forge/models/test-tiny-hf", TinyModelSpec(family="hf"))
+
+
+@pytest.fixture(scope="session")
 def loop():
     """One event loop for services that outlive a test (one vLLM engine per module or session)."""
     loop = asyncio.new_event_loop()

@@ -88,17 +88,22 @@ def test_missing_model_dir_is_named(tmp_path):
     assert "config key 'model.path'" in one_line(e) and "absent" in str(e.value)
 
 
-def test_an_unknown_tiny_model_family_is_named_at_load():
+def test_model_family_is_checked_at_load(tmp_path, tiny_model_dir):
+    """`model.family` picks the tiny model's family; an unknown one, a tiny spec of another
+    family or a checkpoint of another family is one console error naming the key."""
     from apps.grpo import Config
 
     with pytest.raises(ConfigError) as e:
-        load_config("configs/grpo_tiny.yaml", ["model.tiny.family=llama9"], Config)
-    assert "config key 'model.tiny.family': unknown model family 'llama9'; known: qwen3, llama3, qwen3_moe" in one_line(
-        e
-    )
-    assert load_config("configs/grpo_tiny.yaml", ["model.tiny.family=llama3"], Config).model.path.endswith(
-        "tiny-llama3-reverse-sft300-noise0.3"
-    )
+        load_config("configs/grpo_tiny.yaml", ["model.family=llama9"], Config)
+    assert "config key 'model.family': unknown model family 'llama9'; known: qwen3, llama3, qwen3_moe" in one_line(e)
+    cfg = load_config("configs/grpo_tiny.yaml", ["model.family=llama3"], Config)
+    assert cfg.model.tiny.family == "llama3" and cfg.model.path.endswith("tiny-llama3-reverse-sft300-noise0.3")
+    with pytest.raises(ConfigError, match="'model.tiny.family' is 'qwen3_moe', but 'model.family' is 'qwen3'"):
+        load_config("configs/grpo_tiny.yaml", ["model.tiny.family=qwen3_moe"], Config)
+    with pytest.raises(ConfigError, match=f"'model.family' is 'llama3', but {tiny_model_dir} holds a qwen3 model"):
+        load_config(
+            "configs/grpo_tiny.yaml", [f"model.path={tiny_model_dir}", "model.tiny=null", "model.family=llama3"], Config
+        )
 
 
 def test_shipped_configs_load():

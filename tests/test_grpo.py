@@ -140,6 +140,32 @@ def test_gpu_gsm8k_config_is_valid(tmp_path, tiny_model_dir):
     assert cfg.trainer.param_dtype == "bfloat16" and cfg.batch_size == 128
 
 
+@pytest.mark.parametrize("config, model", [("llama3.2_1b", "tiny_llama_dir"), ("qwen3_30b_a3b", "tiny_moe_dir")])
+def test_gpu_model_family_configs_are_valid(tmp_path, request, config, model):
+    """The documented GPU configs of the other families load with their model (a tiny one of the
+    same family: `model.family` must match it) and data paths replaced; their trainer and vLLM
+    engine keys are ones the trainer and vLLM take."""
+    from test_data import gsm8k_like
+
+    from services.trainer import Trainer
+
+    path = request.getfixturevalue(model)
+    data = gsm8k_like(tmp_path / "train.jsonl")
+    cfg = load_config(f"configs/grpo_{config}_gsm8k.yaml", [f"model.path={path}", f"dataset.path={data}"], Config)
+    assert cfg.rewards.weights == {"math": 1.0} and cfg.generator.kv_cache_memory_bytes is None  # from the base
+    Trainer.check_args(path, cfg.trainer)
+    engine = cfg.generator.engine_args(str(path))
+    if config == "llama3.2_1b":
+        assert cfg.model.family == "llama3" and "<|start_header_id|>user" in cfg.dataset.template
+    else:
+        assert cfg.model.family == "qwen3_moe" and cfg.trainer.expert_parallel == cfg.trainer_procs == 8
+        assert cfg.generator.routing_replay and engine.enable_expert_parallel and engine.tensor_parallel_size == 8
+        assert cfg.job.kind == "slurm" and cfg.trainer.serve_weights_on == "0.0.0.0"
+    dense = request.getfixturevalue("tiny_model_dir")
+    with pytest.raises(ConfigError, match="holds a qwen3 model"):
+        load_config(f"configs/grpo_{config}_gsm8k.yaml", [f"model.path={dense}", f"dataset.path={data}"], Config)
+
+
 def test_gpu_tool_config_is_valid(tmp_path, tiny_model_dir):
     """The documented multi-turn tool config loads with its paths replaced; its environment
     answers a calculator call and scores the final answer."""

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from forge.losses import LOSSES, LossConfig, group_advantages, importance_weight, k3_kl
+from forge.losses import IS_CORRECTIONS, LOSSES, LossConfig, group_advantages, importance_weight, k3_kl, mismatch_sums
 from forge.types import Episode, collate
 
 # Episode 1: prompt 1 token, 3 response tokens, advantage +1. Episode 2: 2 response tokens, -0.5.
@@ -79,11 +79,50 @@ def test_gspo_sequence_ratio_clipped():
 
 
 def test_importance_weight_and_advantages():
-    w = importance_weight(torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0]), cap=2.0)
-    assert w.tolist() == pytest.approx([2.0, math.exp(-1)])
+    ep = Episode(tokens=[1, 2, 3], loss_mask=[0, 1, 1], gen_logprobs=[0, -2.0, -1.0])
+    w = importance_weight(torch.tensor([[0, -1.0, -2.0]]), collate([ep], pad_id=0), LossConfig(is_cap=2.0))
+    assert w[0, 1:].tolist() == pytest.approx([2.0, math.exp(-1)])  # e^1 truncated at 2, e^-1
     r = torch.tensor([1.0, 0.0, 0.0, 1.0])
     assert group_advantages(r).tolist() == pytest.approx([1, -1, -1, 1], abs=1e-5)
     assert group_advantages(r, std_normalize=False).tolist() == [0.5, -0.5, -0.5, 0.5]
+
+
+# Episode 1's token log-ratios (trainer - generator) are +0.5, +0.5, 0: its sequence ratio is e^1.
+# Episode 2's are -1.0, +0.1: its sequence ratio is e^-0.9. The band is [1/2, 2] (log 2 = 0.69).
+SHIFTED = [[0.0, 0.0, -0.5, -2.0], [0.0, -2.0, -0.1, 0.0]]
+
+
+@pytest.mark.parametrize(
+    "correction, want",
+    [
+        ("token_truncate", [[math.exp(0.5), math.exp(0.5), 1.0], [math.exp(-1.0), math.exp(0.1)]]),
+        ("sequence_truncate", [[2.0] * 3, [math.exp(-0.9)] * 2]),  # e^1 capped at 2
+        ("token_mask", [[math.exp(0.5), math.exp(0.5), 1.0], [0.0, math.exp(0.1)]]),  # e^-1 < 1/2: dropped
+        ("sequence_mask", [[0.0] * 3, [0.0] * 2]),  # e^1 > 2 and e^-0.9 < 1/2: both episodes dropped
+    ],
+)
+def test_is_corrections_by_hand(correction, want):
+    batch = collate(EPS, pad_id=0)
+    w = IS_CORRECTIONS[correction](torch.tensor(SHIFTED), batch, LossConfig(is_cap=2.0, is_correction=correction))
+    got = [w[0, 1:4].tolist(), w[1, 1:3].tolist()]
+    assert got[0] == pytest.approx(want[0]) and got[1] == pytest.approx(want[1])
+    kept = IS_CORRECTIONS[correction](torch.tensor(SHIFTED), batch, LossConfig(is_cap=3.0, is_correction=correction))
+    assert (kept[batch.loss_mask.bool()] > 0).all()  # a band of [1/3, 3] keeps every token and episode
+
+
+def test_unknown_is_correction_is_named():
+    with pytest.raises(ValueError, match="'loss.is_correction': 'tis'"):
+        LossConfig(is_correction="tis").validate()
+
+
+def test_mismatch_sums_count_only_fresh_tokens():
+    batch = collate(EPS, pad_id=0)
+    fresh = batch.loss_mask.clone()
+    fresh[1] = 0  # episode 2 was sampled on older weights: staleness, not mismatch
+    kl, abs_sum, outside, tokens, peak = mismatch_sums(torch.tensor(SHIFTED), batch, fresh, cap=1.5).tolist()
+    d = [0.5, 0.5, 0.0]
+    assert kl == pytest.approx(sum(math.exp(x) - x - 1 for x in d))  # k3 of KL(generator || trainer)
+    assert (abs_sum, outside, tokens, peak) == pytest.approx((1.0, 2.0, 3.0, 0.5))  # e^0.5 > 1.5 twice
 
 
 def test_unknown_loss_is_named():
@@ -98,10 +137,17 @@ def test_loss_runs_on_the_device_of_its_inputs(name):
     ref = [[0, -0.5, -1.0, -2.0], [0, -1.0, -0.2]]
     batch = with_ref(collate(EPS, pad_id=0), ref).to("meta")
     lp = torch.tensor(LP).to("meta").requires_grad_()
-    w = importance_weight(lp, batch.gen_logprobs, 2.0)
-    loss = LOSSES[name](lp, batch, w, LossConfig(name=name, kl_coef=0.1))
+    cfg = LossConfig(name=name, kl_coef=0.1)
+    loss = LOSSES[name](lp, batch, importance_weight(lp, batch, cfg), cfg)
     loss.backward()
     assert loss.device.type == "meta" and loss.shape == () and lp.grad.device.type == "meta"
+
+
+@pytest.mark.parametrize("correction", sorted(IS_CORRECTIONS))
+def test_is_correction_runs_on_the_device_of_its_inputs(correction):
+    batch = collate(EPS, pad_id=0).to("meta")
+    w = importance_weight(torch.tensor(SHIFTED).to("meta"), batch, LossConfig(is_correction=correction))
+    assert w.device.type == "meta" and w.shape == batch.loss_mask.shape
 
 
 def test_std_normalize_is_the_losses_choice():
@@ -123,8 +169,8 @@ def test_multi_turn_mask_trains_only_sampled_tokens(name):
     other = Episode(tokens=[1, 2, 3], loss_mask=[0, 1, 1], gen_logprobs=[0, -1, -1], advantage=-0.7)
     batch = with_ref(collate([ep, other], pad_id=0), [[-1.2] * 9, [-1.2] * 3])
     lp = torch.full(batch.input_ids.shape, -1.1, requires_grad=True)
-    w = importance_weight(lp, batch.gen_logprobs, 2.0)
-    LOSSES[name](lp, batch, w, LossConfig(name=name, kl_coef=0.1)).backward()
+    cfg = LossConfig(name=name, kl_coef=0.1)
+    LOSSES[name](lp, batch, importance_weight(lp, batch, cfg), cfg).backward()
     grad = lp.grad[0]
     assert all(grad[t] == 0 for t, m in enumerate(mask) if not m)
     assert all(grad[t] != 0 for t, m in enumerate(mask) if m)

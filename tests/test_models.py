@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from services import models, titan
 from services.tiny_model import TinyModelSpec, make_tiny_model
 
-FAMILIES = ["qwen3", "llama3", "qwen3_moe"]
+FAMILIES = ["qwen3", "llama3", "qwen3_moe", "hf"]  # hf: the tiny one is a Qwen2
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -72,6 +72,53 @@ def test_llama3_rope_scaling_is_read_from_the_checkpoint(tmp_path):
 def test_families_are_named_by_forge_and_found_by_model_type(tmp_path):
     assert models.get("llama3").model_type == "llama" and models.of({"model_type": "llama"}).name == "llama3"
     with pytest.raises(
-        ValueError, match=r"model.tiny.family: family 'llama' is not supported \(supported: qwen3, llama3, qwen3_moe\)"
+        ValueError,
+        match=r"model.tiny.family: family 'llama' is not supported \(supported: qwen3, llama3, qwen3_moe, hf\)",
     ):
         make_tiny_model(tmp_path / "m", TinyModelSpec(family="llama"))
+
+
+OTHER_CAUSAL_LMS = {  # model_type: (config class, extra keys): each through the hf family
+    "mistral": ("MistralConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "gemma": ("GemmaConfig", {}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(OTHER_CAUSAL_LMS))
+def test_other_causal_lms_load_through_the_transformers_backend(tmp_path, model_type):
+    """A dense checkpoint of a model_type forge has no family of its own for is the hf family's:
+    transformers' modeling code in torchtitan, its logprobs those of transformers (1e-5, also on
+    packed rows), its export the checkpoint's tensors. A MoE or a type transformers lacks is an
+    error naming it."""
+    import transformers
+
+    config_cls, extra = OTHER_CAUSAL_LMS[model_type]
+    sizes = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+    config = getattr(transformers, config_cls)(
+        **sizes, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, **extra
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    assert models.of_model(tmp_path).name == "hf"
+    ids = torch.randint(5, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    want = transformers_logprobs(tmp_path, ids)
+    model = titan.load_hf_model(tmp_path).eval()
+    with torch.no_grad():
+        lp, _ = titan.token_logprobs(model, ids)
+        packed, _ = titan.token_logprobs(  # both rows in one, each attending only to itself
+            model, ids.reshape(1, -1), positions=torch.arange(40).repeat(2).reshape(1, -1)
+        )
+    assert (lp[:, 1:] - want).abs().max().item() <= 1e-5
+    assert (packed.reshape(2, 40)[:, 1:] - want).abs().max().item() <= 1e-5
+    exported = models.FALLBACK.adapter(models.FALLBACK.titan_config(models.hf_config(tmp_path))).to_hf(
+        model.state_dict()
+    )
+    original = load_file(str(tmp_path / "model.safetensors"))
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+
+    with pytest.raises(ValueError, match="model_type 'mixtral' is not supported"):
+        models.of({"model_type": "mixtral", "num_local_experts": 8})
+    with pytest.raises(ValueError, match="model_type 'vit' is not supported"):
+        models.of({"model_type": "vit"})  # transformers has no causal LM of it

@@ -178,7 +178,7 @@ def test_packed_rows_give_the_same_losses_and_gradients_as_one_episode_per_row(t
     at each) give every episode the logprobs it has alone in a row: the same loss and gradient
     for every kind of loss; and the same logprobs under torchtitan's FlexAttention (GPU), whose
     forward runs here."""
-    from forge.losses import LOSSES, importance_weight
+    from forge.losses import IS_CORRECTIONS, LOSSES, importance_weight
     from services import titan
     from services.models import layers
 
@@ -203,12 +203,11 @@ def test_packed_rows_give_the_same_losses_and_gradients_as_one_episode_per_row(t
         lp = titan.token_logprobs(model, batch.input_ids, positions=batch.positions)[0]
         return [lp[batch.doc_ids == i] for i in range(len(eps))]
 
-    def loss_and_grad(name, batch):
+    def loss_and_grad(name, batch, correction="token_truncate"):
         model.zero_grad()
         lp = titan.token_logprobs(model, batch.input_ids, positions=batch.positions)[0]
-        loss = LOSSES[name](
-            lp, batch, importance_weight(lp, batch.gen_logprobs, 2.0), LossConfig(name, kl_coef=0.1, norm_tokens=24)
-        )
+        cfg = LossConfig(name, kl_coef=0.1, norm_tokens=24, is_correction=correction)
+        loss = LOSSES[name](lp, batch, importance_weight(lp, batch, cfg), cfg)
         loss.backward()
         return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -220,6 +219,10 @@ def test_packed_rows_give_the_same_losses_and_gradients_as_one_episode_per_row(t
         p_loss, p_grad = loss_and_grad(name, packed)
         assert abs(loss - p_loss) < 1e-5, (name, loss, p_loss)
         assert torch.allclose(grad, p_grad, atol=1e-6), (name, (grad - p_grad).abs().max())
+    for correction in IS_CORRECTIONS:  # sequence-level weights too follow each packed episode
+        loss, grad = loss_and_grad("grpo", rows, correction)
+        p_loss, p_grad = loss_and_grad("grpo", packed, correction)
+        assert abs(loss - p_loss) < 1e-5 and torch.allclose(grad, p_grad, atol=1e-6), correction
 
     cpu_choice = layers.attention_config
     monkeypatch.setattr(layers, "attention_config", lambda device_type: cpu_choice("cuda"))
@@ -228,3 +231,31 @@ def test_packed_rows_give_the_same_losses_and_gradients_as_one_episode_per_row(t
     with torch.no_grad():
         for alone, together in zip(episode_logprobs(rows), episode_logprobs(packed)):
             assert torch.allclose(alone, together, atol=1e-5)
+
+
+@pytest.mark.slow  # 2 trainers of 2 procs each
+def test_expert_parallel_trains_as_fsdp_alone(tmp_path, tiny_moe_dir):
+    """trainer.expert_parallel=2 on the tiny MoE (its 4 experts split over 2 procs, torchtitan's
+    all-to-all dispatch, on gloo) takes the steps FSDP alone takes: the same losses and logprobs,
+    and an HF export of the same weights."""
+
+    async def run(ep: int):
+        procs = await start_store()
+        cfg = TrainerConfig(lr=1e-3, expert_parallel=ep, loss=LossConfig(name="reinforce"))
+        trainer = await Trainer.options(procs=2).as_service(str(tiny_moe_dir), cfg, WeightStore(f"ep{ep}"))
+        try:
+            batch, losses = fixed_batch(), []
+            for _ in range(3):
+                batch = on_policy(batch, await trainer.logprobs.route(batch))
+                losses.append((await trainer.train_step.route(batch))[1]["loss"])
+            await trainer.export_hf.route(str(tmp_path / f"ep{ep}"))
+            return losses, await trainer.logprobs.route(batch)
+        finally:
+            await trainer.shutdown()
+            await stop_store(procs)
+
+    (fsdp_losses, fsdp_lp), (ep_losses, ep_lp) = asyncio.run(run(1)), asyncio.run(run(2))
+    assert ep_losses == pytest.approx(fsdp_losses, abs=1e-5)
+    assert (ep_lp - fsdp_lp).abs().max() <= 1e-5
+    fsdp_w, ep_w = load_file(tmp_path / "ep1/model.safetensors"), load_file(tmp_path / "ep2/model.safetensors")
+    assert fsdp_w.keys() == ep_w.keys() and all(torch.allclose(fsdp_w[k], ep_w[k], atol=1e-4) for k in fsdp_w)

@@ -177,12 +177,14 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_llama_dir", "tiny_moe_dir"])  # qwen3, llama3, qwen3_moe
-def test_trainer_to_generator_parity_and_reference(model, request):
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_llama_dir", "tiny_moe_dir", "tiny_hf_dir"])  # by family
+def test_trainer_to_generator_parity_and_reference(model, request, tmp_path):
     """For each model family: the trainer pushes a trained policy (HF names, its family's
     adapter); the generator serves it; on the generator's own tokens, trainer logprobs match
     the generator's (k3 KL <= 1e-4, IS ratio 1 within 1e-5) and an fp32 transformers forward
-    of the pushed weights (1e-4). The reference keeps the initial policy, chunked or not."""
+    of the pushed weights (1e-4). The trainer's HF export starts a fresh vLLM engine that
+    samples the swapped-in generator's greedy tokens. The reference keeps the initial policy,
+    chunked or not."""
     from test_trainer import fixed_batch, on_policy
 
     from forge.losses import LossConfig
@@ -208,12 +210,24 @@ def test_trainer_to_generator_parity_and_reference(model, request):
                 await trainer.train_step.route(on_policy(b, await trainer.logprobs.route(b)))
             assert await sync.push() == 3
             await sync.wait_held(3, timeout_s=60)
-            groups = await asyncio.gather(
-                *(gen.generate.route(p, n=4, sampling={"max_tokens": 24}) for p in ("rev abc=", "12+7=", "sort cba="))
-            )
+            prompts = ("rev abc=", "12+7=", "sort cba=")
+            groups = await asyncio.gather(*(gen.generate.route(p, n=4, sampling={"max_tokens": 24}) for p in prompts))
+            await trainer.export_hf.route(str(tmp_path / "hf"))
+            fresh = await Generator.options().as_service(str(tmp_path / "hf"), GeneratorConfig(max_model_len=256))
+            greedy = {"max_tokens": 24, "temperature": 0.0}
+            try:
+                swapped = [(await gen.generate.route(p, sampling=greedy))[0].token_ids for p in prompts]
+                anew = [(await fresh.generate.route(p, sampling=greedy))[0].token_ids for p in prompts]
+            finally:
+                await fresh.shutdown()
+            assert swapped == anew
             episodes = [Episode.from_completion(c) for g in groups for c in g]
             batch = collate(episodes, pad_id=0)
             trainer_lp = await trainer.logprobs.route(batch)
+            again = await trainer.logprobs.route(batch)
+            for i in range(len(episodes)):
+                batch.advantages[batch.doc_ids == i] = 1.0 if i % 2 else -1.0
+            _, step0 = await trainer.train_step.route(batch)  # a step on the generator's fresh tokens
             ref_fixed = await ref.logprobs.route(fixed_batch())
             pushed = await weights.fetch(3)
         finally:
@@ -221,9 +235,9 @@ def test_trainer_to_generator_parity_and_reference(model, request):
             await asyncio.gather(gen.shutdown(), trainer.shutdown(), ref.shutdown())
             await weights.clear()
             await stop_store(store)
-        return groups, batch, trainer_lp, initial, ref_fixed, pushed
+        return groups, batch, trainer_lp, again, step0, initial, ref_fixed, pushed
 
-    groups, batch, trainer_lp, initial, ref_fixed, pushed = asyncio.run(main())
+    groups, batch, trainer_lp, again, step0, initial, ref_fixed, pushed = asyncio.run(main())
     assert max_logprob_error(tiny_model_dir, [c for g in groups for c in g], pushed) <= 1e-4
     assert all(c.policy_version == 3 for g in groups for c in g)
     m = batch.loss_mask.bool()
@@ -231,6 +245,13 @@ def test_trainer_to_generator_parity_and_reference(model, request):
     k3 = (torch.exp(-d) + d - 1).mean().item()
     assert k3 <= 1e-4 and (torch.exp(d) - 1).abs().max().item() <= 1e-5, (k3, d.abs().max())
     assert (ref_fixed - initial).abs().max().item() <= 1e-5  # reference = initial policy
+    # Step 0 on-policy: the PPO ratio's old logprobs are the trainer's own, recomputed bit for bit
+    # (ratio exactly 1); the mismatch is measured on every sampled token, and only numerics remain.
+    assert torch.equal(trainer_lp, again)
+    print(model, {k: v for k, v in step0.items() if k.startswith("mismatch")})
+    assert step0["mismatch/tokens"] == batch.loss_mask.sum().item()
+    assert step0["mismatch/kl"] <= 1e-9 and step0["mismatch/abs_logprob_max"] <= 1e-4, step0
+    assert step0["mismatch/outside_cap_frac"] == 0 and step0["is_ratio_mean"] == pytest.approx(1, abs=1e-5)
 
 
 def test_shm_file_format_mixed_dtypes(tmp_path):

@@ -3,8 +3,9 @@
     loss = LOSSES[cfg.name](logprobs, batch, is_weight, cfg)    # one scalar tensor
 
 `logprobs` are the trainer's (with grad), index t = log p(token t); `is_weight` is the
-truncated importance weight min(pi_trainer / pi_generator, cap), detached, that corrects
-samples a stale generator produced (1 on-policy). Each batch gets one optimizer step, so
+importance weight, detached, that corrects what the generator sampled for the trainer's policy
+(`IS_CORRECTIONS[cfg.is_correction]`: by default the token ratio pi_trainer / pi_generator
+truncated at `is_cap`; ~1 on-policy, where only numerics differ). Each batch gets one optimizer step, so
 the "old" policy of the PPO ratio is the trainer's own logprobs before the step
 (`logprobs.detach()`); the ratio is 1 in value and carries the gradient.
 To add a loss: write a function with this signature and register it in LOSSES.
@@ -12,6 +13,7 @@ To add a loss: write a function with this signature and register it in LOSSES.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +28,10 @@ class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2  # DAPO's clip-higher uses 0.28
     kl_coef: float = 0.0  # k3 KL to the reference model (needs ref_logprobs)
-    is_cap: float = 2.0  # truncated importance sampling cap
+    is_cap: float = 2.0  # truncated importance sampling cap; masking keeps ratios in [1/is_cap, is_cap]
+    # How the generator -> trainer ratio weighs tokens: token_truncate | sequence_truncate |
+    # token_mask | sequence_mask (IS_CORRECTIONS).
+    is_correction: str = "token_truncate"
     norm_tokens: int = 0  # Dr.GRPO's constant normalizer (0: the batch's row length)
     # Divide group advantages by the group's reward std; null: the loss's own choice (Dr.GRPO
     # drops it, the others keep it).
@@ -34,6 +39,10 @@ class LossConfig:
 
     def validate(self) -> None:
         get_loss(self.name)
+        if self.is_correction not in IS_CORRECTIONS:
+            raise ValueError(
+                f"config key 'loss.is_correction': {self.is_correction!r} is not one of {', '.join(IS_CORRECTIONS)}"
+            )
         if self.is_cap < 1:
             raise ValueError(f"config key 'loss.is_cap' must be >= 1, got {self.is_cap}")
 
@@ -169,9 +178,70 @@ def get_loss(name: str) -> LossFn:
     return LOSSES[name]
 
 
-def importance_weight(logprobs: torch.Tensor, gen_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated IS weight min(pi_trainer / pi_generator, cap), detached."""
-    return torch.exp(logprobs.detach() - gen_logprobs).clamp(max=cap)
+def _log_ratio(logprobs: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """log(pi_trainer / pi_generator) of each loss token, detached (0 elsewhere)."""
+    return (logprobs.detach() - batch.gen_logprobs) * batch.loss_mask
+
+
+def _on_tokens(per_doc: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Each episode's value on its tokens (padding gets episode 0's; the loss mask hides it)."""
+    return per_doc[batch.doc_ids.clamp(min=0)]
+
+
+def token_truncate(logprobs: torch.Tensor, batch: Batch, cfg: LossConfig) -> torch.Tensor:
+    """Truncated IS per token: min(pi_trainer / pi_generator, cap)."""
+    return torch.exp(_log_ratio(logprobs, batch)).clamp(max=cfg.is_cap)
+
+
+def sequence_truncate(logprobs: torch.Tensor, batch: Batch, cfg: LossConfig) -> torch.Tensor:
+    """Truncated IS per sequence: the product of the episode's token ratios, capped, on each of
+    its tokens (unbiased at the sequence level, where the reward is)."""
+    log_seq = _per_doc(_log_ratio(logprobs, batch), batch).clamp(max=math.log(cfg.is_cap))
+    return _on_tokens(torch.exp(log_seq), batch)
+
+
+def _in_band(log_r: torch.Tensor, cap: float) -> torch.Tensor:
+    return (log_r.abs() <= math.log(cap)).to(log_r.dtype)
+
+
+def token_mask(logprobs: torch.Tensor, batch: Batch, cfg: LossConfig) -> torch.Tensor:
+    """Masked IS per token: the ratio where it lies in [1/cap, cap], 0 (token dropped) outside."""
+    log_r = _log_ratio(logprobs, batch)
+    return torch.exp(log_r) * _in_band(log_r, cfg.is_cap)
+
+
+def sequence_mask(logprobs: torch.Tensor, batch: Batch, cfg: LossConfig) -> torch.Tensor:
+    """Masked IS per sequence: the episode's ratio (product over its tokens) where it lies in
+    [1/cap, cap], else the whole episode is dropped (weight 0)."""
+    log_seq = _per_doc(_log_ratio(logprobs, batch), batch)
+    return _on_tokens(torch.exp(log_seq.clamp(max=math.log(cfg.is_cap))) * _in_band(log_seq, cfg.is_cap), batch)
+
+
+ISCorrection = Callable[[torch.Tensor, Batch, LossConfig], torch.Tensor]
+IS_CORRECTIONS: dict[str, ISCorrection] = {
+    "token_truncate": token_truncate,
+    "sequence_truncate": sequence_truncate,
+    "token_mask": token_mask,
+    "sequence_mask": sequence_mask,
+}
+
+
+def importance_weight(logprobs: torch.Tensor, batch: Batch, cfg: LossConfig) -> torch.Tensor:
+    """The detached IS weight of each token, by `cfg.is_correction`."""
+    return IS_CORRECTIONS[cfg.is_correction](logprobs, batch, cfg).detach()
+
+
+def mismatch_sums(logprobs: torch.Tensor, batch: Batch, fresh: torch.Tensor, cap: float) -> torch.Tensor:
+    """Train/inference mismatch over the `fresh` tokens (1 where the generator sampled on the
+    weights the trainer holds, so only numerics differ), as sums over ranks and micro-batches:
+    [k3 KL(generator || trainer), |delta logprob|, tokens whose ratio is outside [1/cap, cap],
+    tokens], then the largest |delta logprob| (to reduce with max)."""
+    fresh = fresh.double()  # fp32's exp(d) - d - 1 is 0 for the |d| ~ 1e-7 of fp32 numerics
+    d = (logprobs.detach().double() - batch.gen_logprobs.double()) * fresh
+    k3 = k3_kl(torch.zeros_like(d), d) * fresh
+    outside = (1 - _in_band(d, cap)) * fresh
+    peak = torch.cat([d.abs().flatten(), d.new_zeros(1)]).max()  # a shard's empty micro-batch has no tokens
+    return torch.stack([k3.sum(), d.abs().sum(), outside.sum(), fresh.sum(), peak])
 
 
 def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:

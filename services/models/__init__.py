@@ -14,17 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.models import llama3, qwen3, qwen3_moe
+from services.models import hf, llama3, qwen3, qwen3_moe
 
 
 @dataclass(frozen=True)
 class ModelFamily:
-    name: str  # forge's (`model.tiny.family`, `forge make-tiny-model --family`)
+    name: str  # forge's (`model.family`, `forge make-tiny-model --family`)
     model_type: str  # config.json's
     titan_config: Callable[[dict, str], Any]  # (HF config, device type) -> torchtitan model config
     adapter: Callable[[Any], Any]  # (torchtitan model config) -> its state-dict adapter (from_hf, to_hf)
     parallelize: Callable[..., Any]  # torchtitan's parallelize function (FSDP2, activation checkpointing)
     tiny: Callable[[Any, Any], Any]  # (TinyModelSpec, tokenizer) -> a small HF model of the family
+    build: Callable[[Any], Any] = lambda cfg: cfg.build()  # (its model config) -> the model, on the current device
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -42,7 +43,9 @@ FAMILIES: dict[str, ModelFamily] = {
         ),
     )
 }
-NAMES: dict[str, ModelFamily] = {f.name: f for f in FAMILIES.values()}
+# Any other dense causal LM transformers knows: its own modeling code in torchtitan (hf.py).
+FALLBACK = ModelFamily("hf", "*", hf.titan_config, hf.adapter, hf.parallelize, hf.tiny_model, hf.build)
+NAMES: dict[str, ModelFamily] = {f.name: f for f in (*FAMILIES.values(), FALLBACK)}
 
 
 def get(name: str | None, where: str = "model.tiny.family") -> ModelFamily:
@@ -55,10 +58,15 @@ def get(name: str | None, where: str = "model.tiny.family") -> ModelFamily:
 def of(hf_config: dict[str, Any], where: str = "config.json") -> ModelFamily:
     """The family of an HF config (its `model_type`), or an error naming `where` it came from."""
     model_type = hf_config.get("model_type")
-    if model_type not in FAMILIES:
-        known = ", ".join(f"{t} ({f.name})" for t, f in FAMILIES.items())
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {known})")
-    return FAMILIES[model_type]
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    if hf.supports(hf_config):
+        return FALLBACK
+    known = ", ".join(f"{t} ({f.name})" for t, f in FAMILIES.items())
+    raise ValueError(
+        f"{where}: model_type {model_type!r} is not supported (supported: {known}, and any other dense causal LM "
+        "transformers has, through torchtitan's transformers backend (hf))"
+    )
 
 
 def hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -67,9 +75,11 @@ def hf_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-    hf = json.loads(path.read_text())
-    of(hf, str(path))
-    return hf
+    hf_config = json.loads(path.read_text())
+    # Where the checkpoint is (HF's own key): the hf family's backend reads the config from there.
+    hf_config["_name_or_path"] = str(model_dir)
+    of(hf_config, str(path))
+    return hf_config
 
 
 def of_model(model_dir: str | Path) -> ModelFamily:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.config_utils import make_gqa_config
-from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
 from torchtitan.models.common.nn_modules import RMSNorm
 
 # Init for the projections when a model is trained from scratch; HF weights overwrite it.
@@ -79,3 +79,40 @@ class ParamDtypeGroupedExperts(GroupedExperts):
         h = F.silu(self._grouped_mm(A=x, B_t=w1.transpose(-2, -1), offs=offs))
         h = h * self._grouped_mm(A=x, B_t=w3.transpose(-2, -1), offs=offs)
         return self._grouped_mm(A=h, B_t=w2.transpose(-2, -1), offs=offs).type_as(x_RD)
+
+
+class ReplayRouter(TokenChoiceTopKRouter):
+    """torchtitan's token-choice router that, given a record (`route_as`), takes each token's experts from
+    the generator's record instead of its own top-k (tokens without a record, -1, keep its own).
+    Like R3 (Ma et al. 2025, "rollout routing replay"), only the choice is replayed: the combine
+    weights are this router's own scores at those experts, so the gate still gets a gradient and
+    routes as the trainer's weights say wherever the record is silent."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TokenChoiceTopKRouter.Config):
+        pass
+
+    replay_BLK: torch.Tensor | None = None
+
+    def forward(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
+        scores_k, own_k, scores_BLE = super().forward(x_BLD, expert_bias_E)
+        if self.replay_BLK is None:
+            return scores_k, own_k, scores_BLE
+        replay = self.replay_BLK.to(own_k.device)
+        ids_BLK = torch.where((replay >= 0).all(-1, keepdim=True), replay, own_k)
+        # The parent's scores, gathered at the replayed experts (softmax or sigmoid; its bias
+        # picks experts only), then normalised and scaled as it does.
+        topk_BLK = scores_BLE.gather(dim=-1, index=ids_BLK)
+        if self.route_norm:
+            topk_BLK = topk_BLK / (topk_BLK.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_BLK * self.route_scale, ids_BLK, scores_BLE
+
+
+def route_as(model: torch.nn.Module, routed_experts: torch.Tensor | None) -> None:
+    """Every ReplayRouter of decoder layer i routes the rows `model` is called on next as
+    `routed_experts[:, :, i]` ([rows, seq, layers, top_k]) says; None: each routes itself. It
+    stays set until the next call, so a backward that recomputes the forward routes alike."""
+    for name, m in model.named_modules():
+        if isinstance(m, ReplayRouter):
+            layer = int(name.split("layers.")[1].split(".")[0])
+            m.replay_BLK = None if routed_experts is None else routed_experts[:, :, layer].long()

@@ -15,7 +15,7 @@ def moe_config(hf: dict, layer: int) -> Any:
     """torchtitan's MoE config of `layer`, or None where the checkpoint has a dense MLP there."""
     from torchtitan.models.common.config_utils import make_moe_config, make_routed_experts_config, make_router_config
 
-    from services.models.layers import INIT, ParamDtypeGroupedExperts
+    from services.models.layers import INIT, ParamDtypeGroupedExperts, ReplayRouter
 
     step = hf.get("decoder_sparse_step", 1)
     if layer in hf.get("mlp_only_layers", []) or step < 1 or (layer + 1) % step:
@@ -37,19 +37,20 @@ def moe_config(hf: dict, layer: int) -> Any:
             dim=inner.dim, hidden_dim=inner.hidden_dim, num_experts=inner.num_experts, param_init=inner.param_init
         ),
     )
+    router = make_router_config(
+        dim=dim,
+        num_experts=experts,
+        gate_param_init=INIT,
+        top_k=top_k,
+        score_func="softmax",
+        route_norm=bool(hf.get("norm_topk_prob", True)),
+    )
     return make_moe_config(
         num_experts=experts,
         # HF's Qwen3-MoE routes by the gate's softmax alone: torchtitan's load-balancing expert
         # bias would pick other experts than the checkpoint (and vLLM) do.
         load_balance_coeff=None,
-        router=make_router_config(
-            dim=dim,
-            num_experts=experts,
-            gate_param_init=INIT,
-            top_k=top_k,
-            score_func="softmax",
-            route_norm=bool(hf.get("norm_topk_prob", True)),
-        ),
+        router=ReplayRouter.Config(**{f.name: getattr(router, f.name) for f in dataclasses.fields(router)}),
         routed_experts=experts_cfg,
     )
 
