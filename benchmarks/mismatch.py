@@ -28,7 +28,7 @@ from services import titan
 from services.generator import Generator, GeneratorConfig, SamplingConfig
 from services.tiny_model import TinyModelSpec, make_tiny_model
 
-FAMILIES = ("qwen3", "llama3", "qwen3_moe")
+FAMILIES = ("qwen3", "llama3", "hf", "qwen3_moe")
 CAP = 2.0
 
 

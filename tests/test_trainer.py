@@ -233,29 +233,39 @@ def test_packed_rows_give_the_same_losses_and_gradients_as_one_episode_per_row(t
             assert torch.allclose(alone, together, atol=1e-5)
 
 
-@pytest.mark.slow  # 2 trainers of 2 procs each
-def test_expert_parallel_trains_as_fsdp_alone(tmp_path, tiny_moe_dir):
-    """trainer.expert_parallel=2 on the tiny MoE (its 4 experts split over 2 procs, torchtitan's
-    all-to-all dispatch, on gloo) takes the steps FSDP alone takes: the same losses and logprobs,
-    and an HF export of the same weights."""
+@pytest.mark.slow  # two trainers, of 2 procs and of 1 or 2
+@pytest.mark.parametrize(
+    "model, sharded, alone",
+    [
+        ("tiny_moe_dir", (2, 2), (2, 1)),  # the MoE's experts over 2 procs (EP 2) vs FSDP alone
+        ("tiny_hf_dir", (2, 1), (1, 1)),  # the hf family on 2 FSDP ranks vs 1
+    ],
+)
+def test_sharded_trainers_take_the_steps_of_one(tmp_path, request, model, sharded, alone):
+    """(procs, trainer.expert_parallel): expert parallelism on the tiny MoE (its 4 experts split
+    over 2 procs, torchtitan's all-to-all dispatch, on gloo), and forge's FSDP2 of the hf family,
+    take the steps of the unsharded trainer: the same losses and logprobs, an HF export of the
+    same weights."""
+    model_dir = request.getfixturevalue(model)
 
-    async def run(ep: int):
-        procs = await start_store()
+    async def run(procs: int, ep: int):
+        store = await start_store()
         cfg = TrainerConfig(lr=1e-3, expert_parallel=ep, loss=LossConfig(name="reinforce"))
-        trainer = await Trainer.options(procs=2).as_service(str(tiny_moe_dir), cfg, WeightStore(f"ep{ep}"))
+        trainer = await Trainer.options(procs=procs).as_service(str(model_dir), cfg, WeightStore(f"p{procs}e{ep}"))
         try:
             batch, losses = fixed_batch(), []
             for _ in range(3):
                 batch = on_policy(batch, await trainer.logprobs.route(batch))
                 losses.append((await trainer.train_step.route(batch))[1]["loss"])
-            await trainer.export_hf.route(str(tmp_path / f"ep{ep}"))
+            await trainer.export_hf.route(str(tmp_path / f"p{procs}e{ep}"))
             return losses, await trainer.logprobs.route(batch)
         finally:
             await trainer.shutdown()
-            await stop_store(procs)
+            await stop_store(store)
 
-    (fsdp_losses, fsdp_lp), (ep_losses, ep_lp) = asyncio.run(run(1)), asyncio.run(run(2))
-    assert ep_losses == pytest.approx(fsdp_losses, abs=1e-5)
-    assert (ep_lp - fsdp_lp).abs().max() <= 1e-5
-    fsdp_w, ep_w = load_file(tmp_path / "ep1/model.safetensors"), load_file(tmp_path / "ep2/model.safetensors")
-    assert fsdp_w.keys() == ep_w.keys() and all(torch.allclose(fsdp_w[k], ep_w[k], atol=1e-4) for k in fsdp_w)
+    (losses, lp), (want_losses, want_lp) = asyncio.run(run(*sharded)), asyncio.run(run(*alone))
+    assert losses == pytest.approx(want_losses, abs=1e-5)
+    assert (lp - want_lp).abs().max() <= 1e-5
+    got = load_file(tmp_path / f"p{sharded[0]}e{sharded[1]}/model.safetensors")
+    want = load_file(tmp_path / f"p{alone[0]}e{alone[1]}/model.safetensors")
+    assert got.keys() == want.keys() and all(torch.allclose(got[k], want[k], atol=1e-4) for k in want)
