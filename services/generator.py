@@ -121,6 +121,18 @@ class GeneratorConfig:
         )
 
 
+def _record(found: tuple[tuple[int, ...], bytes] | None, length: int) -> torch.Tensor | None:
+    """A sample's routing record from vLLM's worker as `length` positions (-1 past what it holds);
+    None if it holds none (that sample's tokens are then routed by the trainer itself)."""
+    if found is None:
+        return None
+    shape, data = found
+    got = torch.frombuffer(bytearray(data), dtype=torch.int16).reshape(shape)[:length]
+    record = torch.full((length, *shape[1:]), -1, dtype=torch.int16)
+    record[: got.shape[0]] = got
+    return record
+
+
 def _preview(prompt: Any) -> str:
     text = repr(prompt)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -194,15 +206,10 @@ class Generator(ForgeActor):
         if not self.routing:
             return [None] * len(samples)
         found = (await self.engine.collective_rpc("forge_routed_experts", args=(request_id,)))[0]
-        out = []
-        for index, n in samples:
-            shape, data = found[index]
-            got = torch.frombuffer(bytearray(data), dtype=torch.int16).reshape(shape)[: prompt_len + n]
-            record = torch.full((prompt_len + n, *shape[1:]), -1, dtype=torch.int16)
-            record[: got.shape[0]] = got
-            out.append(record)
-        for r in out:
-            for other in out:
+        out = [_record(found.get(index), prompt_len + n) for index, n in samples]
+        held = [r for r in out if r is not None]
+        for r in held:
+            for other in held:
                 r[:prompt_len] = torch.where(r[:prompt_len] < 0, other[:prompt_len], r[:prompt_len])
         return out
 

@@ -68,9 +68,10 @@ class RoutingRecorder:
         self._step = np.full((total, self.num_layers, self.top_k), MISSING, dtype=np.int16)
 
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
-        if self._step is not None:
-            n = self._step.shape[0]
-            self._step[:, layer] = topk_ids[:n].to("cpu", torch.int16).numpy()
+        # More rows than the step's tokens: padding (CUDA graphs); fewer: a forward of no step's
+        # (a dummy run), which has nothing to record.
+        if self._step is not None and topk_ids.shape[0] >= self._step.shape[0]:
+            self._step[:, layer] = topk_ids[: self._step.shape[0]].to("cpu", torch.int16).numpy()
 
     def _flush(self) -> None:
         """File the last forward's rows under their requests and positions."""
