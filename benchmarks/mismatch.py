@@ -21,7 +21,7 @@ import torch
 
 from apps.sft import warm_start
 from benchmarks.common import ROOT, parse_args, write_result
-from forge.losses import mismatch_sums
+from forge.losses import mismatch_metrics, mismatch_sums
 from forge.tasks import generate
 from forge.types import Episode, collate
 from services import titan
@@ -57,14 +57,7 @@ async def sample(model: str, prompts: list[str], n: int) -> list:
 def measure(model: torch.nn.Module, batch, routed_experts) -> dict[str, float]:
     with torch.no_grad():
         lp = titan.token_logprobs(model, batch.input_ids, routed_experts=routed_experts)[0]
-    kl, abs_sum, outside, tokens, peak = mismatch_sums(lp, batch, batch.loss_mask, CAP).tolist()
-    return {
-        "kl": kl / tokens,
-        "abs_logprob_mean": abs_sum / tokens,
-        "abs_logprob_max": peak,
-        "outside_cap_frac": outside / tokens,
-        "tokens": tokens,
-    }
+    return mismatch_metrics(*mismatch_sums(lp, batch, batch.loss_mask, CAP).tolist())
 
 
 def family_rows(family: str, prompts: list[str], n: int, quick: bool) -> dict[str, dict[str, float]]:

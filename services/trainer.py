@@ -26,7 +26,7 @@ from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
-from forge.losses import LossConfig, get_loss, importance_weight, k3_kl, loss_units, mismatch_sums
+from forge.losses import LossConfig, get_loss, importance_weight, k3_kl, loss_units, mismatch_metrics, mismatch_sums
 from forge.store import WeightStore
 from forge.types import Batch
 from services import models
@@ -205,7 +205,7 @@ class Trainer(ForgeActor):
         loss, kl, ent, ratio, capped, tokens, mm_kl, mm_abs, mm_out, fresh, mm_max, norm = torch.cat(
             [sums, peak, torch.as_tensor(grad_norm).reshape(1).to(sums)]
         ).tolist()
-        n, nf = max(tokens, 1.0), max(fresh, 1.0)
+        n = max(tokens, 1.0)
         return self.version, {
             "loss": loss,
             "kl": kl / n,
@@ -216,11 +216,7 @@ class Trainer(ForgeActor):
             "lr": self.schedulers.schedulers[0].get_last_lr()[0],
             "trained_tokens": tokens,
             # Over the tokens sampled on the weights this step starts from (none: 0).
-            "mismatch/kl": mm_kl / nf,
-            "mismatch/abs_logprob_mean": mm_abs / nf,
-            "mismatch/abs_logprob_max": mm_max,
-            "mismatch/outside_cap_frac": mm_out / nf,
-            "mismatch/tokens": fresh,
+            **{f"mismatch/{k}": v for k, v in mismatch_metrics(mm_kl, mm_abs, mm_out, fresh, mm_max).items()},
         }
 
     def _step_sums(self, mb: Batch, lp: torch.Tensor, ent: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:

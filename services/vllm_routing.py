@@ -14,6 +14,7 @@ Kept free of monarch imports: it runs in vLLM's worker process.
 from __future__ import annotations
 
 import collections
+import re
 from typing import Any
 
 import numpy as np
@@ -95,10 +96,12 @@ class RoutingRecorder:
         "<id>-<suffix>", and the n > 1 samples' "<index>_<id>-<suffix>"), by sample index, as
         (shape, bytes): what collective_rpc carries in every executor."""
         self._flush()
+        # Exactly its own: a request id that is a prefix of another's must not take that one's.
+        name = re.compile(rf"(?:(\d+)_)?{re.escape(request_id)}-[^-]+")
         found = {}
         for table in (self.records, self.finished):
-            for key in [k for k in table if k.startswith(request_id) or k.partition("_")[2].startswith(request_id)]:
-                index = 0 if key.startswith(request_id) else int(key.partition("_")[0])
-                record = table.pop(key)
-                found[index] = (record.shape, record.tobytes())
+            for key, match in [(k, name.fullmatch(k)) for k in list(table)]:
+                if match:
+                    record = table.pop(key)
+                    found[int(match[1] or 0)] = (record.shape, record.tobytes())
         return found

@@ -4,6 +4,7 @@ routes exactly as recorded."""
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,3 +139,18 @@ def test_the_trainer_routes_as_the_generator_did(moe_completions, tiny_moe_dir, 
     assert torch.equal(replayed[~recorded], own_there[~recorded])
     differ = (own[recorded].sort(-1).values != batch.routed_experts[recorded].sort(-1).values).any(-1)
     assert differ.float().mean() > 0.2  # without the replay, the perturbed router goes elsewhere
+
+
+def test_a_request_takes_only_its_own_routing_records():
+    """vLLM names engine requests "<id>-<suffix>" (n > 1: "<index>_<id>-<suffix>"). A request
+    whose id is a prefix of another's takes only its own
+    records, never that other request's."""
+    from services.vllm_routing import RoutingRecorder
+
+    rec = RoutingRecorder(num_layers=1, top_k=1)
+    for key, expert in (("ab-1a2b3c4d", 1), ("0_abc-5e6f7a8b", 2), ("1_abc-5e6f7a8b", 3)):
+        rec.records[key] = np.full((2, 1, 1), expert, dtype=np.int16)
+    assert sorted(rec.take("ab")) == [0] and set(rec.records) == {"0_abc-5e6f7a8b", "1_abc-5e6f7a8b"}
+    taken = rec.take("abc")
+    assert {i: np.frombuffer(data, np.int16)[0] for i, (_, data) in taken.items()} == {0: 2, 1: 3}
+    assert rec.take("abc") == {} and not rec.records  # once

@@ -244,6 +244,18 @@ def mismatch_sums(logprobs: torch.Tensor, batch: Batch, fresh: torch.Tensor, cap
     return torch.stack([k3.sum(), d.abs().sum(), outside.sum(), fresh.sum(), peak])
 
 
+def mismatch_metrics(kl: float, abs_sum: float, outside: float, tokens: float, peak: float) -> dict[str, float]:
+    """The reduced `mismatch_sums` as means over their tokens (all 0 when there are none)."""
+    n = max(tokens, 1.0)
+    return {
+        "kl": kl / n,
+        "abs_logprob_mean": abs_sum / n,
+        "abs_logprob_max": peak,
+        "outside_cap_frac": outside / n,
+        "tokens": tokens,
+    }
+
+
 def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantages for one group: reward minus the group mean (divided by the group std
     unless Dr.GRPO's std_normalize=False)."""

@@ -1,8 +1,8 @@
 """Any other dense Hugging Face causal LM (Qwen2/2.5, Mistral, Gemma, ...): transformers' own
 modeling code inside torchtitan, through torchtitan's transformers backend
-(`experiments/transformers_modeling_backend`: the HF model wrapped as a torchtitan model, attention
-through flex with packed-document masks, its FSDP parallelize and a state-dict adapter that only
-adds a prefix), and a tiny HF Qwen2 for tests.
+(`experiments/transformers_modeling_backend`: the HF model wrapped as a torchtitan model, its
+packed-document attention masks and a state-dict adapter that only adds a prefix), forge's own
+FSDP2 (`parallelize`), and a tiny HF Qwen2 for tests.
 
 torchtitan and transformers are imported where a model is built (see qwen3.py).
 """
