@@ -1,6 +1,6 @@
 """`forge serve`: a model behind the OpenAI API, through a gateway over generator replicas.
 
-forge serve MODEL [--port 8000] [--replicas 1] [--api-key KEY] ...
+forge serve MODEL [--port 8000] [--replicas 1] [--api-key KEY] [--lora NAME=DIR ...] ...
 """
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from pathlib import Path
 
 from forge.cli import fail
+from forge.lora import ADAPTER_CONFIG
 from services import gateway
 from services.generator import GeneratorConfig
 
@@ -30,7 +32,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", help="a Jinja file or string (default: the tokenizer's)")
     p.add_argument("--tool-parser", help="a vLLM tool parser, e.g. hermes")
     p.add_argument("--reasoning-parser", help="a vLLM reasoning parser, e.g. qwen3")
+    p.add_argument(
+        "--lora",
+        nargs="+",
+        default=[],
+        metavar="NAME=DIR",
+        help="LoRA adapters (PEFT directories, e.g. a LoRA run's model/) served beside MODEL; the OpenAI "
+        "`model` field picks one by NAME, or the base model",
+    )
     return p
+
+
+def adapters(specs: list[str]) -> dict[str, str]:
+    """`--lora NAME=DIR ...` as {NAME: DIR}."""
+    out = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not (sep and name and path):
+            raise ValueError(f"--lora {spec!r}: expected NAME=DIR")
+        if not (Path(path) / ADAPTER_CONFIG).is_file():
+            raise ValueError(f"--lora {spec!r}: {path} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
+        out[name] = path
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,8 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         tool_parser=a.tool_parser,
         reasoning_parser=a.reasoning_parser,
     )
-    generator = GeneratorConfig(max_model_len=a.max_model_len, dtype=a.dtype)
     try:
+        generator = GeneratorConfig(max_model_len=a.max_model_len, dtype=a.dtype, adapters=adapters(a.lora))
         asyncio.run(gateway.serve(a.model, cfg, generator, a.replicas))
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))

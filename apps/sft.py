@@ -95,7 +95,7 @@ async def run(cfg: Config) -> dict[str, float]:
         trainer = await Trainer.options(procs=cfg.trainer_procs).as_service(str(model), cfg.trainer, weights)
         roles.append(trainer)
         if cfg.eval.enabled:
-            gen = await Generator.options().as_service(str(model), cfg.generator, weights)
+            gen = await Generator.options().as_service(str(model), cfg.generator, weights, cfg.trainer.lora)
             roles.append(gen)
             sync = WeightSync(trainer, gen)
             await sync.start()

@@ -37,6 +37,7 @@ from typing import Any
 import openai
 import torch
 
+from forge.lora import ADAPTER_CONFIG
 from forge.types import Episode
 from services.generator import Generator, GeneratorConfig
 
@@ -224,7 +225,9 @@ class _ServiceEngine:
         self.input_processor = InputProcessor(vllm_config, self.renderer)
         self._targets: dict[str, Any] = {}  # request id -> the replica session running it
 
-    async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **_: Any) -> AsyncIterator[Any]:
+    async def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, lora_request: Any = None, **_: Any
+    ) -> AsyncIterator[Any]:
         from monarch.actor import Channel
         from vllm.sampling_params import RequestOutputKind
 
@@ -234,7 +237,7 @@ class _ServiceEngine:
         params.logprobs = max(params.logprobs or 0, 0)  # the sampled token's logprob, always recorded
         delta = params.output_kind == RequestOutputKind.DELTA
         port, receiver = Channel.open()
-        call = asyncio.ensure_future(target.stream.route(port, dict(prompt), params, request_id))
+        call = asyncio.ensure_future(target.stream.route(port, dict(prompt), params, request_id, lora_request))
         self._targets[request_id] = target
         tokens: dict[int, list[int]] = {}
         logprobs: dict[int, list[float]] = {}
@@ -336,7 +339,12 @@ class _ServiceEngine:
         )
 
     encode = notify_kv_transfer_request_rejected = start_profile = stop_profile = _not_here
-    sleep = release_kv_cache_memory = wake_up = add_lora = pause_generation = resume_generation = _not_here
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """A named adapter (`--lora NAME=DIR`): every replica loads it now, so a bad one fails at start."""
+        return all(await self.gen.add_lora.fanout(lora_request))
+
+    sleep = release_kv_cache_memory = wake_up = pause_generation = resume_generation = _not_here
 
 
 def _engine_client_class() -> type:
@@ -524,6 +532,7 @@ class Gateway:
         # per episode spent half the controller's CPU there. Each client keeps a connection pool of
         # its own: one pool for 64 episodes spent 9% of it scanning its connections per request.
         self._ssl = ssl.create_default_context()
+        self.adapters: dict[str, str] = {}  # named LoRA adapters served beside the base model
 
     @classmethod
     async def start(
@@ -533,7 +542,9 @@ class Gateway:
         cfg.host:cfg.port; returns once it accepts connections."""
         cfg = cfg or GatewayConfig()
         cfg.validate()
-        self = cls(gen, str(model), cfg, (generator_cfg or GeneratorConfig()).engine_args(str(model)))
+        generator_cfg = generator_cfg or GeneratorConfig()
+        self = cls(gen, str(model), cfg, generator_cfg.engine_args(str(model)))
+        self.adapters = generator_cfg.adapters
         await self._serve()
         return self
 
@@ -560,6 +571,8 @@ class Gateway:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.cfg.tool_parser]
         if self.cfg.reasoning_parser:
             argv += ["--reasoning-parser", self.cfg.reasoning_parser]
+        if self.adapters:  # the OpenAI `model` field names one of them, or the base model
+            argv += ["--lora-modules", *(f"{name}={path}" for name, path in self.adapters.items())]
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
         vllm_config = await asyncio.to_thread(self.engine_args.create_engine_config)
         self.engine_client = _engine_client_class()(self, vllm_config)
@@ -653,10 +666,10 @@ class Gateway:
 
 
 def model_dir(path: str | Path) -> Path:
-    """An HF model directory, or a run directory whose exported `model/` is one."""
+    """An HF model directory, or a run directory whose exported `model/` is one (or a LoRA adapter)."""
     path = Path(path)
     for d in (path, path / "model"):
-        if (d / "config.json").is_file():
+        if (d / "config.json").is_file() or (d / ADAPTER_CONFIG).is_file():
             return d
     raise FileNotFoundError(f"{path}: neither an HF model directory (config.json) nor a run directory with model/")
 
@@ -666,16 +679,22 @@ async def serve(model: str | Path, cfg: GatewayConfig, generator_cfg: Any, repli
     sessions, until SIGINT or SIGTERM."""
     cfg.validate()  # before any engine starts
     model = model_dir(model)
-    if cfg.served_model_name is None:  # a run's exported policy is served under the run's name
-        cfg.served_model_name = model.parent.name if model.name == "model" else model.name
+    name = model.parent.name if model.name == "model" else model.name  # a run's policy: the run's name
+    if (model / ADAPTER_CONFIG).is_file():  # a LoRA run's adapter: served on the base it was trained on
+        generator_cfg.adapters = {name: str(model), **generator_cfg.adapters}
+        model = model_dir(json.loads((model / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+    elif cfg.served_model_name is None:
+        cfg.served_model_name = name
     gen = await Generator.options(replicas=replicas).as_service(str(model), generator_cfg)
+    named = ", ".join(f"{n!r}" for n in generator_cfg.adapters)
     try:
         gw = await Gateway.start(gen, model, cfg, generator_cfg)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         print(
-            f"forge serve: model {cfg.served_model_name!r} ({replicas} replica(s)) on {gw.base_url}; Ctrl-C stops",
+            f"forge serve: model {gw.model_name!r}{f' and LoRA adapters {named}' if named else ''} "
+            f"({replicas} replica(s)) on {gw.base_url}; Ctrl-C stops",
             flush=True,
         )
         await stop.wait()

@@ -22,11 +22,15 @@ import collections
 import dataclasses
 import functools
 import gc
+import itertools
+import json
 import logging
 import os
+import shutil
 import signal
 import tempfile
 import time
+import typing
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -38,6 +42,7 @@ from monarch.actor import concurrent_endpoint, endpoint
 
 from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
+from forge.lora import ADAPTER_CONFIG, LoRAConfig, write_adapter
 from forge.metrics import Reduce, record_metric
 from forge.shm import run_dir, write_safetensors
 from forge.types import Completion
@@ -84,11 +89,32 @@ class GeneratorConfig:
     # MoE: record the experts each token was routed to, for the trainer to replay (R3); null: on
     # for a MoE model, off for a dense one.
     routing_replay: bool | None = None
+    # Named LoRA adapters (PEFT directories) served beside the base model: a request's OpenAI
+    # `model` field picks one (`forge serve BASE --lora NAME=DIR`).
+    adapters: dict[str, str] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)  # any other vllm AsyncEngineArgs field
 
     def validate(self) -> None:
         if self.cpu_threads < 0:
             raise ConfigError(f"config key 'generator.cpu_threads' must be >= 0, got {self.cpu_threads}")
+        for name, path in self.adapters.items():
+            require_file(f"generator.adapters.{name}", Path(path) / ADAPTER_CONFIG)
+
+    def _lora_args(self, lora: LoRAConfig | None) -> dict[str, Any]:
+        """vLLM's LoRA options for the policy's adapters (`lora`) and the named ones."""
+        from vllm.config.lora import MaxLoRARanks
+
+        ranks = [json.loads((Path(p) / ADAPTER_CONFIG).read_text())["r"] for p in self.adapters.values()]
+        lora = lora if lora is not None and lora.enabled else None
+        ranks += [lora.rank] if lora is not None else []
+        if not ranks:
+            return {}
+        fits = [r for r in typing.get_args(MaxLoRARanks) if r >= max(ranks)]
+        if not fits:
+            raise ConfigError(f"LoRA rank {max(ranks)}: vLLM serves ranks up to {max(typing.get_args(MaxLoRARanks))}")
+        # The policy's: the version requests are admitted under, and the one before, still
+        # finishing the requests admitted under it.
+        return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": len(self.adapters) + 2 * (lora is not None)}
 
     def engine_env(self) -> dict[str, str]:
         """What the environment of vLLM's engine-core process must hold (it inherits it when the
@@ -102,7 +128,7 @@ class GeneratorConfig:
             "OMP_NUM_THREADS": str(self.cpu_threads),
         }
 
-    def engine_args(self, model: str) -> Any:
+    def engine_args(self, model: str, lora: LoRAConfig | None = None) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         unknown = sorted(set(self.engine) - {f.name for f in dataclasses.fields(AsyncEngineArgs)})
@@ -117,7 +143,7 @@ class GeneratorConfig:
             enforce_eager=self.enforce_eager,
             logprobs_mode="processed_logprobs",
             worker_extension_cls="services.vllm_worker.WeightReloader",
-            **self.engine,
+            **{**self._lora_args(lora), **self.engine},
         )
 
 
@@ -143,15 +169,32 @@ class Generator(ForgeActor):
     policy_version, last_swaps, engine_pids."""
 
     @classmethod
-    def check_args(cls, model: str | Path, cfg: GeneratorConfig | None = None, weights_from: Any = None) -> None:
+    def check_args(
+        cls, model: str | Path, cfg: GeneratorConfig | None = None, weights_from: Any = None, lora: Any = None
+    ) -> None:
         require_file("model.path", Path(model) / "config.json")
         if cfg is not None and not isinstance(cfg, GeneratorConfig):
             raise TypeError(f"Generator: cfg must be a GeneratorConfig, got {type(cfg).__name__}")
+        if lora is not None and not isinstance(lora, LoRAConfig):
+            raise TypeError(f"Generator: lora must be a LoRAConfig, got {type(lora).__name__}")
 
-    def __init__(self, model: str | Path, cfg: GeneratorConfig | None = None, weights_from: Any = None):
-        """`weights_from`: the forge.store.WeightStore that `load_version` loads from."""
+    def __init__(
+        self,
+        model: str | Path,
+        cfg: GeneratorConfig | None = None,
+        weights_from: Any = None,
+        lora: LoRAConfig | None = None,
+    ):
+        """`weights_from`: the forge.store.WeightStore that `load_version` loads from. `lora`
+        (enabled): a version is a LoRA adapter of the trainer's `trainer.lora`, on this base model."""
         self.model, self.cfg = str(model), cfg or GeneratorConfig()
         self.store = weights_from
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.adapter: Any = None  # the LoRARequest of the version held (None: the base model's weights)
+        self._adapters: dict[int, tuple[Any, Path]] = {}  # version -> its LoRARequest, its directory
+        self._adapter_users: collections.Counter[int] = collections.Counter()  # requests in flight per version
+        # vLLM's id of each policy adapter: unique, and apart from the ids vLLM's server gives named ones.
+        self._adapter_ids = itertools.count(1 << 30)
         self.version = 0
         self.engine = None
         self._swap = asyncio.Lock()
@@ -168,7 +211,7 @@ class Generator(ForgeActor):
         os.environ["FORGE_GENERATOR_PID"] = str(os.getpid())  # vLLM's processes exit with this one
         os.environ.update(self.cfg.engine_env())
         try:
-            self.engine = AsyncLLM.from_engine_args(self.cfg.engine_args(self.model))
+            self.engine = AsyncLLM.from_engine_args(self.cfg.engine_args(self.model, self.lora))
         except Exception as e:  # e.g. pydantic's ValidationError, which cannot be pickled back to the caller
             raise ValueError(f"Generator: vLLM cannot start on {self.model}: {e}") from None
         self.vocab_size = self.engine.model_config.get_vocab_size()
@@ -219,16 +262,18 @@ class Generator(ForgeActor):
         if version is None or version <= self.version:
             return
         start = asyncio.get_running_loop().time()
-        path = await self.store.local_path(version)
-        if path is not None:  # shm (the writer's file or this host's copy): vLLM's worker maps it itself
-            try:
+        path = None if self.lora else await self.store.local_path(version)
+        try:
+            if self.lora:  # a version is an adapter of a few MB: fetched whole
+                paused = await self._add_adapter(await self.store.fetch(version), version)
+            elif path is not None:  # shm (the writer's file or this host's copy): vLLM's worker maps it itself
                 check = functools.partial(self.store.check_intact, version, path)
                 paused = await self.swap_from_file(path, version, check=check)
-            except KeyError:  # dropped (and its file reused) while we read it: take the newer one
-                log.warning("forge: weights version %d was replaced while loading; loading the latest", version)
-                return await self._pull_latest()
-        else:
-            paused = await self.load_weights_local(await self.store.fetch(version), version)
+            else:
+                paused = await self.load_weights_local(await self.store.fetch(version), version)
+        except KeyError:  # dropped (and its file reused) while we read it: take the newer one
+            log.warning("forge: weights version %d was replaced while loading; loading the latest", version)
+            return await self._pull_latest()
         record_metric("generator/weight_sync_s", asyncio.get_running_loop().time() - start)
         record_metric("generator/weight_swap_paused_s", paused, Reduce.MAX)
 
@@ -274,17 +319,28 @@ class Generator(ForgeActor):
         self._in_flight += change
         self._busy_mark = now
 
-    async def _outputs(self, engine_prompt: Any, params: Any, request_id: str, timeout_s: float | None, prompt: Any):
+    async def _outputs(
+        self,
+        engine_prompt: Any,
+        params: Any,
+        request_id: str,
+        timeout_s: float | None,
+        prompt: Any,
+        adapter: Any = None,
+    ):
         """vLLM's outputs for one request, with forge's errors: a bad prompt is a ValueError for this
-        request only, a slow one a TimeoutError (and aborted), a dead engine ends this replica."""
+        request only, a slow one a TimeoutError (and aborted), a dead engine ends this replica.
+        `adapter`: a named LoRA adapter's LoRARequest (vLLM's server makes it), else the policy's."""
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         timeout_s = timeout_s or self.cfg.request_timeout_s
         self._count_busy(+1)
+        version, adapter = self.version, adapter or self.adapter  # a LoRA request keeps its adapter to the end
+        self._adapter_users[version] += 1
         try:
             async with asyncio.timeout(timeout_s):
-                async for out in self.engine.generate(engine_prompt, params, request_id):
+                async for out in self.engine.generate(engine_prompt, params, request_id, lora_request=adapter):
                     yield out
         except TimeoutError:
             await self.engine.abort(request_id)
@@ -302,6 +358,8 @@ class Generator(ForgeActor):
             raise ValueError(f"generate: prompt {_preview(prompt)}: {e}") from None
         finally:
             self._count_busy(-1)
+            self._adapter_users[version] -= 1
+            await self._drop_unused_adapters()
 
     @concurrent_endpoint
     async def generate(
@@ -319,7 +377,7 @@ class Generator(ForgeActor):
         final = None
         async for out in self._outputs(self._engine_prompt(prompt), params, request_id, timeout_s, prompt):
             final = out
-        finished = self.version
+        finished = admitted if self.lora else self.version  # LoRA: every token under the admitted adapter
         prompt_ids = list(final.prompt_token_ids)
         routing = await self._routed_experts(
             request_id, len(prompt_ids), [(c.index, len(c.token_ids)) for c in final.outputs]
@@ -342,7 +400,7 @@ class Generator(ForgeActor):
 
     @concurrent_endpoint
     async def stream(
-        self, port: Any, prompt: dict[str, Any], params: Any, request_id: str
+        self, port: Any, prompt: dict[str, Any], params: Any, request_id: str, adapter: Any = None
     ) -> tuple[int, int, list[Any]]:
         """Server mode (services/gateway.py): one request as vLLM's own server makes it (a rendered
         EngineInput and SamplingParams). Each RequestOutput vLLM yields is sent to `port`, then
@@ -354,7 +412,7 @@ class Generator(ForgeActor):
         admitted, sampled = self.version, collections.Counter()
         port.send("start")
         try:
-            async for out in self._outputs(prompt, params, request_id, None, prompt.get("prompt_token_ids")):
+            async for out in self._outputs(prompt, params, request_id, None, prompt.get("prompt_token_ids"), adapter):
                 for c in out.outputs:  # tokens so far: DELTA outputs carry only the new ones
                     n = len(c.token_ids)
                     sampled[c.index] = sampled[c.index] + n if params.output_kind == RequestOutputKind.DELTA else n
@@ -362,12 +420,18 @@ class Generator(ForgeActor):
         finally:
             port.send(None)
         prompt_len = len(prompt.get("prompt_token_ids") or [])
-        return admitted, self.version, await self._routed_experts(request_id, prompt_len, sorted(sampled.items()))
+        finished = admitted if self.lora else self.version
+        return admitted, finished, await self._routed_experts(request_id, prompt_len, sorted(sampled.items()))
 
     @endpoint
     async def abort(self, request_id: str) -> None:
         """Stop a `stream` request (its client went away): vLLM frees its sequence."""
         await self.engine.abort(request_id)
+
+    @endpoint
+    async def add_lora(self, request: Any) -> bool:
+        """Load a named adapter (vLLM's server asks, for `--lora NAME=DIR`); requests naming it use it."""
+        return await self.engine.add_lora(request)
 
     @endpoint
     async def unfinished_requests(self) -> int:
@@ -384,6 +448,8 @@ class Generator(ForgeActor):
         return await self.load_weights_local(state_dict, version)
 
     async def load_weights_local(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+        if self.lora:
+            return await self._add_adapter(state_dict, version)
         fd, path = tempfile.mkstemp(suffix=".safetensors", dir=run_dir())
         os.close(fd)
         try:
@@ -425,6 +491,41 @@ class Generator(ForgeActor):
             if not staged and check is not None:
                 await check()
             return self._pauses[-1]
+
+    async def _add_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> float:
+        """Version `version` is the LoRA adapter `tensors` (PEFT names): vLLM loads it beside the
+        ones in use, and requests admitted from then on use it; the base weights never move.
+        Returns the seconds the engine spent loading it (its steps wait meanwhile)."""
+        from vllm.lora.request import LoRARequest
+
+        async with self._swap:
+            where = Path(run_dir()) / f"adapter-{os.getpid()}-{uuid.uuid4().hex[:8]}-v{version}"
+            await asyncio.to_thread(write_adapter, where, tensors, self.lora, self.model)
+            request = LoRARequest(f"policy-v{version}", next(self._adapter_ids), str(where))
+            start = time.perf_counter()
+            try:
+                await self.engine.add_lora(request)
+            except Exception:
+                shutil.rmtree(where, ignore_errors=True)
+                raise
+            paused = time.perf_counter() - start
+            self._adapters[version] = (request, where)
+            self.adapter, self.version = request, version
+            self._pauses.append(paused)
+        await self._drop_unused_adapters()
+        return paused
+
+    async def _drop_unused_adapters(self) -> None:
+        """Unload the adapters of versions older than the one held that no request uses any more."""
+        if self.engine is None:
+            return
+        for version in [v for v in self._adapters if v < self.version and not self._adapter_users[v]]:
+            if (held := self._adapters.pop(version, None)) is None:  # another request's finally took it
+                continue
+            request, where = held
+            self._adapter_users.pop(version, None)
+            await self.engine.remove_lora(request.lora_int_id)
+            shutil.rmtree(where, ignore_errors=True)
 
     async def _stage(self, path: str, keep_mapping: bool) -> bool:
         """Prepare the weights of `path` in vLLM's worker while generation goes on. False when
@@ -475,5 +576,7 @@ class Generator(ForgeActor):
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.shutdown(timeout=1.0)  # within Monarch's cleanup deadline
+            for _, where in self._adapters.values():
+                shutil.rmtree(where, ignore_errors=True)
             del engine
             gc.collect()  # AsyncLLM.__del__ now, not at interpreter exit when its imports are gone

@@ -55,13 +55,13 @@ class Roles:
             ).as_service(model, cfg.trainer, weights)
             gen = await Generator.options(
                 replicas=cfg.generator_replicas, hosts=hosts("generator"), spread=True
-            ).as_service(model, cfg.generator, weights)
+            ).as_service(model, cfg.generator, weights, cfg.trainer.lora)
             sync = WeightSync(trainer, gen)
             await sync.start()
             rewards = await Rewards.options(hosts=hosts("rewards")).as_service(cfg.rewards)
             ref = (
                 await Reference.options(hosts=hosts("reference")).as_service(model)
-                if cfg.trainer.loss.kl_coef > 0
+                if cfg.trainer.loss.kl_coef > 0 and not cfg.trainer.lora.enabled  # LoRA: the trainer's, adapters off
                 else None
             )
             s = cls(store, trainer, gen, sync, rewards, ref, job=job)

@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import load_file
 from torchtitan.models.common.attention import FlexAttention
 
+from forge.lora import LoRAConfig
 from services import models
+from services.lora import adapt, add_dropout, is_adapter
 from services.models import hf
 from services.models.layers import route_as
 
@@ -30,21 +32,28 @@ def packed_causal_mask(positions: torch.Tensor) -> torch.Tensor:
 
 
 def load_hf_model(
-    model_dir: str | Path, device: str | torch.device = "cpu", parallelism: Any = None
+    model_dir: str | Path, device: str | torch.device = "cpu", parallelism: Any = None, lora: LoRAConfig | None = None
 ) -> torch.nn.Module:
     """The torchtitan model of `model_dir`'s family with its HF safetensors weights, fp32; with a
     torchtitan ParallelismConfig, its modules carry the sharding that config asks for (EP), for
-    their family's parallelize to apply."""
+    their family's parallelize to apply. With `lora` enabled, the target linears carry fresh
+    adapters (B = 0: the model's outputs are the checkpoint's) and only they train."""
     device = torch.device(device)
     hf = models.hf_config(model_dir)
     family = models.of(hf)
     cfg = family.titan_config(hf, device.type)
+    if lora is not None and lora.enabled:
+        cfg = adapt(cfg, family, lora)
     if parallelism is not None:
         cfg.update_from_config(config=SimpleNamespace(parallelism=parallelism))
     with torch.device("meta"):
         model = family.build(cfg)
     model.to_empty(device=device)
-    with torch.no_grad():
+    # Every rank draws the same fresh adapters (FSDP keeps each rank's shard of its own copy),
+    # and so does every run: a seeded RNG, the caller's left as it was.
+    cpu = device.type == "cpu"
+    with torch.no_grad(), torch.random.fork_rng(devices=[] if cpu else [device], device_type=device.type):
+        torch.manual_seed(0)
         # init_weights re-ties the embeddings (to_empty unties them) and fills the RoPE cache.
         model.init_weights(buffer_device=device)
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -53,7 +62,12 @@ def load_hf_model(
     hf_state = {}
     for f in files:
         hf_state.update(load_file(str(f), device=str(device)))
-    model.load_state_dict(family.adapter(cfg).from_hf(hf_state), strict=True)
+    missing, unexpected = model.load_state_dict(family.adapter(cfg).from_hf(hf_state), strict=False)
+    missing = [k for k in missing if not is_adapter(k)]  # adapters keep their init
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: weights missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if lora is not None:
+        add_dropout(model, lora.dropout)
     return model.float()
 
 
@@ -81,7 +95,11 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
 
 
 def build_sharded_model(
-    model_dir: str | Path, device: torch.device, param_dtype: str = "float32", expert_parallel: int = 1
+    model_dir: str | Path,
+    device: torch.device,
+    param_dtype: str = "float32",
+    expert_parallel: int = 1,
+    lora: LoRAConfig | None = None,
 ) -> torch.nn.Module:
     """The HF model of `model_dir` in torchtitan, FSDP2-sharded (its family's parallelize) over
     every rank of the default process group (`init_distributed` first), in training mode; a MoE's
@@ -111,7 +129,7 @@ def build_sharded_model(
         data_parallel_shard_degree=world, expert_parallel_degree=expert_parallel, spmd_backend=backend
     )
     model = family.parallelize(
-        load_hf_model(model_dir, device, parallelism if expert_parallel > 1 else None),
+        load_hf_model(model_dir, device, parallelism if expert_parallel > 1 else None, lora),
         parallel_dims=dims,
         training=TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce="float32"),
         parallelism=parallelism,

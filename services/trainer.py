@@ -14,6 +14,7 @@ version); `export_hf` writes safetensors that transformers and vLLM load. The se
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 from dataclasses import dataclass, field
@@ -26,10 +27,12 @@ from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
+from forge.lora import LoRAConfig, write_adapter
 from forge.losses import LossConfig, get_loss, importance_weight, k3_kl, loss_units, mismatch_metrics, mismatch_sums
 from forge.store import WeightStore
 from forge.types import Batch
 from services import models
+from services.lora import AdapterState, PeftNames, adapters_off, merged
 
 HF_FILES = (
     "config.json",
@@ -63,8 +66,12 @@ class TrainerConfig:
     # MoE: split the experts over this many of the trainer's procs (a divisor of trainer_procs), the
     # rest of the model FSDP-sharded over all of them as always.
     expert_parallel: int = 1
+    # Low-rank adapters (rank > 0): only they train, checkpoint and travel to the generators; the
+    # reference model is this one with them off.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
+        self.lora.validate()
         if self.lr_decay not in DECAYS:
             raise ConfigError(f"config key 'trainer.lr_decay': {self.lr_decay!r} is not one of {', '.join(DECAYS)}")
         if self.grad_accum < 1:
@@ -142,7 +149,10 @@ class Trainer(ForgeActor):
         self.hf_config = models.hf_config(self.model_dir)
         family = models.of(self.hf_config)
         self.adapter = family.adapter(family.titan_config(self.hf_config, self.device.type))  # for HF exports
-        self.model = build_sharded_model(self.model_dir, self.device, self.cfg.param_dtype, self.cfg.expert_parallel)
+        self.model = build_sharded_model(
+            self.model_dir, self.device, self.cfg.param_dtype, self.cfg.expert_parallel, self.cfg.lora
+        )
+        self.peft = PeftNames(self.model, self.adapter) if self.cfg.lora.enabled else None
         self.optimizers, self.schedulers = build_optimizers(self.model, self.cfg)
         self.loss_fn = get_loss(self.cfg.loss.name)
 
@@ -181,6 +191,7 @@ class Trainer(ForgeActor):
         sums = torch.zeros(10, dtype=torch.float64, device=self.device)
         peak = torch.zeros(1, dtype=torch.float64, device=self.device)
         for mb, share in zip(micro, shares):
+            self._reference_for_free(mb, loss_cfg.kl_coef)
             lp, ent = token_logprobs(
                 self.model, mb.input_ids, with_entropy=True, positions=mb.positions, routed_experts=mb.routed_experts
             )
@@ -219,6 +230,16 @@ class Trainer(ForgeActor):
             **{f"mismatch/{k}": v for k, v in mismatch_metrics(mm_kl, mm_abs, mm_out, fresh, mm_max).items()},
         }
 
+    def _reference_for_free(self, mb: Batch, kl_coef: float) -> None:
+        """With LoRA, the reference logprobs are this model's with its adapters off (no
+        reference service, no second copy of the model)."""
+        from services.titan import token_logprobs
+
+        if self.peft is None or not kl_coef or mb.ref_logprobs is not None:
+            return
+        with torch.no_grad(), adapters_off(self.model):
+            mb.ref_logprobs = token_logprobs(self.model, mb.input_ids, positions=mb.positions)[0]
+
     def _step_sums(self, mb: Batch, lp: torch.Tensor, ent: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the step's metrics (see train_step), its max |delta| last."""
         m, cap = mb.loss_mask, self.cfg.loss.is_cap
@@ -233,23 +254,27 @@ class Trainer(ForgeActor):
         return torch.cat([own.double(), mismatch_sums(lp, mb, fresh, cap)])
 
     @endpoint
-    async def logprobs(self, batch: Batch) -> torch.Tensor:
-        """Token-aligned logprobs of `batch` under the current policy (every rank: all rows)."""
+    async def logprobs(self, batch: Batch, base: bool = False) -> torch.Tensor:
+        """Token-aligned logprobs of `batch` under the current policy (every rank: all rows);
+        `base`: under the base model, the LoRA adapters off."""
         from services.titan import token_logprobs
 
-        with torch.no_grad():
+        off = adapters_off(self.model) if base else contextlib.nullcontext()
+        with torch.no_grad(), off:
             b = batch.to(self.device)
             return token_logprobs(self.model, b.input_ids, positions=b.positions, routed_experts=b.routed_experts)[
                 0
             ].cpu()
 
     def _full_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model with HF names, on rank 0 (every rank must call this)."""
+        """The whole model with HF names (LoRA adapters merged in), on rank 0 (every rank must call this)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
+        if self.peft is not None:
+            sd = merged(sd, self.cfg.lora.scaling)
         hf = self.adapter.to_hf(sd)
         if self.hf_config.get("tie_word_embeddings"):
             hf.pop("lm_head.weight", None)  # HF files of tied models have no lm_head
@@ -262,8 +287,16 @@ class Trainer(ForgeActor):
         than `keep_versions` are dropped."""
         return await self._push()
 
+    def _published(self) -> dict[str, torch.Tensor] | None:
+        """What a version is, on rank 0 (every rank must call this): the LoRA adapter in PEFT's
+        names, else the whole model."""
+        if self.peft is None:
+            return self._full_hf_state_dict()
+        tensors = self.peft.tensors(self.model)
+        return tensors if self.rank == 0 else None
+
     async def _push(self) -> int:
-        sd = self._full_hf_state_dict()
+        sd = self._published()
         if self.rank == 0:
             await self.store.publish(self.version, sd)
             await self.store.drop_older_than(self.version - self.cfg.keep_versions + 1)
@@ -275,10 +308,17 @@ class Trainer(ForgeActor):
         return self.version
 
     @endpoint
-    async def export_hf(self, path: str) -> str:
-        """A HF model directory (safetensors + config + tokenizer) of the current weights."""
+    async def export_hf(self, path: str, merged: bool = False) -> str:
+        """A HF model directory (safetensors + config + tokenizer) of the current weights; with
+        LoRA, a PEFT adapter directory, or the model with the adapter merged in (`merged`)."""
         from safetensors.torch import save_file
 
+        if self.peft is not None and not merged:
+            tensors = self._published()
+            if self.rank == 0:
+                write_adapter(path, tensors, self.cfg.lora, self.model_dir)
+            dist.barrier()
+            return path
         sd = self._full_hf_state_dict()
         if self.rank == 0:
             out = Path(path)
@@ -294,7 +334,7 @@ class Trainer(ForgeActor):
         from torchtitan.components.checkpointer import ModelWrapper
 
         return {
-            "model": ModelWrapper(self.model),
+            "model": AdapterState(self.model) if self.peft is not None else ModelWrapper(self.model),
             "optimizer": self.optimizers,
             "lr_scheduler": self.schedulers,
             "train_state": {"step": self.step, "version": self.version},
@@ -302,7 +342,7 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def save(self, path: str) -> None:
-        """DCP checkpoint: model, optimizer, LR scheduler, step, policy version."""
+        """DCP checkpoint: model (with LoRA: the adapters alone), optimizer, LR scheduler, step, policy version."""
         import torch.distributed.checkpoint as dcp
 
         dcp.save(self._state(), checkpoint_id=path)

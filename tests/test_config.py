@@ -97,7 +97,7 @@ def test_model_family_is_checked_at_load(tmp_path, tiny_model_dir):
         load_config("configs/grpo_tiny.yaml", ["model.family=llama9"], Config)
     assert "config key 'model.family': unknown model family 'llama9'; known: qwen3, llama3, qwen3_moe" in one_line(e)
     cfg = load_config("configs/grpo_tiny.yaml", ["model.family=llama3"], Config)
-    assert cfg.model.tiny.family == "llama3" and cfg.model.path.endswith("tiny-llama3-reverse-sft300-noise0.3")
+    assert cfg.model.tiny.family == "llama3" and cfg.model.path.endswith("tiny-llama3-reverse-sft600-noise0.3")
     with pytest.raises(ConfigError, match="'model.tiny.family' is 'qwen3_moe', but 'model.family' is 'qwen3'"):
         load_config("configs/grpo_tiny.yaml", ["model.tiny.family=qwen3_moe"], Config)
     with pytest.raises(ConfigError, match=f"'model.family' is 'llama3', but {tiny_model_dir} holds a qwen3 model"):

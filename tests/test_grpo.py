@@ -11,6 +11,7 @@ from apps.grpo import Config
 from forge import checkpoint
 from forge.cli import run
 from forge.config import ConfigError, load_config
+from services.titan import load_hf_model
 
 CONFIG = "configs/grpo_tiny.yaml"
 # The warm-started tiny model these runs share (built by the first run that needs it, cached).
@@ -140,7 +141,10 @@ def test_gpu_gsm8k_config_is_valid(tmp_path, tiny_model_dir):
     assert cfg.trainer.param_dtype == "bfloat16" and cfg.batch_size == 128
 
 
-@pytest.mark.parametrize("config, model", [("llama3.2_1b", "tiny_llama_dir"), ("qwen3_30b_a3b", "tiny_moe_dir")])
+@pytest.mark.parametrize(
+    "config, model",
+    [("llama3.2_1b", "tiny_llama_dir"), ("qwen3_30b_a3b", "tiny_moe_dir"), ("qwen3_8b_lora", "tiny_model_dir")],
+)
 def test_gpu_model_family_configs_are_valid(tmp_path, request, config, model):
     """The documented GPU configs of the other families load with their model (a tiny one of the
     same family: `model.family` must match it) and data paths replaced; their trainer and vLLM
@@ -154,9 +158,15 @@ def test_gpu_model_family_configs_are_valid(tmp_path, request, config, model):
     cfg = load_config(f"configs/grpo_{config}_gsm8k.yaml", [f"model.path={path}", f"dataset.path={data}"], Config)
     assert cfg.rewards.weights == {"math": 1.0} and cfg.generator.kv_cache_memory_bytes is None  # from the base
     Trainer.check_args(path, cfg.trainer)
-    engine = cfg.generator.engine_args(str(path))
+    engine = cfg.generator.engine_args(str(path), cfg.trainer.lora)
     if config == "llama3.2_1b":
         assert cfg.model.family == "llama3" and "<|start_header_id|>user" in cfg.dataset.template
+    elif config == "qwen3_8b_lora":  # the adapters' keys are ones the trainer's model takes
+        assert cfg.trainer.lora.rank == 32 and cfg.trainer_procs == 1
+        adapted = load_hf_model(path, lora=cfg.trainer.lora)
+        assert sum(".lora_a." in n for n, _ in adapted.named_parameters()) == 7 * 4  # every linear, 4 layers
+        assert engine.enable_lora and engine.max_lora_rank == 32
+        return
     else:
         assert cfg.model.family == "qwen3_moe" and cfg.trainer.expert_parallel == cfg.trainer_procs == 8
         assert cfg.generator.routing_replay and engine.enable_expert_parallel and engine.tensor_parallel_size == 8

@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 from test_losses import with_ref
 
+from forge.lora import LoRAConfig
 from forge.losses import LossConfig
 from forge.store import WeightStore, start_store, stop_store
 from forge.types import Batch, Episode, collate
@@ -235,22 +236,23 @@ def test_packed_rows_give_the_same_losses_and_gradients_as_one_episode_per_row(t
 
 @pytest.mark.slow  # two trainers, of 2 procs and of 1 or 2
 @pytest.mark.parametrize(
-    "model, sharded, alone",
+    "model, sharded, alone, lora",
     [
-        ("tiny_moe_dir", (2, 2), (2, 1)),  # the MoE's experts over 2 procs (EP 2) vs FSDP alone
-        ("tiny_hf_dir", (2, 1), (1, 1)),  # the hf family on 2 FSDP ranks vs 1
+        ("tiny_moe_dir", (2, 2), (2, 1), 0),  # the MoE's experts over 2 procs (EP 2) vs FSDP alone
+        ("tiny_hf_dir", (2, 1), (1, 1), 0),  # the hf family on 2 FSDP ranks vs 1
+        ("tiny_llama_dir", (2, 1), (1, 1), 8),  # LoRA adapters on 2 FSDP ranks vs 1
     ],
 )
-def test_sharded_trainers_take_the_steps_of_one(tmp_path, request, model, sharded, alone):
+def test_sharded_trainers_take_the_steps_of_one(tmp_path, request, model, sharded, alone, lora):
     """(procs, trainer.expert_parallel): expert parallelism on the tiny MoE (its 4 experts split
-    over 2 procs, torchtitan's all-to-all dispatch, on gloo), and forge's FSDP2 of the hf family,
-    take the steps of the unsharded trainer: the same losses and logprobs, an HF export of the
-    same weights."""
+    over 2 procs, torchtitan's all-to-all dispatch, on gloo), forge's FSDP2 of the hf family, and
+    LoRA adapters sharded with their frozen base, take the steps of the unsharded trainer: the
+    same losses and logprobs, an HF (or PEFT) export of the same weights."""
     model_dir = request.getfixturevalue(model)
 
     async def run(procs: int, ep: int):
         store = await start_store()
-        cfg = TrainerConfig(lr=1e-3, expert_parallel=ep, loss=LossConfig(name="reinforce"))
+        cfg = TrainerConfig(lr=1e-3, expert_parallel=ep, loss=LossConfig(name="reinforce"), lora=LoRAConfig(rank=lora))
         trainer = await Trainer.options(procs=procs).as_service(str(model_dir), cfg, WeightStore(f"p{procs}e{ep}"))
         try:
             batch, losses = fixed_batch(), []
@@ -266,6 +268,7 @@ def test_sharded_trainers_take_the_steps_of_one(tmp_path, request, model, sharde
     (losses, lp), (want_losses, want_lp) = asyncio.run(run(*sharded)), asyncio.run(run(*alone))
     assert losses == pytest.approx(want_losses, abs=1e-5)
     assert (lp - want_lp).abs().max() <= 1e-5
-    got = load_file(tmp_path / f"p{sharded[0]}e{sharded[1]}/model.safetensors")
-    want = load_file(tmp_path / f"p{alone[0]}e{alone[1]}/model.safetensors")
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    got = load_file(tmp_path / f"p{sharded[0]}e{sharded[1]}/{weights}")
+    want = load_file(tmp_path / f"p{alone[0]}e{alone[1]}/{weights}")
     assert got.keys() == want.keys() and all(torch.allclose(got[k], want[k], atol=1e-4) for k in want)

@@ -1,0 +1,226 @@
+"""LoRA: only the adapters train, checkpoint and travel; the generator samples with the
+published adapter; the base model is the reference; the export is PEFT's."""
+
+import asyncio
+
+import pytest
+import torch
+from test_trainer import fixed_batch, on_policy
+
+from forge.config import ConfigError
+from forge.lora import LoRAConfig
+from forge.losses import LossConfig
+from forge.store import WeightStore, start_store, stop_store
+from forge.types import Episode, collate
+from forge.weight_sync import WeightSync
+from services.generator import Generator, GeneratorConfig
+from services.lora import adapters_off, is_adapter
+from services.titan import load_hf_model, token_logprobs
+from services.trainer import Trainer, TrainerConfig, build_optimizers
+
+
+def test_a_step_changes_only_the_adapters_and_adapters_off_is_the_base(tiny_llama_dir):
+    model = load_hf_model(tiny_llama_dir, lora=LoRAConfig(rank=8))
+    base = load_hf_model(tiny_llama_dir)
+    ids = fixed_batch().input_ids
+    # Fresh adapters (B = 0) leave the model's outputs exactly the checkpoint's.
+    assert torch.equal(token_logprobs(model, ids)[0], token_logprobs(base, ids)[0])
+    optimizers, _ = build_optimizers(model, TrainerConfig(lr=1e-2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(2):  # the first step moves B only (A's gradient is B^T ... = 0)
+        optimizers.zero_grad()
+        (-token_logprobs(model, ids)[0].mean()).backward()
+        optimizers.step()
+    params = dict(model.named_parameters())
+    frozen = [n for n in params if not is_adapter(n)]
+    assert frozen and all(torch.equal(params[n], before[n]) for n in frozen)  # the base: bit-identical
+    assert all(not torch.equal(params[n], before[n]) for n in params if is_adapter(n))
+    state = optimizers.optimizers[0].state
+    assert {id(p) for p in state} == {id(p) for n, p in params.items() if is_adapter(n)}  # Adam's state: adapters only
+    after = token_logprobs(model, ids)[0]
+    assert not torch.equal(after, token_logprobs(base, ids)[0])
+    with adapters_off(model):
+        assert torch.equal(token_logprobs(model, ids)[0], token_logprobs(base, ids)[0])
+    assert torch.equal(token_logprobs(model, ids)[0], after)  # and back on
+
+
+@pytest.mark.parametrize(
+    "lora, message",
+    [
+        (LoRAConfig(rank=8, targets=["q_prj"]), "'trainer.lora.targets': ['q_prj'] are not linears of a llama3 model"),
+        (LoRAConfig(rank=8, targets=["k_proj"]), "k_proj and v_proj are adapted together"),
+    ],
+)
+def test_bad_targets_are_named(tiny_llama_dir, lora, message):
+    with pytest.raises(ConfigError) as e:
+        load_hf_model(tiny_llama_dir, lora=lora)
+    assert message in str(e.value)
+
+
+def test_lora_config_keys_are_checked():
+    for bad, key in ((LoRAConfig(rank=-1), "trainer.lora.rank"), (LoRAConfig(rank=8, dropout=1.0), "dropout")):
+        with pytest.raises(ConfigError, match=key):
+            bad.validate()
+
+
+def test_adapter_sync_reference_peft_export_and_resume(tiny_llama_dir, tmp_path):
+    """On the llama3 family (its adapter permutes q and k's rows, and B's follow): three GRPO
+    steps with the KL term train the adapter against the base model's logprobs (no reference
+    service); the published version is the adapter alone, which the generator samples with
+    (its logprobs the trainer's within 1e-4, tagged with the version); the PEFT export loads in
+    peft + transformers with the trainer's logits, the merged one in transformers; a trainer
+    restored from a checkpoint of step 1 takes steps 2-4 exactly as the one that went on."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    lora = LoRAConfig(rank=8, alpha=16)
+    cfg = TrainerConfig(lr=1e-2, loss=LossConfig(name="grpo", kl_coef=0.5), lora=lora)
+
+    async def steps(trainer, n):
+        out = []
+        for _ in range(n):
+            b = fixed_batch()
+            out.append(await trainer.train_step.route(on_policy(b, await trainer.logprobs.route(b))))
+        return out
+
+    async def main():
+        store = await start_store()
+        weights = WeightStore("lora")
+        trainer = await Trainer.options(procs=1).as_service(str(tiny_llama_dir), cfg, weights)
+        gen = await Generator.options().as_service(
+            str(tiny_llama_dir), GeneratorConfig(max_model_len=256), weights, lora
+        )
+        sync = WeightSync(trainer, gen)
+        await sync.start()
+        try:
+            initial = await trainer.logprobs.route(fixed_batch())
+            first = await steps(trainer, 1)
+            await trainer.save.route(str(tmp_path / "ckpt"))
+            went_on = await steps(trainer, 3)
+            assert await sync.push() == 4
+            await sync.wait_held(4, timeout_s=60)
+            groups = await asyncio.gather(
+                *(gen.generate.route(p, n=4, sampling={"max_tokens": 16}) for p in ("rev abc=", "12+7=", "sort cba="))
+            )
+            batch = collate([Episode.from_completion(c) for g in groups for c in g], pad_id=0)
+            trainer_lp = await trainer.logprobs.route(batch)
+            base_lp = await trainer.logprobs.route(fixed_batch(), base=True)
+            published = await weights.fetch(4)
+            await trainer.export_hf.route(str(tmp_path / "adapter"))
+            await trainer.export_hf.route(str(tmp_path / "merged"), merged=True)
+            end = await trainer.logprobs.route(fixed_batch())
+            assert await trainer.load.route(str(tmp_path / "ckpt")) == 1
+            resumed = await steps(trainer, 3)
+            end_resumed = await trainer.logprobs.route(fixed_batch())
+        finally:
+            await sync.stop()
+            await asyncio.gather(gen.shutdown(), trainer.shutdown())
+            await weights.clear()
+            await stop_store(store)
+        return initial, first, went_on, groups, batch, trainer_lp, base_lp, published, end, resumed, end_resumed
+
+    initial, first, went_on, groups, batch, trainer_lp, base_lp, published, end, resumed, end_resumed = asyncio.run(
+        main()
+    )
+    # The reference for free: the base model's logprobs, and a KL that grows from 0 as the adapter moves.
+    assert torch.equal(base_lp, initial)
+    assert first[0][1]["kl"] == 0 and went_on[-1][1]["kl"] > 0
+    # A version is the adapter, in PEFT's names: no base weight travels.
+    assert published and all(".lora_A." in k or ".lora_B." in k for k in published)
+    # The generator samples with it: its logprobs are the trainer's, and its completions say so.
+    assert all(c.policy_version == c.max_policy_version == 4 for g in groups for c in g)
+    m = batch.loss_mask.bool()
+    assert (trainer_lp - batch.gen_logprobs)[m].abs().max().item() <= 1e-4
+    # Exports: PEFT's adapter and the merged model give the trainer's logits.
+    ids = fixed_batch().input_ids
+
+    def hf_logprobs(model):
+        with torch.no_grad():
+            logits = model(ids).logits[:, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    assert (hf_logprobs(peft) - end[:, 1:]).abs().max().item() <= 1e-4
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert (hf_logprobs(merged) - end[:, 1:]).abs().max().item() <= 1e-4
+    assert not torch.equal(end, initial)
+    # Resumed from step 1's checkpoint (adapter, its optimizer state, schedule, version): the same steps.
+    assert resumed == went_on and torch.equal(end_resumed, end)
+
+
+def peft_adapter(base_dir, out, seed: int):
+    """A PEFT adapter on every linear of `base_dir`'s model, random (B != 0), saved to `out`; the model with it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
+    model.save_pretrained(str(out))
+    return model.eval()
+
+
+@pytest.mark.slow  # 60 s: a `forge serve` process and its engine
+def test_forge_serve_picks_the_adapter_by_model_name(tiny_model_dir, tmp_path):
+    """`forge serve RUN --lora b=DIR` (RUN a LoRA run's directory: its adapter, served on its base
+    model under the run's name): the OpenAI `model` field picks adapter run_a, b or the base
+    model, and each answers with its own weights (prompt logprobs within 1e-4 of peft's)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import openai
+    from transformers import AutoModelForCausalLM
+
+    where = {"run_a": tmp_path / "run_a" / "model", "b": tmp_path / "b"}
+    models = {name: peft_adapter(tiny_model_dir, where[name], seed) for name, seed in (("run_a", 1), ("b", 2))}
+    models["test-tiny"] = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "forge.cli",
+        "serve",
+        str(tmp_path / "run_a"),
+        "--port",
+        str(port),
+        "--lora",
+        f"b={where['b']}",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    prompt = [1, 40, 50, 60, 70, 80, 90, 30, 20]
+    got = {}
+    try:
+        for line in proc.stdout:
+            if line.startswith("forge serve:"):
+                break
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        assert {m.id for m in client.models.list().data} == set(models)
+        for name in models:
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=1, echo=True, logprobs=0)
+            got[name] = torch.tensor(r.choices[0].logprobs.token_logprobs[1 : len(prompt)])
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out[-2000:]
+    ids = torch.tensor([prompt])
+    for name, model in models.items():
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        assert (got[name] - lp).abs().max().item() <= 1e-4, name
+    assert (got["run_a"] - got["b"]).abs().max() > 1e-2 and (got["run_a"] - got["test-tiny"]).abs().max() > 1e-2
+
+
+def test_forge_serve_names_a_bad_adapter(tiny_model_dir, tmp_path, capsys):
+    from apps import serve
+
+    with pytest.raises(SystemExit):
+        serve.main([str(tiny_model_dir), "--lora", f"a={tmp_path}"])
+    assert f"--lora 'a={tmp_path}': {tmp_path} is not a PEFT adapter directory" in capsys.readouterr().err
