@@ -6,7 +6,8 @@
 
 With `weights_from=WeightStore(...)`, each replica loads the versions a WeightSync
 (forge/weight_sync.py) announces, from the store, while it keeps generating (and a respawned
-replica starts on the store's latest).
+replica starts on the store's latest). With `lora=LoRAConfig(rank=8)` a version is a LoRA
+adapter, loaded into vLLM beside the base weights, which never move.
 
 Each replica runs one AsyncLLM (continuous batching): concurrent `generate` calls are
 batched by vLLM. Every Completion carries its token ids, the logprob of each sampled token
@@ -111,7 +112,10 @@ class GeneratorConfig:
             return {}
         fits = [r for r in typing.get_args(MaxLoRARanks) if r >= max(ranks)]
         if not fits:
-            raise ConfigError(f"LoRA rank {max(ranks)}: vLLM serves ranks up to {max(typing.get_args(MaxLoRARanks))}")
+            most = max(typing.get_args(MaxLoRARanks))
+            raise ConfigError(
+                f"config key 'trainer.lora.rank' (or an adapter's r): {max(ranks)} > {most}, vLLM's largest"
+            )
         # The policy's: the version requests are admitted under, and the one before, still
         # finishing the requests admitted under it.
         return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": len(self.adapters) + 2 * (lora is not None)}
@@ -165,8 +169,8 @@ def _preview(prompt: Any) -> str:
 
 
 class Generator(ForgeActor):
-    """vLLM generation service. Endpoints: generate, stream, abort, load_weights, load_version,
-    policy_version, last_swaps, engine_pids."""
+    """vLLM generation service. Endpoints: generate, stream, abort, add_lora, load_weights,
+    load_version, policy_version, last_swaps, engine_pids."""
 
     @classmethod
     def check_args(

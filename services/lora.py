@@ -105,7 +105,13 @@ class PeftNames:
             if abstract not in orders:
                 rows, cols = module.weight.shape
                 numbered = torch.arange(rows, dtype=torch.float32)[:, None].expand(rows, cols).contiguous()
-                ((hf_key, value),) = state_dict_adapter.to_hf({f"{name}.weight": numbered}).items()
+                converted = state_dict_adapter.to_hf({f"{name}.weight": numbered})
+                if (
+                    not converted
+                ):  # a head tied to the embeddings, which the adapter leaves out: HF's name, rows as they are
+                    hf_names = {titan: hf for hf, titan in state_dict_adapter.from_hf_map.items() if titan}
+                    converted = {hf_names[f"{abstract}.weight"].replace("{}", "0", 1): numbered}
+                ((hf_key, value),) = converted.items()
                 orders[abstract] = (re.sub(r"\d+", "{}", hf_key.removesuffix(".weight"), count=1), value[:, 0].long())
             hf_pattern, order = orders[abstract]
             layer = re.search(r"\d+", name)

@@ -14,8 +14,8 @@ version); `export_hf` writes safetensors that transformers and vLLM load. The se
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,13 +254,11 @@ class Trainer(ForgeActor):
         return torch.cat([own.double(), mismatch_sums(lp, mb, fresh, cap)])
 
     @endpoint
-    async def logprobs(self, batch: Batch, base: bool = False) -> torch.Tensor:
-        """Token-aligned logprobs of `batch` under the current policy (every rank: all rows);
-        `base`: under the base model, the LoRA adapters off."""
+    async def logprobs(self, batch: Batch) -> torch.Tensor:
+        """Token-aligned logprobs of `batch` under the current policy (every rank: all rows)."""
         from services.titan import token_logprobs
 
-        off = adapters_off(self.model) if base else contextlib.nullcontext()
-        with torch.no_grad(), off:
+        with torch.no_grad():
             b = batch.to(self.device)
             return token_logprobs(self.model, b.input_ids, positions=b.positions, routed_experts=b.routed_experts)[
                 0
@@ -276,9 +274,16 @@ class Trainer(ForgeActor):
         if self.peft is not None:
             sd = merged(sd, self.cfg.lora.scaling)
         hf = self.adapter.to_hf(sd)
-        if self.hf_config.get("tie_word_embeddings"):
+        if self._untied():  # the merged head is no longer the embeddings
+            hf["lm_head.weight"] = sd["lm_head.weight"]
+        elif self.hf_config.get("tie_word_embeddings"):
             hf.pop("lm_head.weight", None)  # HF files of tied models have no lm_head
         return {k: v.contiguous() for k, v in hf.items()}
+
+    def _untied(self) -> bool:
+        """A LoRA adapter on a head tied to the embeddings: merged, the model has a head of its own."""
+        tied = self.hf_config.get("tie_word_embeddings", False)
+        return tied and self.peft is not None and "lm_head" in self.cfg.lora.targets
 
     @endpoint
     async def push_weights(self) -> int:
@@ -327,6 +332,9 @@ class Trainer(ForgeActor):
             for name in HF_FILES:
                 if (Path(self.model_dir) / name).exists():
                     shutil.copy(Path(self.model_dir) / name, out / name)
+            if self._untied():
+                config = json.loads((out / "config.json").read_text())
+                (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=2))
         dist.barrier()
         return path
 
@@ -354,9 +362,15 @@ class Trainer(ForgeActor):
 
     def _load(self, path: str) -> int:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.fsdp import FSDPModule
 
         if not Path(path).is_dir():
             raise FileNotFoundError(f"no trainer checkpoint at {path}")
+        # A forward without backward (logprobs) leaves FSDP's root group unsharded; the checkpoint
+        # must land in the sharded parameters, which the next forward gathers again.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         state = self._state()
         dcp.load(state, checkpoint_id=path)
         self.step, self.version = state["train_state"]["step"], state["train_state"]["version"]

@@ -49,6 +49,11 @@ def test_generation_quick_writes_json(tmp_path):
         pytest.param(
             "mismatch", ("moe_kl_without_replay", "moe_kl_with_replay", "qwen3_kl", "llama3_kl"), marks=pytest.mark.slow
         ),
+        pytest.param(
+            "lora",
+            ("sync_speedup_vs_full", "optimizer_bytes_ratio", "generation_fraction_of_base"),
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_quick_benchmark_writes_json(tmp_path, name, positive):
