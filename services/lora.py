@@ -38,11 +38,15 @@ def adapt(titan_cfg: Any, family: Any, lora: LoRAConfig) -> Any:
     hf_map = getattr(family.adapter(titan_cfg), "from_hf_map", None)
     if hf_map is None:
         raise ConfigError(f"config key 'trainer.lora': LoRA is not supported for the {family.name} family")
-    # HF module -> torchtitan module, for the dense linears (a MoE's grouped experts are not Linear).
+    # HF module -> torchtitan module, for the linears (not norms or embeddings; a MoE's grouped
+    # experts are not Linear).
     names = {
         hf.split(".")[-2]: titan.split(".")[-2]
         for hf, titan in hf_map.items()
-        if titan and hf.endswith(".weight") and titan.endswith(".weight") and ".experts." not in hf
+        if titan
+        and hf.endswith(".weight")
+        and titan.endswith(".weight")
+        and not any(part in hf for part in (".experts.", "norm", "embed"))
     }
     unknown = [t for t in lora.targets if t not in names]
     if unknown:
