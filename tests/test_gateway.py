@@ -4,6 +4,7 @@ live gateway over one generator (the tiny model), shared by the module."""
 import asyncio
 import json
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -496,39 +497,39 @@ def test_an_eval_holds_the_generators_version(loop, served, tiny_model_dir):
     loop.run_until_complete(main())
 
 
-def test_forge_serve_with_the_openai_client(tiny_model_dir):
-    """`forge serve` as the README shows it: an API key, the plain (sync) openai client, Ctrl-C."""
+def forge_serve(*args: str) -> tuple[Any, int, str]:
+    """A `forge serve ARGS` process on a free loopback port, once it says it serves: (process, port,
+    that line). Stop it with SIGINT."""
     import os
-    import signal
     import socket
     import subprocess
     import sys
 
-    import psutil
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "forge.cli",
-        "serve",
-        str(tiny_model_dir),
-        "--port",
-        str(port),
-        "--api-key",
-        "k1",
-        "--max-model-len",
-        "512",
-    ]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        [sys.executable, "-m", "forge.cli", "serve", *args, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    line = ""
+    for line in proc.stdout:
+        if line.startswith("forge serve:"):
+            break
+    return proc, port, line
+
+
+def test_forge_serve_with_the_openai_client(tiny_model_dir):
+    """`forge serve` as the README shows it: an API key, the plain (sync) openai client, Ctrl-C."""
+    import signal
+
+    import psutil
+
+    proc, port, line = forge_serve(str(tiny_model_dir), "--api-key", "k1", "--max-model-len", "512")
     try:
-        for line in proc.stdout:
-            if line.startswith("forge serve:"):
-                break
         assert f"model 'test-tiny' (1 replica(s)) on http://127.0.0.1:{port}/v1" in line, line
         children = psutil.Process(proc.pid).children(recursive=True)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0)

@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 import torch
+from test_gateway import forge_serve
 from test_trainer import fixed_batch, on_policy
 
 from forge.config import ConfigError
@@ -163,11 +164,7 @@ def test_forge_serve_picks_the_adapter_by_model_name(tiny_model_dir, tmp_path):
     """`forge serve RUN --lora b=DIR` (RUN a LoRA run's directory: its adapter, served on its base
     model under the run's name): the OpenAI `model` field picks adapter run_a, b or the base
     model, and each answers with its own weights (prompt logprobs within 1e-4 of peft's)."""
-    import os
     import signal
-    import socket
-    import subprocess
-    import sys
 
     import openai
     from transformers import AutoModelForCausalLM
@@ -175,29 +172,10 @@ def test_forge_serve_picks_the_adapter_by_model_name(tiny_model_dir, tmp_path):
     where = {"run_a": tmp_path / "run_a" / "model", "b": tmp_path / "b"}
     models = {name: peft_adapter(tiny_model_dir, where[name], seed) for name, seed in (("run_a", 1), ("b", 2))}
     models["test-tiny"] = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "forge.cli",
-        "serve",
-        str(tmp_path / "run_a"),
-        "--port",
-        str(port),
-        "--lora",
-        f"b={where['b']}",
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
+    proc, port, _ = forge_serve(str(tmp_path / "run_a"), "--lora", f"b={where['b']}")
     prompt = [1, 40, 50, 60, 70, 80, 90, 30, 20]
     got = {}
     try:
-        for line in proc.stdout:
-            if line.startswith("forge serve:"):
-                break
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
         assert {m.id for m in client.models.list().data} == set(models)
         for name in models:
