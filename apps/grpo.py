@@ -6,6 +6,8 @@
 `max_staleness` picks the mode: 0 = on-policy (rollouts wait for the newest weights),
 1 = one-step off-policy, k = fully async. Change the loss with `trainer.loss.name`, the
 rewards with `rewards`, the rollout (multi-turn, tools) with `rollout`.
+
+`run_together([cfg_a, cfg_b])`: several LoRA runs at once on one generator service.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from forge.buffer import ReplayBuffer
 from forge.config import ConfigError, import_object
 from forge.data import DatasetConfig, FilePrompts, TaskPrompts
 from forge.job import JobConfig
-from forge.metrics import Reduce, record_metric
+from forge.metrics import Reduce, metrics_scope, record_metric
 from forge.rollout import REWARD_UNAVAILABLE, RolloutLoops, Rollouts, SingleTurn
 from forge.run import ActorState, Run, RunConfig
 from forge.service import ReplicaRestored
@@ -33,7 +35,7 @@ from services.agentic import AgenticConfig, AgenticRollouts
 from services.evals import BackgroundEvals, EvalConfig, held_out
 from services.generator import GeneratorConfig
 from services.rewards import RewardsConfig
-from services.roles import Roles
+from services.roles import Roles, Shared
 from services.tiny_model import ModelConfig
 from services.trainer import TrainerConfig
 
@@ -128,13 +130,34 @@ class Config(RunConfig):
             self.eval.dataset.answer_key = self.dataset.answer_key
 
 
-async def run(cfg: Config) -> dict[str, float]:
+async def run(cfg: Config, shared: Shared | None = None) -> dict[str, float]:
     last = cfg.resume_point()
-    roles = await Roles.start(cfg, warm_start)
+    roles = await Roles.start(cfg, warm_start, shared)
     try:
         return await train(cfg, roles, resume_from=last)
     finally:
         await asyncio.shield(roles.shutdown())
+
+
+async def run_together(cfgs: list[Config]) -> list[dict[str, float]]:
+    """Several GRPO runs at once, each training its own LoRA adapter (on its own task, rewards,
+    data), on one generator service: one copy of the base model, each request tagged with its
+    run's adapter and version. Each run has its own trainer, checkpoints and metrics (runs/NAME);
+    one that fails stops alone. Returns each run's last metrics row; raises the first failure."""
+    shared = await Shared.start(cfgs, warm_start)
+
+    async def one(cfg: Config) -> dict[str, float]:
+        with metrics_scope():
+            return await run(cfg, shared)
+
+    try:
+        rows = await asyncio.gather(*(one(cfg) for cfg in cfgs), return_exceptions=True)
+    finally:
+        await asyncio.shield(shared.shutdown())
+    for row in rows:
+        if isinstance(row, BaseException):
+            raise row
+    return rows
 
 
 BAR = {"reward": ("reward_mean", ".3f"), "acc": ("accuracy", ".2f"), "tok_s": ("tokens_per_s", ".0f")}

@@ -9,17 +9,22 @@ them from every process forge spawned (a `MetricCollector` actor sits in each) a
 the controller itself, reduces them, and writes one row to console, JSONL, TensorBoard
 and, optionally, W&B (offline). Pulling keeps it causal: a value recorded inside an
 endpoint that has returned is always in the next flush.
+
+Several runs in one controller (apps/grpo.py `run_together`) each run in a `metrics_scope`:
+what a run's tasks record, and the processes they spawn, are flushed by that run alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import json
 import logging
 import math
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -89,21 +94,42 @@ class _Acc:
         return math.sqrt(max(self.sumsq / self.n - mean * mean, 0.0))  # population std
 
 
-_local: dict[str, _Acc] = {}
+@dataclass
+class _Scope:
+    """What one run's flush reduces: the values recorded in this process, and the collectors of
+    the processes spawned (by id of their ProcMesh)."""
+
+    local: dict[str, _Acc] = field(default_factory=dict)
+    collectors: dict[int, Any] = field(default_factory=dict)
+
+
+_scope: contextvars.ContextVar[_Scope] = contextvars.ContextVar("forge_metrics", default=_Scope())  # noqa: B039
+_scope_of: dict[int, _Scope] = {}  # ProcMesh id -> the scope that spawned it
+
+
+@contextlib.contextmanager
+def metrics_scope() -> Iterator[None]:
+    """From here on, in this task and the tasks it starts, metrics are one run's own."""
+    token = _scope.set(_Scope())
+    try:
+        yield
+    finally:
+        _scope.reset(token)
 
 
 def record_metric(key: str, value: float, reduce: Reduce = Reduce.MEAN) -> None:
     """Record one value of `key` in this process; reduced with every process's values at flush."""
     reduce = Reduce(reduce)
-    acc = _local.setdefault(key, _Acc(reduce))
+    acc = _scope.get().local.setdefault(key, _Acc(reduce))
     if acc.reduce != reduce:
         raise ValueError(f"metric {key!r} recorded with reduce={acc.reduce.value} and {reduce.value}")
     acc.add(float(value))
 
 
 def _drain() -> dict[str, _Acc]:
-    states = dict(_local)
-    _local.clear()
+    local = _scope.get().local
+    states = dict(local)
+    local.clear()
     return states
 
 
@@ -127,28 +153,29 @@ class MetricCollector(Actor):
         return _drain()
 
 
-# Collector meshes of the processes spawned from this process, by id of their ProcMesh.
-_collectors: dict[int, Any] = {}
-
-
 def register_procs(procs: Any) -> None:
-    _collectors[id(procs)] = procs.spawn("forge_metrics", MetricCollector)
+    scope = _scope_of[id(procs)] = _scope.get()
+    scope.collectors[id(procs)] = procs.spawn("forge_metrics", MetricCollector)
 
 
 def unregister_procs(procs: Any) -> None:
-    _collectors.pop(id(procs), None)
+    scope = _scope_of.pop(id(procs), None)
+    if scope is not None:
+        scope.collectors.pop(id(procs), None)
 
 
 async def _gather(timeout: float) -> list[dict[str, _Acc]]:
+    collectors = _scope.get().collectors
+
     async def one(key: int, mesh: Any) -> list[dict[str, _Acc]]:
         try:
             return [v for _, v in (await asyncio.wait_for(mesh.drain.call(), timeout)).items()]
         except Exception as e:  # a dead mesh loses its unflushed values, never the run
             log.warning("forge: metrics from a mesh were lost: %s", e)
-            _collectors.pop(key, None)
+            collectors.pop(key, None)
             return []
 
-    parts = await asyncio.gather(*(one(k, m) for k, m in list(_collectors.items())))
+    parts = await asyncio.gather(*(one(k, m) for k, m in list(collectors.items())))
     return [_drain()] + [s for part in parts for s in part]
 
 

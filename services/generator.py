@@ -101,13 +101,13 @@ class GeneratorConfig:
         for name, path in self.adapters.items():
             require_file(f"generator.adapters.{name}", Path(path) / ADAPTER_CONFIG)
 
-    def _lora_args(self, lora: LoRAConfig | None) -> dict[str, Any]:
-        """vLLM's LoRA options for the policy's adapters (`lora`) and the named ones."""
+    def _lora_args(self, loras: list[LoRAConfig]) -> dict[str, Any]:
+        """vLLM's LoRA options for the policies' adapters (`loras`, one per LoRA policy) and the named ones."""
         from vllm.config.lora import MaxLoRARanks
 
         ranks = [json.loads((Path(p) / ADAPTER_CONFIG).read_text())["r"] for p in self.adapters.values()]
-        lora = lora if lora is not None and lora.enabled else None
-        ranks += [lora.rank] if lora is not None else []
+        loras = [lora for lora in loras if lora.enabled]
+        ranks += [lora.rank for lora in loras]
         if not ranks:
             return {}
         fits = [r for r in typing.get_args(MaxLoRARanks) if r >= max(ranks)]
@@ -116,9 +116,9 @@ class GeneratorConfig:
             raise ConfigError(
                 f"config key 'trainer.lora.rank' (or an adapter's r): {max(ranks)} > {most}, vLLM's largest"
             )
-        # The policy's: the version requests are admitted under, and the one before, still
+        # Each policy's: the version requests are admitted under, and the one before, still
         # finishing the requests admitted under it.
-        return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": len(self.adapters) + 2 * (lora is not None)}
+        return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": len(self.adapters) + 2 * len(loras)}
 
     def engine_env(self) -> dict[str, str]:
         """What the environment of vLLM's engine-core process must hold (it inherits it when the
@@ -132,7 +132,7 @@ class GeneratorConfig:
             "OMP_NUM_THREADS": str(self.cpu_threads),
         }
 
-    def engine_args(self, model: str, lora: LoRAConfig | None = None) -> Any:
+    def engine_args(self, model: str, loras: list[LoRAConfig] = ()) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         unknown = sorted(set(self.engine) - {f.name for f in dataclasses.fields(AsyncEngineArgs)})
@@ -147,7 +147,7 @@ class GeneratorConfig:
             enforce_eager=self.enforce_eager,
             logprobs_mode="processed_logprobs",
             worker_extension_cls="services.vllm_worker.WeightReloader",
-            **{**self._lora_args(lora), **self.engine},
+            **{**self._lora_args(list(loras)), **self.engine},
         )
 
 
@@ -168,19 +168,51 @@ def _preview(prompt: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+@dataclass
+class _Policy:
+    """One policy a generator serves: where its versions come from, the version held and, for a
+    LoRA policy, its adapters loaded in vLLM."""
+
+    name: str  # the run it is ("": the generator's own)
+    store: Any = None  # the forge.store.WeightStore `load_version` loads from
+    lora: LoRAConfig | None = None  # a version is an adapter of this config; None: the model's own weights
+    version: int = 0
+    adapter: Any = None  # the LoRARequest of the version held (None: the base model's weights)
+    adapters: dict[int, tuple[Any, Path]] = field(default_factory=dict)  # version -> its LoRARequest, its directory
+    users: collections.Counter[int] = field(default_factory=collections.Counter)  # requests in flight per version
+    pull: asyncio.Lock = field(default_factory=asyncio.Lock)  # one fetch of the store's latest at a time
+
+
 class Generator(ForgeActor):
     """vLLM generation service. Endpoints: generate, stream, abort, add_lora, load_weights,
-    load_version, policy_version, last_swaps, engine_pids."""
+    load_version, policy_version, last_swaps, engine_pids.
+
+    With `tenants`, several runs share it, each training its own LoRA adapter: a call's
+    `policy=NAME` picks the run whose adapter and version it samples with and reports."""
 
     @classmethod
     def check_args(
-        cls, model: str | Path, cfg: GeneratorConfig | None = None, weights_from: Any = None, lora: Any = None
+        cls,
+        model: str | Path,
+        cfg: GeneratorConfig | None = None,
+        weights_from: Any = None,
+        lora: Any = None,
+        tenants: dict[str, tuple[Any, LoRAConfig]] | None = None,
     ) -> None:
         require_file("model.path", Path(model) / "config.json")
         if cfg is not None and not isinstance(cfg, GeneratorConfig):
             raise TypeError(f"Generator: cfg must be a GeneratorConfig, got {type(cfg).__name__}")
-        if lora is not None and not isinstance(lora, LoRAConfig):
-            raise TypeError(f"Generator: lora must be a LoRAConfig, got {type(lora).__name__}")
+        for given in [lora, *(t[1] for t in (tenants or {}).values())]:
+            if given is not None and not isinstance(given, LoRAConfig):
+                raise TypeError(f"Generator: lora must be a LoRAConfig, got {type(given).__name__}")
+        if tenants and weights_from is not None:
+            raise ValueError("Generator: a shared generator (tenants) serves the base model; weights_from is one run's")
+        for name, (_, tenant_lora) in (tenants or {}).items():
+            if not name or not tenant_lora.enabled:
+                raise ConfigError(
+                    f"run {name!r} shares a generator: it must be named and train a LoRA adapter "
+                    "(config key 'trainer.lora.rank' > 0); the base weights are everyone's"
+                )
 
     def __init__(
         self,
@@ -188,21 +220,18 @@ class Generator(ForgeActor):
         cfg: GeneratorConfig | None = None,
         weights_from: Any = None,
         lora: LoRAConfig | None = None,
+        tenants: dict[str, tuple[Any, LoRAConfig]] | None = None,
     ):
         """`weights_from`: the forge.store.WeightStore that `load_version` loads from. `lora`
-        (enabled): a version is a LoRA adapter of the trainer's `trainer.lora`, on this base model."""
+        (enabled): a version is a LoRA adapter of the trainer's `trainer.lora`, on this base model.
+        `tenants`: the runs sharing this generator, by name: each one's weight store and LoRA config."""
         self.model, self.cfg = str(model), cfg or GeneratorConfig()
-        self.store = weights_from
-        self.lora = lora if lora is not None and lora.enabled else None
-        self.adapter: Any = None  # the LoRARequest of the version held (None: the base model's weights)
-        self._adapters: dict[int, tuple[Any, Path]] = {}  # version -> its LoRARequest, its directory
-        self._adapter_users: collections.Counter[int] = collections.Counter()  # requests in flight per version
+        own = _Policy("", weights_from, lora if lora is not None and lora.enabled else None)
+        self.policies = {"": own} | {name: _Policy(name, *tenant) for name, tenant in (tenants or {}).items()}
         # vLLM's id of each policy adapter: unique, and apart from the ids vLLM's server gives named ones.
         self._adapter_ids = itertools.count(1 << 30)
-        self.version = 0
         self.engine = None
         self._swap = asyncio.Lock()
-        self._pull = asyncio.Lock()  # one fetch of the store's latest at a time
         self._stage_errors: set[str] = set()
         self._pauses: collections.deque[float] = collections.deque(maxlen=32)
         self._in_flight, self._busy_mark = 0, 0.0
@@ -215,14 +244,16 @@ class Generator(ForgeActor):
         os.environ["FORGE_GENERATOR_PID"] = str(os.getpid())  # vLLM's processes exit with this one
         os.environ.update(self.cfg.engine_env())
         try:
-            self.engine = AsyncLLM.from_engine_args(self.cfg.engine_args(self.model, self.lora))
+            loras = [p.lora for p in self.policies.values() if p.lora is not None]
+            self.engine = AsyncLLM.from_engine_args(self.cfg.engine_args(self.model, loras))
         except Exception as e:  # e.g. pydantic's ValidationError, which cannot be pickled back to the caller
             raise ValueError(f"Generator: vLLM cannot start on {self.model}: {e}") from None
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self.routing = await self._record_routing()
         await self._warm_up()
-        if self.store is not None:
-            await self._pull_latest()  # a respawned replica starts on the latest policy
+        for policy in self.policies.values():
+            if policy.store is not None:
+                await self._pull_latest(policy)  # a respawned replica starts on the latest policy
 
     async def _warm_up(self) -> None:
         # vLLM torch.compiles its sampling and logprob kernels on the first requests that use
@@ -260,24 +291,31 @@ class Generator(ForgeActor):
                 r[:prompt_len] = torch.where(r[:prompt_len] < 0, other[:prompt_len], r[:prompt_len])
         return out
 
-    async def _pull_latest(self) -> None:
+    def _policy(self, name: str) -> _Policy:
+        if name not in self.policies:
+            runs = ", ".join(repr(n) for n in self.policies if n) or "none"
+            raise ValueError(f"generator: no policy {name!r} here (runs sharing it: {runs})")
+        return self.policies[name]
+
+    async def _pull_latest(self, policy: _Policy) -> None:
         """Fetch the store's latest version (generation goes on meanwhile), then swap it in."""
-        version = await self.store.latest()
-        if version is None or version <= self.version:
+        store = policy.store
+        version = await store.latest()
+        if version is None or version <= policy.version:
             return
         start = asyncio.get_running_loop().time()
-        path = None if self.lora else await self.store.local_path(version)
+        path = None if policy.lora else await store.local_path(version)
         try:
-            if self.lora:  # a version is an adapter of a few MB: fetched whole
-                paused = await self._add_adapter(await self.store.fetch(version), version)
+            if policy.lora:  # a version is an adapter of a few MB: fetched whole
+                paused = await self._add_adapter(policy, await store.fetch(version), version)
             elif path is not None:  # shm (the writer's file or this host's copy): vLLM's worker maps it itself
-                check = functools.partial(self.store.check_intact, version, path)
+                check = functools.partial(store.check_intact, version, path)
                 paused = await self.swap_from_file(path, version, check=check)
             else:
-                paused = await self.load_weights_local(await self.store.fetch(version), version)
+                paused = await self.load_weights_local(await store.fetch(version), version)
         except KeyError:  # dropped (and its file reused) while we read it: take the newer one
             log.warning("forge: weights version %d was replaced while loading; loading the latest", version)
-            return await self._pull_latest()
+            return await self._pull_latest(policy)
         record_metric("generator/weight_sync_s", asyncio.get_running_loop().time() - start)
         record_metric("generator/weight_swap_paused_s", paused, Reduce.MAX)
 
@@ -330,18 +368,19 @@ class Generator(ForgeActor):
         request_id: str,
         timeout_s: float | None,
         prompt: Any,
+        policy: _Policy,
         adapter: Any = None,
     ):
         """vLLM's outputs for one request, with forge's errors: a bad prompt is a ValueError for this
         request only, a slow one a TimeoutError (and aborted), a dead engine ends this replica.
-        `adapter`: a named LoRA adapter's LoRARequest (vLLM's server makes it), else the policy's."""
+        `adapter`: a named LoRA adapter's LoRARequest (vLLM's server makes it), else `policy`'s."""
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         timeout_s = timeout_s or self.cfg.request_timeout_s
         self._count_busy(+1)
-        version, adapter = self.version, adapter or self.adapter  # a LoRA request keeps its adapter to the end
-        self._adapter_users[version] += 1
+        version, adapter = policy.version, adapter or policy.adapter  # a LoRA request keeps its adapter to the end
+        policy.users[version] += 1
         try:
             async with asyncio.timeout(timeout_s):
                 async for out in self.engine.generate(engine_prompt, params, request_id, lora_request=adapter):
@@ -362,8 +401,8 @@ class Generator(ForgeActor):
             raise ValueError(f"generate: prompt {_preview(prompt)}: {e}") from None
         finally:
             self._count_busy(-1)
-            self._adapter_users[version] -= 1
-            await self._drop_unused_adapters()
+            policy.users[version] -= 1
+            await self._drop_unused_adapters(policy)
 
     @concurrent_endpoint
     async def generate(
@@ -372,16 +411,19 @@ class Generator(ForgeActor):
         n: int = 1,
         sampling: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        policy: str = "",
     ) -> list[Completion]:
-        """`n` samples for one prompt. Raises ValueError/TypeError for a bad prompt (this request
-        only), TimeoutError after `timeout_s` (default: config `request_timeout_s`)."""
+        """`n` samples for one prompt, with `policy`'s weights (a run sharing this generator; "":
+        its own). Raises ValueError/TypeError for a bad prompt (this request only), TimeoutError
+        after `timeout_s` (default: config `request_timeout_s`)."""
+        p = self._policy(policy)
         sp = {**dataclasses.asdict(self.cfg.sampling), **(sampling or {})}
         params = self._sampling_params(n, sp)
-        admitted, request_id = self.version, uuid.uuid4().hex
+        admitted, request_id = p.version, uuid.uuid4().hex
         final = None
-        async for out in self._outputs(self._engine_prompt(prompt), params, request_id, timeout_s, prompt):
+        async for out in self._outputs(self._engine_prompt(prompt), params, request_id, timeout_s, prompt, p):
             final = out
-        finished = admitted if self.lora else self.version  # LoRA: every token under the admitted adapter
+        finished = admitted if p.lora else p.version  # LoRA: every token under the admitted adapter
         prompt_ids = list(final.prompt_token_ids)
         routing = await self._routed_experts(
             request_id, len(prompt_ids), [(c.index, len(c.token_ids)) for c in final.outputs]
@@ -413,10 +455,12 @@ class Generator(ForgeActor):
         on another replica (this one died) starts again with it."""
         from vllm.sampling_params import RequestOutputKind
 
-        admitted, sampled = self.version, collections.Counter()
+        policy = self.policies[""]
+        admitted, sampled = policy.version, collections.Counter()
         port.send("start")
         try:
-            async for out in self._outputs(prompt, params, request_id, None, prompt.get("prompt_token_ids"), adapter):
+            shown = prompt.get("prompt_token_ids")
+            async for out in self._outputs(prompt, params, request_id, None, shown, policy, adapter):
                 for c in out.outputs:  # tokens so far: DELTA outputs carry only the new ones
                     n = len(c.token_ids)
                     sampled[c.index] = sampled[c.index] + n if params.output_kind == RequestOutputKind.DELTA else n
@@ -424,7 +468,7 @@ class Generator(ForgeActor):
         finally:
             port.send(None)
         prompt_len = len(prompt.get("prompt_token_ids") or [])
-        finished = admitted if self.lora else self.version
+        finished = admitted if policy.lora else policy.version
         return admitted, finished, await self._routed_experts(request_id, prompt_len, sorted(sampled.items()))
 
     @endpoint
@@ -445,15 +489,16 @@ class Generator(ForgeActor):
     # ---- weights -------------------------------------------------------------------
 
     @concurrent_endpoint
-    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
-        """Swap in `state_dict` (HF names) as policy `version`, without restarting the engine.
-        Requests in flight are paused and kept, not dropped. Returns the seconds generation
-        was paused."""
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, policy: str = "") -> float:
+        """Swap in `state_dict` (HF names; a LoRA policy's: its adapter, PEFT names) as `policy`'s
+        `version`, without restarting the engine. Requests in flight are paused and kept, not
+        dropped. Returns the seconds generation was paused."""
+        p = self._policy(policy)
+        if p.lora:
+            return await self._add_adapter(p, state_dict, version)
         return await self.load_weights_local(state_dict, version)
 
     async def load_weights_local(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
-        if self.lora:
-            return await self._add_adapter(state_dict, version)
         fd, path = tempfile.mkstemp(suffix=".safetensors", dir=run_dir())
         os.close(fd)
         try:
@@ -488,7 +533,7 @@ class Generator(ForgeActor):
                     await self.engine.collective_rpc("forge_reload", args=(path, keep_mapping))
                 # Prefix-cache entries hold KV computed with the old weights.
                 await self.engine.reset_prefix_cache()
-                self.version = version
+                self.policies[""].version = version
             finally:
                 await self.engine.resume_generation()
             self._pauses.append(loop.time() - start)
@@ -496,16 +541,17 @@ class Generator(ForgeActor):
                 await check()
             return self._pauses[-1]
 
-    async def _add_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> float:
-        """Version `version` is the LoRA adapter `tensors` (PEFT names): vLLM loads it beside the
-        ones in use, and requests admitted from then on use it; the base weights never move.
-        Returns the seconds the engine spent loading it (its steps wait meanwhile)."""
+    async def _add_adapter(self, policy: _Policy, tensors: dict[str, torch.Tensor], version: int) -> float:
+        """`policy`'s version `version` is the LoRA adapter `tensors` (PEFT names): vLLM loads it
+        beside the ones in use, and requests admitted from then on use it; the base weights never
+        move. Returns the seconds the engine spent loading it (its steps wait meanwhile)."""
         from vllm.lora.request import LoRARequest
 
+        name = policy.name or "policy"
         async with self._swap:
-            where = Path(run_dir()) / f"adapter-{os.getpid()}-{uuid.uuid4().hex[:8]}-v{version}"
-            await asyncio.to_thread(write_adapter, where, tensors, self.lora, self.model)
-            request = LoRARequest(f"policy-v{version}", next(self._adapter_ids), str(where))
+            where = Path(run_dir()) / f"adapter-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}-v{version}"
+            await asyncio.to_thread(write_adapter, where, tensors, policy.lora, self.model)
+            request = LoRARequest(f"{name}-v{version}", next(self._adapter_ids), str(where))
             start = time.perf_counter()
             try:
                 await self.engine.add_lora(request)
@@ -513,21 +559,21 @@ class Generator(ForgeActor):
                 shutil.rmtree(where, ignore_errors=True)
                 raise
             paused = time.perf_counter() - start
-            self._adapters[version] = (request, where)
-            self.adapter, self.version = request, version
+            policy.adapters[version] = (request, where)
+            policy.adapter, policy.version = request, version
             self._pauses.append(paused)
-        await self._drop_unused_adapters()
+        await self._drop_unused_adapters(policy)
         return paused
 
-    async def _drop_unused_adapters(self) -> None:
-        """Unload the adapters of versions older than the one held that no request uses any more."""
+    async def _drop_unused_adapters(self, policy: _Policy) -> None:
+        """Unload `policy`'s adapters of versions older than the one held that no request uses any more."""
         if self.engine is None:
             return
-        for version in [v for v in self._adapters if v < self.version and not self._adapter_users[v]]:
-            if (held := self._adapters.pop(version, None)) is None:  # another request's finally took it
+        for version in [v for v in policy.adapters if v < policy.version and not policy.users[v]]:
+            if (held := policy.adapters.pop(version, None)) is None:  # another request's finally took it
                 continue
             request, where = held
-            self._adapter_users.pop(version, None)
+            policy.users.pop(version, None)
             await self.engine.remove_lora(request.lora_int_id)
             shutil.rmtree(where, ignore_errors=True)
 
@@ -548,21 +594,22 @@ class Generator(ForgeActor):
         return True
 
     @concurrent_endpoint
-    async def load_version(self, version: int) -> int:
-        """Load the store's latest version, `version` or newer, while generation goes on (a
-        WeightSync calls it once the trainer published `version`). Returns the version held."""
-        if self.store is None:
-            raise ValueError("Generator.load_version: this generator has no weight store (weights_from)")
-        async with self._pull:
-            if self.version < version:
-                await self._pull_latest()
-        if self.version < version:
-            raise KeyError(f"Generator.load_version: version {version} is not in the weight store {self.store.name!r}")
-        return self.version
+    async def load_version(self, version: int, policy: str = "") -> int:
+        """Load `policy`'s latest version from its store, `version` or newer, while generation goes
+        on (a WeightSync calls it once the trainer published `version`). Returns the version held."""
+        p = self._policy(policy)
+        if p.store is None:
+            raise ValueError(f"Generator.load_version: policy {policy!r} has no weight store (weights_from)")
+        async with p.pull:
+            if p.version < version:
+                await self._pull_latest(p)
+        if p.version < version:
+            raise KeyError(f"Generator.load_version: version {version} is not in the weight store {p.store.name!r}")
+        return p.version
 
     @endpoint
-    async def policy_version(self) -> int:
-        return self.version
+    async def policy_version(self, policy: str = "") -> int:
+        return self._policy(policy).version
 
     @endpoint
     async def last_swaps(self) -> list[float]:
@@ -580,7 +627,37 @@ class Generator(ForgeActor):
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.shutdown(timeout=1.0)  # within Monarch's cleanup deadline
-            for _, where in self._adapters.values():
-                shutil.rmtree(where, ignore_errors=True)
+            for policy in self.policies.values():
+                for _, where in policy.adapters.values():
+                    shutil.rmtree(where, ignore_errors=True)
             del engine
             gc.collect()  # AsyncLLM.__del__ now, not at interpreter exit when its imports are gone
+
+
+class RunGenerator:
+    """One run's handle on a generator service that several runs share (`tenants`): the calls of
+    the endpoints that take a `policy` name the run, so its rollout functions, evals and
+    WeightSync sample with, load and report its own adapter without knowing they share."""
+
+    TAGGED = ("generate", "load_weights", "load_version", "policy_version")
+
+    def __init__(self, gen: Any, run: str):
+        self.gen, self.run = gen, run
+
+    def __getattr__(self, name: str) -> Any:
+        endpoint = getattr(self.gen, name)
+        return _RunEndpoint(endpoint, self.run) if name in self.TAGGED else endpoint
+
+
+class _RunEndpoint:
+    def __init__(self, endpoint: Any, run: str):
+        self.endpoint, self.run = endpoint, run
+
+    async def route(self, *args: Any, **kwargs: Any) -> Any:
+        return await self.endpoint.route(*args, policy=self.run, **kwargs)
+
+    async def call(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return await self.endpoint.call(*args, policy=self.run, **kwargs)
+
+    async def fanout(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return await self.endpoint.fanout(*args, policy=self.run, **kwargs)

@@ -4,6 +4,9 @@ them, rewards, the reference, and for agentic runs the gateway and the environme
     roles = await Roles.start(cfg)    # cfg: apps/grpo.py's Config
     ...
     await roles.shutdown()
+
+Several LoRA runs can share the weight store and one generator service (`Shared`): each
+run's requests then name its adapter.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from forge.config import ConfigError
 from forge.job import Job
 from forge.store import start_store, stop_store
 from forge.weight_sync import WeightSync
 from services.envs import EnvPool
 from services.gateway import Gateway
-from services.generator import Generator
+from services.generator import Generator, RunGenerator
 from services.reference import Reference
 from services.rewards import Rewards
 from services.tiny_model import WarmStart
@@ -39,23 +43,29 @@ class Roles:
     envs: Any | None = None  # the environment pool
     eval_rewards: Any | None = None  # the eval's own rewards, when `eval.rewards` differs from the run's
     job: Job | None = None  # the Monarch job whose hosts run the roles
+    shared: Shared | None = None  # the store and generator this run shares with others
 
     @classmethod
-    async def start(cls, cfg: Any, warm_start: WarmStart | None = None) -> Roles:
+    async def start(cls, cfg: Any, warm_start: WarmStart | None = None, shared: Shared | None = None) -> Roles:
         """The roles `cfg` (the GRPO app's Config) asks for, on its model (built and
-        warm-started by `warm_start` first, when the config says so)."""
-        model = str(cfg.model.resolve(warm_start))
-        job = Job(cfg.job)
+        warm-started by `warm_start` first, when the config says so); with `shared`, on the
+        store and generator of several runs."""
+        model = shared.model if shared is not None else str(cfg.model.resolve(warm_start))
+        job = shared.job if shared is not None else Job(cfg.job)
         try:
             hosts = job.hosts
-            store = await start_store(hosts("store"))
+            store = shared.store if shared is not None else await start_store(hosts("store"))
             weights = weight_store(cfg.trainer)  # the run's versions
             trainer = await Trainer.options(
                 procs=cfg.trainer_procs, hosts=hosts("trainer"), max_restores=cfg.trainer_restores
             ).as_service(model, cfg.trainer, weights)
-            gen = await Generator.options(
-                replicas=cfg.generator_replicas, hosts=hosts("generator"), spread=True
-            ).as_service(model, cfg.generator, weights, cfg.trainer.lora)
+            gen = (
+                RunGenerator(shared.gen, cfg.run_name)
+                if shared is not None
+                else await Generator.options(
+                    replicas=cfg.generator_replicas, hosts=hosts("generator"), spread=True
+                ).as_service(model, cfg.generator, weights, cfg.trainer.lora)
+            )
             sync = WeightSync(trainer, gen)
             await sync.start()
             rewards = await Rewards.options(hosts=hosts("rewards")).as_service(cfg.rewards)
@@ -64,7 +74,7 @@ class Roles:
                 if cfg.trainer.loss.kl_coef > 0 and not cfg.trainer.lora.enabled  # LoRA: the trainer's, adapters off
                 else None
             )
-            s = cls(store, trainer, gen, sync, rewards, ref, job=job)
+            s = cls(store, trainer, gen, sync, rewards, ref, job=job, shared=shared)
             if cfg.eval.enabled and cfg.eval.rewards:
                 s.eval_rewards = await Rewards.options().as_service(cfg.rewards.with_weights(cfg.eval.rewards))
             if cfg.agentic.enabled:
@@ -75,15 +85,87 @@ class Roles:
                 ).as_service(cfg.agentic.env, cfg.agentic.envs_per_replica)
             return s
         except BaseException:
-            job.stop()  # its hosts, and whatever already runs on them, go with it: no orphan workers
+            if shared is None:
+                job.stop()  # its hosts, and whatever already runs on them, go with it: no orphan workers
             raise
 
     async def shutdown(self) -> None:
+        """Stop this run's roles; what it shares with other runs stays (`Shared.shutdown`)."""
         await self.weights.stop()
         if self.gateway is not None:
             await self.gateway.shutdown()
-        roles = (self.envs, self.gen, self.trainer, self.rewards, self.ref, self.eval_rewards)
+        own = (self.envs, self.trainer, self.rewards, self.ref, self.eval_rewards)
+        roles = own if self.shared is not None else (*own, self.gen)
         await asyncio.gather(*(r.shutdown() for r in roles if r is not None), return_exceptions=True)
+        if self.shared is None:
+            await stop_store(self.store)
+            if self.job is not None:
+                self.job.stop()
+
+
+@dataclass
+class Shared:
+    """What several GRPO runs at once share (apps/grpo.py `run_together`): the weight store's
+    processes, and one generator service that serves their base model and each run's LoRA adapter;
+    each run's requests name it (Generator `tenants`). Each run keeps its own trainer, rewards,
+    buffer, checkpoints and metrics."""
+
+    model: str  # the base model's directory
+    store: Any
+    gen: Any
+    job: Job
+
+    @classmethod
+    async def start(cls, cfgs: list[Any], warm_start: WarmStart | None = None) -> Shared:
+        """For the runs of `cfgs` (the GRPO app's Configs): each trains a LoRA adapter of the same
+        base model. Their versions are published under their run names."""
+        check_shareable(cfgs)
+        model = str(cfgs[0].model.resolve(warm_start))  # every run's (checked): built, if need be, once
+        for cfg in cfgs:
+            cfg.trainer.weights = cfg.run_name  # each run's versions under its own name in the one store
+        job = Job(cfgs[0].job)
+        try:
+            store = await start_store(job.hosts("store"))
+            tenants = {cfg.run_name: (weight_store(cfg.trainer), cfg.trainer.lora) for cfg in cfgs}
+            gen = await Generator.options(
+                replicas=cfgs[0].generator_replicas, hosts=job.hosts("generator"), spread=True
+            ).as_service(model, cfgs[0].generator, tenants=tenants)
+            return cls(model, store, gen, job)
+        except BaseException:
+            job.stop()
+            raise
+
+    async def shutdown(self) -> None:
+        await self.gen.shutdown()
         await stop_store(self.store)
-        if self.job is not None:
-            self.job.stop()
+        self.job.stop()
+
+
+def check_shareable(cfgs: list[Any]) -> None:
+    """Runs can share a generator when each has a name of its own, trains a LoRA adapter and
+    samples without the gateway, and they agree on the generator."""
+    names = [cfg.run_name for cfg in cfgs]
+    if len(cfgs) < 2 or len(set(names)) < len(names):
+        raise ConfigError(f"config key 'run_name': runs sharing a generator need names of their own, got {names}")
+    for cfg in cfgs:
+        if not cfg.trainer.lora.enabled:
+            raise ConfigError(
+                f"run {cfg.run_name!r}, config key 'trainer.lora.rank': runs sharing a generator each train "
+                "a LoRA adapter (the base weights are everyone's); set a rank > 0"
+            )
+        if cfg.agentic.enabled:
+            raise ConfigError(
+                f"run {cfg.run_name!r}, config key 'agentic': runs sharing a generator sample through it "
+                "directly; the gateway serves one run"
+            )
+        if cfg.model.path != cfgs[0].model.path:
+            raise ConfigError(
+                f"run {cfg.run_name!r}, config key 'model.path': runs sharing a generator share its base model, "
+                f"{cfgs[0].model.path!r} (run {cfgs[0].run_name!r}), got {cfg.model.path!r}"
+            )
+        shared = ("generator", "generator_replicas", "job")
+        if [getattr(cfg, key) for key in shared] != [getattr(cfgs[0], key) for key in shared]:
+            raise ConfigError(
+                f"run {cfg.run_name!r}, config keys {', '.join(shared)}: runs sharing a generator agree on "
+                f"them; they differ from run {cfgs[0].run_name!r}'s"
+            )

@@ -7,10 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from apps.grpo import Config
+from apps.grpo import Config, run_together
 from forge import checkpoint
 from forge.cli import run
 from forge.config import ConfigError, load_config
+from services.roles import check_shareable
 from services.titan import load_hf_model
 
 CONFIG = "configs/grpo_tiny.yaml"
@@ -158,7 +159,7 @@ def test_gpu_model_family_configs_are_valid(tmp_path, request, config, model):
     cfg = load_config(f"configs/grpo_{config}_gsm8k.yaml", [f"model.path={path}", f"dataset.path={data}"], Config)
     assert cfg.rewards.weights == {"math": 1.0} and cfg.generator.kv_cache_memory_bytes is None  # from the base
     Trainer.check_args(path, cfg.trainer)
-    engine = cfg.generator.engine_args(str(path), cfg.trainer.lora)
+    engine = cfg.generator.engine_args(str(path), [cfg.trainer.lora])
     if config == "llama3.2_1b":
         assert cfg.model.family == "llama3" and "<|start_header_id|>user" in cfg.dataset.template
     elif config == "qwen3_8b_lora":  # the adapters' keys are ones the trainer's model takes
@@ -391,3 +392,45 @@ def test_agentic_toy_configs_are_valid(path, task, env, agent):
     assert module.__name__ == "apps.grpo" and cfg.task == task and cfg.model.tiny.task == task
     assert cfg.agentic.env == env and cfg.agentic.agent == agent
     assert cfg.groups_per_step * cfg.group_size == 32 and cfg.trainer.lr == 1e-4
+
+
+@pytest.mark.slow  # 70 s: two runs' trainers and one generator
+def test_two_lora_runs_share_one_generator(tmp_path):
+    """Two GRPO runs at once (reverse and sort), each training its own adapter, on one generator:
+    each run's generator logprobs are its trainer's within 1e-3 at every step (an adapter of the
+    other run, or the base, would be far off once the adapters trained), its rows its own (its
+    task's accuracy), its adapter its own."""
+    import asyncio
+
+    lora = {"trainer.lora.rank": 8, "trainer.lr": 1e-2}  # adapters far apart within 4 steps
+    cfgs = [
+        load_config(CONFIG, small(tmp_path, run_name=name, task=task, steps=4, **lora), Config)
+        for name, task in (("rev", "reverse"), ("srt", "sort"))
+    ]
+    last = asyncio.run(run_together(cfgs))
+    assert [r["step"] for r in last] == [4, 4]
+    for name in ("rev", "srt"):
+        got = rows(tmp_path / name)
+        assert [r["step"] for r in got] == [1, 2, 3, 4]
+        assert all(r["mismatch/abs_logprob_max"] <= 1e-3 for r in got), [r["mismatch/abs_logprob_max"] for r in got]
+    adapters = [load_file(tmp_path / name / "model/adapter_model.safetensors") for name in ("rev", "srt")]
+    assert adapters[0].keys() == adapters[1].keys()
+    assert any(not torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0] if ".lora_B." in k)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([["run_name=a"], ["run_name=a"]], "names of their own"),
+        ([["run_name=a"], ["run_name=b", "trainer.lora.rank=0"]], "'b', config key 'trainer.lora.rank'"),
+        (
+            [["run_name=a"], ["run_name=b", "generator.max_model_len=128"]],
+            "'b', config keys generator, generator_replicas",
+        ),
+        ([["run_name=a"], ["run_name=b", "model.tiny.task=sort"]], "'b', config key 'model.path'"),
+    ],
+)
+def test_runs_that_cannot_share_a_generator_are_named(overrides, message):
+    cfgs = [load_config(CONFIG, ["trainer.lora.rank=8", *extra], Config) for extra in overrides]
+    with pytest.raises(ConfigError, match=message):
+        check_shareable(cfgs)

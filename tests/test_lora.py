@@ -14,7 +14,7 @@ from forge.losses import LossConfig
 from forge.store import WeightStore, start_store, stop_store
 from forge.types import Episode, collate
 from forge.weight_sync import WeightSync
-from services.generator import Generator, GeneratorConfig
+from services.generator import Generator, GeneratorConfig, RunGenerator
 from services.lora import adapters_off, is_adapter
 from services.titan import load_hf_model, token_logprobs
 from services.trainer import Trainer, TrainerConfig, build_optimizers
@@ -199,3 +199,72 @@ def test_forge_serve_names_a_bad_adapter(tiny_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         serve.main([str(tiny_model_dir), "--lora", f"a={tmp_path}"])
     assert f"--lora 'a={tmp_path}': {tmp_path} is not a PEFT adapter directory" in capsys.readouterr().err
+
+
+def test_runs_sharing_a_generator_sample_with_their_own_adapters(tiny_model_dir, tmp_path):
+    """One generator serves two runs (tenants a and b), each publishing its adapter to its own
+    store, each seen through its own RunGenerator and WeightSync. Requests of both, interleaved
+    while a's next version lands, sample with their own run's adapter (logprobs within 1e-4 of
+    peft's model with that adapter, far from the other's) and carry their own run's version."""
+    from peft import get_peft_model_state_dict
+
+    models = {seed: peft_adapter(tiny_model_dir, tmp_path / str(seed), seed) for seed in (1, 2, 3)}
+    lora = LoRAConfig(rank=8, alpha=16)
+    prompts = ([1, 40, 50, 60, 70], [1, 80, 90, 30], [1, 20, 40, 60, 80, 90])
+
+    async def main():
+        store = await start_store()
+        stores = {run: WeightStore(run) for run in ("a", "b")}
+        gen = await Generator.options().as_service(
+            str(tiny_model_dir), GeneratorConfig(max_model_len=128), tenants={r: (s, lora) for r, s in stores.items()}
+        )
+        views = {run: RunGenerator(gen, run) for run in stores}
+        syncs = {run: WeightSync(None, view) for run, view in views.items()}
+        try:
+            for sync in syncs.values():
+                await sync.start()
+
+            async def publish(run, version, seed):
+                await stores[run].publish(version, get_peft_model_state_dict(models[seed]))
+                syncs[run].publish(version)
+                await syncs[run].wait_held(version, timeout_s=60)
+
+            await publish("a", 1, 1)
+            await publish("b", 1, 2)
+
+            async def sample(run):
+                return run, await views[run].generate.route(prompts[len(run) % 3], n=4, sampling={"max_tokens": 12})
+
+            requests = [sample(run) for _ in range(4) for run in ("a", "b")]
+            first = await asyncio.gather(*requests[:4])
+            later = await asyncio.gather(*requests[4:], publish("a", 2, 3))
+            held = {run: await view.policy_version.route() for run, view in views.items()}
+            with pytest.raises(ValueError, match="no policy 'c'"):
+                await gen.generate.route([1, 40], policy="c")
+        finally:
+            for sync in syncs.values():
+                await sync.stop()
+            await gen.shutdown()
+            await stop_store(store)
+        return first + later[:-1], held
+
+    samples, held = asyncio.run(main())
+    assert held == {"a": 2, "b": 1}
+
+    def hf_logprobs(model, c):
+        ids = torch.tensor([c.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        return lp[len(c.prompt_ids) - 1 :]
+
+    checked = {"a": set(), "b": set()}
+    for run, group in samples:
+        for c in group:
+            assert c.policy_version == c.max_policy_version  # each request keeps the adapter it was admitted under
+            seed = {("a", 1): 1, ("a", 2): 3, ("b", 1): 2}[(run, c.policy_version)]
+            got = torch.tensor(c.logprobs)
+            assert (got - hf_logprobs(models[seed], c)).abs().max().item() <= 1e-4, (run, c.policy_version)
+            others = [m for s, m in models.items() if s != seed]
+            assert all((got - hf_logprobs(m, c)).abs().max().item() > 1e-2 for m in others)
+            checked[run].add(c.policy_version)
+    assert checked["b"] == {1} and 1 in checked["a"]

@@ -72,6 +72,37 @@ def test_record_metric_reduces_across_three_processes(tmp_path):
     assert acc.Scalars("x_sum")[0].value == pytest.approx(expected["sum"])
 
 
+def test_runs_in_one_process_flush_their_own_metrics(tmp_path):
+    """Two runs in one controller (apps/grpo.py run_together), each in a metrics_scope: a run's
+    flush holds what its tasks recorded and what its own processes recorded, never the other's."""
+    import asyncio
+
+    from service_actors import Recorder
+
+    from forge.metrics import Reduce, metrics_scope, record_metric
+
+    async def one(name: str, value: float, gate: asyncio.Barrier) -> dict:
+        with metrics_scope():
+            writer = MetricWriter(tmp_path / name, ["jsonl"])
+            actors = await Recorder.options(procs=1).as_actor()
+            try:
+                await actors.record.call("procs", [[value]], "sum")
+                record_metric("controller", value, Reduce.SUM)
+                await gate.wait()  # both have recorded before either flushes
+                return await writer.flush(1)
+            finally:
+                await actors.shutdown()
+                writer.close()
+
+    async def main():
+        gate = asyncio.Barrier(2)
+        return await asyncio.gather(one("a", 1.0, gate), one("b", 10.0, gate))
+
+    a, b = asyncio.run(main())
+    assert (a["procs"], a["controller"]) == (1.0, 1.0)
+    assert (b["procs"], b["controller"]) == (10.0, 10.0)
+
+
 def test_one_key_one_reduction():
     from forge.metrics import Reduce, _drain, record_metric
 
