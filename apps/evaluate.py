@@ -15,18 +15,24 @@ from typing import Any
 from forge.cli import app_config, fail
 from forge.config import ConfigError
 from services.evals import evaluate, held_out
-from services.gateway import model_dir
+from forge.lora import ADAPTER_CONFIG, read_adapter
+from services.gateway import base_of, model_dir
 from services.generator import Generator
 from services.rewards import Rewards
 
 
 async def evaluate_model(app_cfg: Any, model: str) -> dict[str, float]:
-    """The eval of `model` (an HF directory, or a run directory with its exported model/)."""
+    """The eval of `model` (an HF directory, a LoRA adapter's PEFT directory, or a run directory
+    with its exported model/ of either kind)."""
     samples = held_out(app_cfg.eval, app_cfg.task)
+    model = model_dir(model)
+    lora, _, tensors = read_adapter(model) if (model / ADAPTER_CONFIG).is_file() else (None, "", {})
     gen = await Generator.options(replicas=getattr(app_cfg, "generator_replicas", 1)).as_service(
-        str(model_dir(model)), app_cfg.generator
+        str(base_of(model) if lora else model), app_cfg.generator, lora=lora
     )
     try:
+        if lora:  # the adapter is the policy's version 1, on its base model
+            await gen.load_weights.fanout(tensors, version=1)
         rewards = await Rewards.options().as_service(app_cfg.rewards.with_weights(app_cfg.eval.rewards))
         try:
             return await evaluate(app_cfg.eval, samples, gen, rewards)

@@ -4,15 +4,17 @@ generator hands vLLM for each policy version, and `peft` and `forge serve --lora
 
     cfg = LoRAConfig(rank=8, alpha=16)           # rank 0: off (a full fine-tune)
     write_adapter(out_dir, tensors, cfg, base)   # tensors named by `peft_key(module, "A")`
+    cfg, base, tensors = read_adapter(out_dir)
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from forge.config import ConfigError
 
@@ -70,3 +72,18 @@ def write_adapter(out: str | Path, tensors: dict[str, torch.Tensor], cfg: LoRACo
     ).save_pretrained(str(out))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return out
+
+
+def read_adapter(path: str | Path) -> tuple[LoRAConfig, str, dict[str, torch.Tensor]]:
+    """A PEFT adapter directory: its config (rank, alpha, dropout, targets), the base model it
+    names, and its tensors."""
+    path = Path(path)
+    peft = json.loads((path / ADAPTER_CONFIG).read_text())
+    targets = peft.get("target_modules") or []
+    cfg = LoRAConfig(
+        rank=peft["r"],
+        alpha=peft.get("lora_alpha", peft["r"]),
+        dropout=peft.get("lora_dropout", 0.0),
+        targets=sorted(targets) if isinstance(targets, list) else [targets],
+    )
+    return cfg, peft.get("base_model_name_or_path") or "", load_file(str(path / ADAPTER_WEIGHTS))

@@ -7,6 +7,7 @@
             ...                                        # the app's step: train, record metrics
             await run.end_step()                       # a metrics row, the bar, checkpoints, evals
         await run.finish()                             # the last checkpoint and eval, the HF export
+                                                       # leaving the block prints the run's summary
 
 The config (`cfg`) is a RunConfig with an `eval` section (every, before_train). A checkpoint holds the trainer's state, the step and policy
 version, and the `state_dict()` of each part the app names (its data position, its buffer).
@@ -29,6 +30,7 @@ from forge.config import ConfigError, to_yaml
 from forge.metrics import DEFAULT_BACKENDS, MetricWriter, discard_pending, plot_rewards
 from forge.rollout import RolloutError, RolloutsStopped
 from forge.service import ServiceError
+from forge.summary import summary
 
 PLOT_EVERY_S = 10.0  # matplotlib costs ~0.2 s: not every step
 
@@ -201,7 +203,8 @@ class Run:
 
     async def __aexit__(self, kind: Any, error: BaseException | None, tb: Any) -> bool:
         """Ctrl-C saves a checkpoint; a service or the rollouts that cannot go on stop the run
-        with where to resume from; the bar, the writer and the plots close either way."""
+        with where to resume from; the bar, the writer and the plots close either way, and a
+        finished run prints its summary."""
         try:
             if isinstance(error, (KeyboardInterrupt, asyncio.CancelledError)):
                 print(f"\n{self.app}: interrupted at step {self.step}; saving a checkpoint", flush=True)
@@ -216,6 +219,8 @@ class Run:
                 self.bar.close()
             self.writer.close()
             self._plot()
+            if self.finished:
+                print(summary(self.dir, tuple(key for key, _ in self.show.values())), flush=True)
 
     def _due(self, every: int) -> bool:
         return bool(every) and self.step % every == 0

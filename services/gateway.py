@@ -674,6 +674,11 @@ def model_dir(path: str | Path) -> Path:
     raise FileNotFoundError(f"{path}: neither an HF model directory (config.json) nor a run directory with model/")
 
 
+def base_of(adapter: Path) -> Path:
+    """The base model a PEFT adapter directory was trained on (its `base_model_name_or_path`)."""
+    return model_dir(json.loads((adapter / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+
+
 async def serve(model: str | Path, cfg: GatewayConfig, generator_cfg: Any, replicas: int = 1) -> None:
     """`forge serve`: a Generator service of `replicas` on `model` behind a gateway without
     sessions, until SIGINT or SIGTERM."""
@@ -682,7 +687,7 @@ async def serve(model: str | Path, cfg: GatewayConfig, generator_cfg: Any, repli
     name = model.parent.name if model.name == "model" else model.name  # a run's policy: the run's name
     if (model / ADAPTER_CONFIG).is_file():  # a LoRA run's adapter: served on the base it was trained on
         generator_cfg.adapters = {name: str(model), **generator_cfg.adapters}
-        model = model_dir(json.loads((model / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+        model = base_of(model)
     elif cfg.served_model_name is None:
         cfg.served_model_name = name
     gen = await Generator.options(replicas=replicas).as_service(str(model), generator_cfg)

@@ -268,3 +268,24 @@ def test_runs_sharing_a_generator_sample_with_their_own_adapters(tiny_model_dir,
             assert all((got - hf_logprobs(m, c)).abs().max().item() > 1e-2 for m in others)
             checked[run].add(c.policy_version)
     assert checked["b"] == {1} and 1 in checked["a"]
+
+
+@pytest.mark.slow  # 70 s: three generators
+def test_forge_eval_of_an_adapter_is_the_merged_model_s(tiny_model_dir, tmp_path):
+    """`forge eval CONFIG --model ADAPTER_DIR` evaluates the adapter on the base model it names:
+    the greedy eval's figures are those of the model with the adapter merged in, not the base's."""
+    from apps.evaluate import evaluate_model
+    from apps.grpo import Config
+    from forge.config import load_config
+
+    model = peft_adapter(tiny_model_dir, tmp_path / "adapter", seed=1)
+    model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny_model_dir / f).exists():
+            (tmp_path / "merged" / f).write_bytes((tiny_model_dir / f).read_bytes())
+    over = ["eval.prompts=16", "rewards.weights={task: 1.0}", "generator.max_model_len=128"]
+    cfg = load_config("configs/grpo_tiny.yaml", over, Config)
+    got = {m: asyncio.run(evaluate_model(cfg, str(tmp_path / m))) for m in ("adapter", "merged")}
+    base = asyncio.run(evaluate_model(cfg, str(tiny_model_dir)))
+    assert got["adapter"]["eval/reward_mean"] == got["merged"]["eval/reward_mean"]
+    assert got["adapter"]["eval/reward_mean"] != base["eval/reward_mean"]

@@ -11,6 +11,7 @@ import pytest
 
 from forge import checkpoint
 from forge.checkpoint import RunStopped
+from forge.metrics import Reduce, record_metric
 from forge.run import Run
 from forge.service import ServiceError
 
@@ -150,10 +151,50 @@ def test_checkpoints_resume_and_the_end_of_a_run(tmp_path):
     assert rows == [1, 2, 3, 4, 5, 6, 7]  # step 5's first row dropped, written again
 
 
+def test_a_finished_run_prints_its_summary(tmp_path, capsys):
+    """Steps and wall time, the bar's figures first -> last, the best and last eval, failures
+    counted, where the checkpoint, model and plots are, and how to serve and evaluate it."""
+    cfg = config(tmp_path)
+    cfg.steps = 20
+
+    async def main():
+        trainer = FakeTrainer()
+        run = Run("test", cfg, show={"reward": ("reward_mean", ".3f")})
+        await run.start(trainer, FakeWeights(trainer), FakeEvals())
+        async with run:
+            while run.step < cfg.steps:
+                record_metric("reward_mean", run.step / 20)
+                if run.step in (3, 7):
+                    record_metric("rollout_errors", 1, Reduce.SUM)
+                trainer.version += 1
+                await run.end_step(trainer.version)
+                if run.step % 10 == 0:
+                    run.writer.write(run.step, {"eval/accuracy": 0.3 if run.step == 10 else 0.2})
+            await run.finish()
+        return run
+
+    run = asyncio.run(main())
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index(next(line for line in lines if line.startswith("run: 20 steps in ")))
+    d = cfg.run_dir
+    assert lines[at + 1 :] == [
+        "  reward_mean 0.025 -> 0.925 (mean of the first and last 2 steps)",
+        "  eval/accuracy best 0.300 (step 10), last 0.200 (step 20)",
+        "  failures: rollout_errors 2",
+        f"  checkpoint {d}/checkpoints/step_000020",
+        "  model      none",
+        f"  plots      {d}/reward.png; tensorboard --logdir {d}/tb",
+        f"  serve      forge serve {d}",
+        f"  evaluate   forge eval {d}/config.yaml --model {d}",
+    ]
+    assert run.finished
+
+
 def test_ctrl_c_saves_the_step_it_reached(tmp_path, capsys):
     cfg = config(tmp_path)
     run, trainer, _, data = asyncio.run(train(cfg, stop_at=3))
-    assert "interrupted at step 3; saving a checkpoint" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "interrupted at step 3; saving a checkpoint" in out and "steps in" not in out  # no summary: unfinished
     assert checkpoint.load_run_state(checkpoint.latest(cfg.run_dir)) == {"step": 3, "version": 3, "data": {"n": 30}}
     assert trainer.exported is None and not run.finished
 

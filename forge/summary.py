@@ -1,0 +1,82 @@
+"""The end-of-run summary: what a run did and what it left, read from its directory.
+
+print(summary(run_dir, ("reward_mean", "accuracy")))
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from forge import checkpoint
+from forge.lora import ADAPTER_CONFIG
+
+# Counted over the run (each row holds its step's count): what went wrong and was recovered from.
+FAILURES = (
+    "trainer_restores",
+    "service/respawns",
+    "reward_failures",
+    "rollout_errors",
+    "groups_masked",
+    "groups_dropped",
+)
+
+
+def _rows(run_dir: Path) -> list[dict[str, float]]:
+    jsonl = run_dir / "metrics.jsonl"
+    if not jsonl.exists():
+        return []
+    return [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes}m{s:02d}s" if minutes else f"{s}s"
+
+
+def _trend(rows: list[dict[str, float]], key: str) -> str | None:
+    """`key` over the first and the last steps (a tenth of the run each, 1-10 steps)."""
+    values = [r[key] for r in rows if key in r and not math.isnan(r[key])]
+    if not values:
+        return None
+    n = min(10, max(1, len(values) // 10))
+    first, last = sum(values[:n]) / n, sum(values[-n:]) / n
+    return f"{key} {first:.3f} -> {last:.3f} (mean of the first and last {n} steps)"
+
+
+def _evals(rows: list[dict[str, float]]) -> str | None:
+    evals = [(r["eval/accuracy"], r["step"]) for r in rows if "eval/accuracy" in r]
+    if not evals:
+        return None
+    best = max(evals, key=lambda e: (e[0], -e[1]))
+    return f"eval/accuracy best {best[0]:.3f} (step {best[1]}), last {evals[-1][0]:.3f} (step {evals[-1][1]})"
+
+
+def _failures(rows: list[dict[str, float]]) -> str:
+    keys = [*FAILURES, *sorted({k for r in rows for k in r if k.endswith("_errors") and k not in FAILURES})]
+    counted = {k: sum(r.get(k, 0) for r in rows) for k in keys}
+    found = [f"{k} {v:g}" for k, v in counted.items() if v]
+    return "failures: " + (", ".join(found) if found else "none")
+
+
+def summary(run_dir: str | Path, keys: tuple[str, ...]) -> str:
+    """What the run in `run_dir` did (steps, wall time, `keys` first -> last, evals, failures) and
+    where its checkpoint, model and plots are, with the commands that serve and evaluate it."""
+    run_dir = Path(run_dir)
+    rows = [r for r in _rows(run_dir) if "step" in r]
+    steps, wall = (rows[-1]["step"], rows[-1]["wall_s"]) if rows else (0, 0.0)
+    lines = [f"{run_dir.name}: {steps:g} steps in {_duration(wall)}"]
+    lines += [line for line in (*(_trend(rows, k) for k in keys), _evals(rows)) if line]
+    lines.append(_failures(rows))
+    last = checkpoint.latest(run_dir)
+    model = run_dir / "model"
+    kind = "a LoRA adapter, PEFT format" if (model / ADAPTER_CONFIG).exists() else "HF format"
+    where = [
+        ("checkpoint", str(last) if last else "none"),
+        ("model", f"{model} ({kind})" if model.exists() else "none"),
+        ("plots", f"{run_dir / 'reward.png'}; tensorboard --logdir {run_dir / 'tb'}"),
+        ("serve", f"forge serve {run_dir}"),
+        ("evaluate", f"forge eval {run_dir / 'config.yaml'} --model {run_dir}"),
+    ]
+    return "\n".join([lines[0], *(f"  {line}" for line in lines[1:]), *(f"  {k:<10} {v}" for k, v in where)])
