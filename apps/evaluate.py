@@ -14,8 +14,8 @@ from typing import Any
 
 from forge.cli import app_config, fail
 from forge.config import ConfigError
-from services.evals import evaluate, held_out
 from forge.lora import ADAPTER_CONFIG, read_adapter
+from services.evals import evaluate, held_out
 from services.gateway import base_of, model_dir
 from services.generator import Generator
 from services.rewards import Rewards
