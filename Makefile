@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml forge/install.py
 install: $(STAMP)
 
 run: $(STAMP)
-	VLLM_LOGGING_LEVEL=$${VLLM_LOGGING_LEVEL:-WARNING} $(PY) -m forge.cli run $(CONFIG) $(ARGS)
+	$(PY) -m forge.cli run $(CONFIG) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -75,6 +75,7 @@ class Config(RunConfig):
 
     def validate(self) -> None:
         """The app's own keys and how sections fit together (each section validates itself)."""
+        super().validate()
         if self.group_size < 2:
             raise ConfigError(
                 f"config key 'group_size' must be >= 2 (GRPO compares samples of a group), got {self.group_size}"
@@ -127,6 +128,7 @@ class Config(RunConfig):
             )
         if self.eval.dataset.path and self.eval.dataset.template == DatasetConfig.template:
             self.eval.dataset.template = self.dataset.template  # the run's prompt format, unless set
+            self.eval.dataset.messages_key = self.eval.dataset.messages_key or self.dataset.messages_key
             self.eval.dataset.answer_key = self.dataset.answer_key
 
 

@@ -53,9 +53,10 @@ class Config(RunConfig):
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # the eval's sampler
 
     def validate(self) -> None:
+        super().validate()
         if self.task not in tasks.TASKS:
             raise ConfigError(f"config key 'task': unknown task {self.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
-        for key in ("steps", "batch_size", "trainer_procs"):
+        for key in ("batch_size", "trainer_procs"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
         if self.trainer.loss.name != "sft":
@@ -157,7 +158,7 @@ def warm_start(model_dir: Path, spec: TinyModelSpec) -> float:
         runs_dir=str(model_dir.parent),
         seed=spec.seed,
         task=spec.task,
-        data=SFTDataConfig(noise=spec.sft_noise),
+        data=SFTDataConfig(noise=spec.sft_noise, system=spec.sft_system),
         model=ModelConfig(path=str(model_dir)),
         steps=spec.sft_steps,
         batch_size=spec.sft_batch_size,

@@ -7,8 +7,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
@@ -33,6 +31,8 @@ def save_run_state(path: Path, state: dict[str, Any], keep: int = 2) -> Path:
     """Complete the checkpoint being written in `path` (a `partial_dir`, after the trainer's
     DCP files): write run_state.pt, rename the directory to its step's, and delete all but the
     newest `keep` checkpoints and any partial ones. Returns the checkpoint's directory."""
+    import torch  # here, not at the top: the CLI imports this module, and `forge --help` stays fast
+
     torch.save(state, path / "run_state.pt")
     final = step_dir(path.parent.parent, state["step"])
     if path != final:
@@ -44,6 +44,8 @@ def save_run_state(path: Path, state: dict[str, Any], keep: int = 2) -> Path:
 
 
 def load_run_state(path: Path) -> dict[str, Any]:
+    import torch  # on first use (see save_run_state)
+
     return torch.load(path / "run_state.pt", weights_only=False)
 
 

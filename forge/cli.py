@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import pkgutil
 import sys
 from pathlib import Path
@@ -58,8 +59,16 @@ def run(config: str | None, overrides: list[str], app: str | None = None, resume
         fail(str(e))
 
 
+def library_logs(verbose: bool = False) -> None:
+    """vLLM's INFO lines (a pause and a prefix-cache reset on every weight swap, hundreds a run)
+    stay off the console unless asked for (`-v`, or VLLM_LOGGING_LEVEL); every process forge
+    starts inherits the setting."""
+    os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")
+
+
 def run_app(app: str, argv: list[str] | None = None) -> None:
     """Entry point of `python -m apps.NAME --config FILE [key=value ...]`."""
+    library_logs()
     p = argparse.ArgumentParser(prog=f"python -m apps.{app}")
     p.add_argument("--config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.lr=1e-4")
@@ -85,10 +94,14 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    verbose = bool(argv) and argv[0] in ("-v", "--verbose")
+    argv = argv[verbose:]
+    library_logs(verbose)
     if argv and argv[0] in COMMANDS:  # its options are its own (`forge NAME --help` lists them)
         importlib.import_module(f"apps.{COMMANDS[argv[0]][0]}").main(argv[1:])
         return
     p = argparse.ArgumentParser(prog="forge", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="show the libraries' INFO lines (vLLM's) too")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     r = sub.add_parser("run", help="run the app named by a config file's `app` key")
@@ -104,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--task", default="add")
     d.add_argument("-n", type=int, default=10_000)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--system", help="write chat prompts: this system turn, then the task as the user's")
 
     b = sub.add_parser("bench", help="run a benchmark: prints a table, writes benchmarks/results/NAME.json")
     b.add_argument("name", choices=_benchmarks())
@@ -119,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     elif a.cmd == "make-dataset":
         if a.task not in tasks.TASKS:
             fail(f"--task: unknown task {a.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
-        print(tasks.write_dataset(a.out, a.task, a.n, a.seed))
+        print(tasks.write_dataset(a.out, a.task, a.n, a.seed, a.system))
 
 
 if __name__ == "__main__":

@@ -23,10 +23,19 @@ class DatasetConfig:
     """Prompts from a local file instead of a generated toy task (e.g. GSM8K as parquet/jsonl)."""
 
     path: str = ""  # empty: the config's toy `task`
-    template: str = "{question}"  # the prompt: the row's columns formatted in, e.g. inside a chat template
+    template: str = "{question}"  # a raw-text prompt: the row's columns formatted in
+    # The column that holds each row's prompt as chat messages ([{role, content}, ...], a system
+    # turn too: TRL's conversational format); the generator renders them with the model's chat
+    # template, as `forge serve` does. Empty: `template` makes the prompt.
+    messages_key: str = ""
     answer_key: str = "answer"  # the column the reward compares with
 
     def validate(self) -> None:
+        if self.messages_key and self.template != DatasetConfig.template:
+            raise ConfigError(
+                "config keys 'dataset.messages_key' and 'dataset.template': a chat prompt is rendered by the "
+                "model's chat template; set one of them"
+            )
         if self.path and Path(self.path).suffix not in FORMATS:
             raise ConfigError(f"config key 'dataset.path': {self.path} is not one of {', '.join(FORMATS)}")
         if self.path and not Path(self.path).is_file():
@@ -90,8 +99,9 @@ class FilePrompts(IndexedPrompts):
         cfg.validate()
         self.rows = datasets.load_dataset(FORMATS[Path(cfg.path).suffix], data_files=cfg.path, split="train")
         # A field may index its column ({test_list[0]}): the column is the name before [ or .
-        fields = (name for _, name, _, _ in string.Formatter().parse(cfg.template) if name)
-        wanted = {re.split(r"[.\[]", name)[0] for name in fields} | {cfg.answer_key}
+        fields = [name for _, name, _, _ in string.Formatter().parse(cfg.template) if name]
+        prompt = {cfg.messages_key} if cfg.messages_key else {re.split(r"[.\[]", name)[0] for name in fields}
+        wanted = prompt | {cfg.answer_key}
         missing = wanted - set(self.rows.column_names)
         if missing or not len(self.rows):
             raise ConfigError(
@@ -99,15 +109,27 @@ class FilePrompts(IndexedPrompts):
                 f"{self.rows.column_names}; missing {sorted(missing)}"
             )
         self.cfg = cfg
+        if cfg.messages_key:
+            self._messages(self.rows[0], 0)  # a column of plain strings fails here, not mid-run
 
     def sample(self, i: int) -> Sample:
-        row = self.rows[self.shuffled(i, len(self.rows))]
+        at = self.shuffled(i, len(self.rows))
+        row = self.rows[at]
         return Sample(
-            prompt=self.cfg.template.format(**row),
+            prompt=self._messages(row, at) if self.cfg.messages_key else self.cfg.template.format(**row),
             answer=str(row[self.cfg.answer_key]),
             task=Path(self.cfg.path).stem,
             meta=dict(row),
         )
+
+    def _messages(self, row: dict[str, Any], at: int) -> list[dict[str, Any]]:
+        messages = row[self.cfg.messages_key]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ConfigError(
+                f"config key 'dataset.messages_key': row {at} of {self.cfg.path} holds {str(messages)[:60]!r} in "
+                f"column '{self.cfg.messages_key}', not a list of chat messages ({{role, content}})"
+            )
+        return [{k: v for k, v in m.items() if v is not None} for m in messages]  # datasets fills absent keys with None
 
 
 @dataclass
@@ -122,6 +144,7 @@ class SFTDataConfig:
     max_tokens: int = 1024  # a longer row is cut to this (its loss tokens past it are lost)
     pack_to: int = 0  # examples packed into rows of up to this many tokens, each seeing only itself; 0: one per row
     noise: float = 0.0  # toy task only: this fraction of answer characters (or digits) replaced at random
+    system: str | None = None  # toy task only: chat examples (this system turn, the task as the user's); None: raw text
 
     def validate(self) -> None:
         if self.path and Path(self.path).suffix not in FORMATS:
@@ -170,6 +193,12 @@ class SFTExamples(IndexedPrompts):
                 )
                 return self._cut(ids, [int(label != -100) for label in labels])
             answer = self.task.corrupt(s.answer, self.cfg.noise, rng) if self.cfg.noise else s.answer
+            if self.cfg.system is not None:
+                turns = [("system", self.cfg.system), ("user", s.prompt), ("assistant", answer)]
+                ids, labels = chat_tokens(
+                    self.tokenizer, [{"role": r, "content": c} for r, c in turns], self.end_of_turn
+                )
+                return self._cut(ids, [int(label != -100) for label in labels])
             return self._pair(s.prompt, answer, f"toy sample {i}")
         index = self.shuffled(i, len(self.rows))
         row, where = self.rows[index], f"{self.cfg.path} row {index}"

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import torch
 
+from forge.console import report
 from forge.losses import group_advantages
 from forge.metrics import Reduce, record_metric
 from forge.tasks import Sample
 from forge.types import Completion, Episode, RewardInput, Score
-
-log = logging.getLogger("forge")
 
 
 class RolloutError(TypeError):
@@ -176,7 +174,7 @@ class RolloutLoops:
                 self.streak += 1
                 self.last_error = f"{type(e).__name__}: {e}"
                 record_metric("rollout_errors", 1, Reduce.SUM)
-                log.warning("forge: rollout failed: %s", self.last_error)
+                report("rollout failed", self.last_error)
                 if self.streak >= self.cfg.max_rollout_failures:
                     raise RolloutsStopped(
                         f"{self.streak} rollouts failed in a row (config key 'max_rollout_failures'); "

@@ -30,7 +30,7 @@ from forge.config import ConfigError, to_yaml
 from forge.metrics import DEFAULT_BACKENDS, MetricWriter, discard_pending, plot_rewards
 from forge.rollout import RolloutError, RolloutsStopped
 from forge.service import ServiceError
-from forge.summary import summary
+from forge.summary import failures, summary
 
 PLOT_EVERY_S = 10.0  # matplotlib costs ~0.2 s: not every step
 
@@ -51,6 +51,12 @@ class RunConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.run_name
+
+    def validate(self) -> None:
+        """The keys every run has (an app's `validate` calls it first)."""
+        for key, low in (("steps", 1), ("checkpoint_every", 0)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"config key '{key}' must be >= {low}, got {getattr(self, key)}")
 
     def resume_point(self) -> Path | None:
         """The checkpoint `resume` names (its newest complete one), or None: a new run."""
@@ -121,6 +127,7 @@ class Run:
         self.evals: Any = None
         self.parts: dict[str, Part] = {}
         self.bar: tqdm | None = None
+        self.failed = 0  # failures this run has recovered from (episodes, rollouts, rewards, restores)
         self._plotted = time.monotonic()
 
     async def start(self, trainer: Any, weights: Any, evals: Any, **parts: Part) -> None:
@@ -180,6 +187,9 @@ class Run:
         postfix = {label: f"{self.row.get(key, float('nan')):{fmt}}" for label, (key, fmt) in self.show.items()}
         if self.cfg.eval.every:
             postfix["eval_acc"] = f"{self.evals.accuracy:.2f}"
+        self.failed += int(sum(failures(self.row).values()))
+        if self.failed:
+            postfix["failed"] = str(self.failed)
         self.bar.set_postfix(postfix)
         if self._due(self.cfg.checkpoint_every):
             await self.save()

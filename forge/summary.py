@@ -53,11 +53,18 @@ def _evals(rows: list[dict[str, float]]) -> str | None:
     return f"eval/accuracy best {best[0]:.3f} (step {best[1]}), last {evals[-1][0]:.3f} (step {evals[-1][1]})"
 
 
+def failures(row: dict[str, float]) -> dict[str, float]:
+    """The failures a metrics row counts (its step's), by key."""
+    return {k: v for k, v in row.items() if (k in FAILURES or k.endswith("_errors")) and v}
+
+
 def _failures(rows: list[dict[str, float]]) -> str:
-    keys = [*FAILURES, *sorted({k for r in rows for k in r if k.endswith("_errors") and k not in FAILURES})]
-    counted = {k: sum(r.get(k, 0) for r in rows) for k in keys}
-    found = [f"{k} {v:g}" for k, v in counted.items() if v]
-    return "failures: " + (", ".join(found) if found else "none")
+    counted: dict[str, float] = {}
+    for r in rows:
+        for k, v in failures(r).items():
+            counted[k] = counted.get(k, 0) + v
+    order = sorted(counted, key=lambda k: (FAILURES.index(k) if k in FAILURES else len(FAILURES), k))
+    return "failures: " + (", ".join(f"{k} {counted[k]:g}" for k in order) if counted else "none")
 
 
 def summary(run_dir: str | Path, keys: tuple[str, ...]) -> str:

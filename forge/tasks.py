@@ -21,7 +21,7 @@ LETTERS = string.ascii_lowercase[:10]  # the letter tasks' alphabet
 
 @dataclass(frozen=True)
 class Sample:
-    prompt: str
+    prompt: str | list[dict[str, Any]]  # raw text, or chat messages that the generator renders
     answer: str
     task: str
     meta: dict[str, Any] = field(default_factory=dict)  # a dataset file's other columns
@@ -282,14 +282,19 @@ def generate(task: str, n: int, seed: int = 0) -> list[Sample]:
     return [t.sample(rng) for _ in range(n)]
 
 
-def write_dataset(path: str | Path, task: str, n: int = 10_000, seed: int = 0) -> Path:
+def write_dataset(path: str | Path, task: str, n: int = 10_000, seed: int = 0, system: str | None = None) -> Path:
     """Write `n` samples as JSON lines (prompt, answer, task): loadable with
-    `datasets.load_dataset("json", data_files=path)` (and `dataset.path` of an app)."""
+    `datasets.load_dataset("json", data_files=path)` (and `dataset.path` of an app). With
+    `system`, each prompt is chat messages: that system turn and the task as the user's
+    (`dataset.messages_key: prompt`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w") as f:
         for s in generate(task, n, seed):
-            f.write(json.dumps(s.row()) + "\n")
+            row = s.row()
+            if system is not None:
+                row["prompt"] = [{"role": "system", "content": system}, {"role": "user", "content": s.prompt}]
+            f.write(json.dumps(row) + "\n")
     tmp.replace(path)
     return path

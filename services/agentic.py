@@ -16,7 +16,6 @@ its group trains on the others (`on_failure: mask`) or is dropped (`drop`).
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from forge.config import ConfigError, import_object
+from forge.console import report
 from forge.env import EpisodeStats, run_env_episode
 from forge.losses import group_advantages
 from forge.metrics import Reduce, record_metric
@@ -34,7 +34,6 @@ from forge.types import Episode, Score
 from services.envs import RemoteEnv
 from services.gateway import GatewayConfig
 
-log = logging.getLogger("forge")
 ON_FAILURE = ("mask", "drop")
 
 
@@ -131,7 +130,7 @@ class AgenticRollouts:
                 else f"{type(e).__name__}: {e}"
             )
             record_metric(f"{kind}_errors", 1, Reduce.SUM)
-            log.warning("forge: %s episode failed (task %s): %s", kind, _preview(task), error)
+            report(f"{kind} episode failed", f"{error} (task {_preview(task)})")
         finally:
             await client.close()
             record = await self.gateway.finish(session)

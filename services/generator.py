@@ -238,6 +238,7 @@ class Generator(ForgeActor):
 
     @endpoint
     async def setup(self) -> None:
+        from vllm.renderers.online_renderer import OnlineRenderer
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(self.cfg.cache_dir).absolute()))
@@ -249,6 +250,16 @@ class Generator(ForgeActor):
         except Exception as e:  # e.g. pydantic's ValidationError, which cannot be pickled back to the caller
             raise ValueError(f"Generator: vLLM cannot start on {self.model}: {e}") from None
         self.vocab_size = self.engine.model_config.get_vocab_size()
+        # Chat prompts are rendered by the code vLLM's OpenAI server renders them with (the
+        # tokenizer's chat template, the generation prompt, tools): training, evals and
+        # `forge serve` see the same tokens for the same messages.
+        self.chat = OnlineRenderer(
+            self.engine.model_config,
+            self.engine.renderer,
+            request_logger=None,
+            chat_template=None,
+            chat_template_content_format="auto",
+        )
         self.routing = await self._record_routing()
         await self._warm_up()
         for policy in self.policies.values():
@@ -336,9 +347,11 @@ class Generator(ForgeActor):
         except TypeError as e:
             raise ValueError(f"generate: bad sampling option in {merged}: {e}") from None
 
-    def _engine_prompt(self, prompt: Any) -> Any:
+    async def _engine_prompt(self, prompt: Any, tools: list[dict[str, Any]] | None = None) -> Any:
         from vllm.inputs import TokensPrompt
 
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return await self._render_chat(list(prompt), tools)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("generate: prompt is empty")
@@ -350,7 +363,26 @@ class Generator(ForgeActor):
             if bad:
                 raise ValueError(f"generate: prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
             return TokensPrompt(prompt_token_ids=list(prompt))
-        raise TypeError(f"generate: prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        raise TypeError(
+            f"generate: prompt must be a str, a list of token ids or a list of chat messages, got {_preview(prompt)}"
+        )
+
+    async def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Any:
+        """Chat `messages` (and `tools`, OpenAI's format) as the prompt vLLM's server makes of them."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        try:
+            # tool_choice "none": the tools are rendered for the model; parsing its calls is the caller's
+            request = ChatCompletionRequest(
+                model=self.model, messages=messages, tools=tools, tool_choice="none" if tools else None
+            )
+        except ValueError as e:  # pydantic's ValidationError: not picklable back to the caller
+            raise ValueError(f"generate: bad chat messages {_preview(messages)}: {e}") from None
+        rendered = await self.chat.render_chat(request)
+        if isinstance(rendered, ErrorResponse):
+            raise ValueError(f"generate: cannot render chat messages {_preview(messages)}: {rendered.error.message}")
+        return rendered[1][0]
 
     def _count_busy(self, change: int) -> None:
         """generator/busy_s: time with any request in flight (the utilization benchmarks report),
@@ -412,16 +444,20 @@ class Generator(ForgeActor):
         sampling: dict[str, Any] | None = None,
         timeout_s: float | None = None,
         policy: str = "",
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[Completion]:
-        """`n` samples for one prompt, with `policy`'s weights (a run sharing this generator; "":
-        its own). Raises ValueError/TypeError for a bad prompt (this request only), TimeoutError
-        after `timeout_s` (default: config `request_timeout_s`)."""
+        """`n` samples for one prompt: a string, token ids, or chat messages ({role, content}
+        dicts, rendered as `forge serve` renders them, with `tools` in OpenAI's format), with
+        `policy`'s weights (a run sharing this generator; "": its own). Raises ValueError/TypeError
+        for a bad prompt (this request only), TimeoutError after `timeout_s` (default: config
+        `request_timeout_s`)."""
         p = self._policy(policy)
         sp = {**dataclasses.asdict(self.cfg.sampling), **(sampling or {})}
         params = self._sampling_params(n, sp)
         admitted, request_id = p.version, uuid.uuid4().hex
         final = None
-        async for out in self._outputs(self._engine_prompt(prompt), params, request_id, timeout_s, prompt, p):
+        engine_prompt = await self._engine_prompt(prompt, tools)
+        async for out in self._outputs(engine_prompt, params, request_id, timeout_s, prompt, p):
             final = out
         finished = admitted if p.lora else p.version  # LoRA: every token under the admitted adapter
         prompt_ids = list(final.prompt_token_ids)

@@ -99,6 +99,9 @@ class TinyModelSpec:
     # demonstrations give a model whose greedy answer is often right but whose samples
     # rarely are, the gap RL closes.
     sft_noise: float = 0.0
+    # Warm start on chat prompts (this system turn, the task as the user's turn), as a chat-format
+    # dataset (`forge make-dataset --system`) prompts it; None: on raw text.
+    sft_system: str | None = None
 
     def key(self) -> str:
         family = sys.modules[models.get(self.family, "model.tiny.family").tiny.__module__]  # its builder

@@ -54,3 +54,23 @@ def test_bad_dataset_is_named(tmp_path):
     path = gsm8k_like(tmp_path / "t.jsonl")
     with pytest.raises(ConfigError, match=r"missing \['problem'\]"):
         FilePrompts(DatasetConfig(path=str(path), template="{problem}"))
+
+
+def test_chat_format_prompts(tmp_path):
+    """`forge make-dataset --system` writes chat prompts (a system turn, the task as the user's);
+    `dataset.messages_key` reads them as messages, in place of `template`; a column of plain
+    strings, or both keys set, is a config error naming them."""
+    from forge.tasks import write_dataset
+
+    path = write_dataset(tmp_path / "chat.jsonl", "reverse", n=5, system="Reverse the letters.")
+    s = FilePrompts(DatasetConfig(path=str(path), messages_key="prompt")).next()
+    assert s.prompt == [
+        {"role": "system", "content": "Reverse the letters."},
+        {"role": "user", "content": s.prompt[1]["content"]},
+    ]
+    assert s.prompt[1]["content"].startswith("rev ") and s.prompt[1]["content"][4:-1][::-1] == s.answer
+    raw = write_dataset(tmp_path / "raw.jsonl", "reverse", n=5)
+    with pytest.raises(ConfigError, match="row 0 of .*raw.jsonl holds 'rev .* not a list of chat messages"):
+        FilePrompts(DatasetConfig(path=str(raw), messages_key="prompt"))
+    with pytest.raises(ConfigError, match="'dataset.messages_key' and 'dataset.template'"):
+        DatasetConfig(path=str(path), messages_key="prompt", template="{prompt}").validate()

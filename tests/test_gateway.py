@@ -583,3 +583,34 @@ def test_forge_serve_beyond_loopback_needs_a_key(tiny_model_dir, monkeypatch, ca
     monkeypatch.setenv("FORGE_API_KEY", "k3")
     main(["serve", str(tiny_model_dir), "--host", "0.0.0.0"])
     assert seen[0].api_key == "k3" and seen[0].host == "0.0.0.0"
+
+
+def test_chat_prompts_are_the_tokens_forge_serve_renders(loop, served, tiny_model_dir):
+    """Chat messages (a system turn, a user turn; and with tools) given to `Generator.generate`
+    are the prompt token ids the OpenAI server renders for the same messages, which are the
+    tokenizer's chat template with the generation prompt; bad messages are named."""
+    from transformers import AutoTokenizer
+
+    gw, gen, *_ = served
+    messages = [{"role": "system", "content": "Reverse the letters."}, {"role": "user", "content": "rev abc="}]
+    tools = [{"type": "function", "function": {"name": "rev", "parameters": {"type": "object", "properties": {}}}}]
+
+    async def main():
+        c = client(gw, gw.open_session())
+        out = {}
+        for name, extra in (("plain", {}), ("tools", {"tools": tools})):
+            served_ = await chat(c, messages, max_tokens=1, extra_body={"return_token_ids": True}, **extra)
+            [ours] = await gen.generate.route(messages, n=1, sampling={"max_tokens": 1}, **extra)
+            out[name] = (served_.prompt_token_ids, ours.prompt_ids)
+        with pytest.raises(ValueError, match="bad chat messages"):
+            await gen.generate.route([{"role": "user", "content": 5}])
+        return out
+
+    out = loop.run_until_complete(main())
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert (
+        out["plain"][0]
+        == out["plain"][1]
+        == tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    )
+    assert out["tools"][0] == out["tools"][1] != out["plain"][1]  # the tools are in the prompt, the same way

@@ -114,6 +114,7 @@ def test_grpo_steps_then_resume(tmp_path):
     [
         ("rewards.weights={tsk: 1.0}", "unknown reward(s) ['tsk'] (config key 'rewards.weights')"),
         ("group_size=1", "config key 'group_size' must be >= 2"),
+        ("steps=-1", "config key 'steps' must be >= 1, got -1"),  # it crashed the trainer's LR schedule
         (
             "trainer_procs=3",
             "batch of 64 (group_size x groups_per_step) does not split over trainer_procs x trainer.grad_accum = 3",
@@ -205,7 +206,8 @@ def test_gpu_tool_config_is_valid(tmp_path, tiny_model_dir):
 
 
 def test_ctrl_c_saves_and_leaves_no_processes(tmp_path):
-    """SIGINT mid-run: a checkpoint of the step reached, exit, and no process left behind."""
+    """SIGINT mid-run: a checkpoint of the step reached, exit, and no process left behind; the
+    console is free of vLLM's per-swap INFO lines."""
     import os
     import signal
     import subprocess
@@ -227,7 +229,8 @@ def test_ctrl_c_saves_and_leaves_no_processes(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # As a user runs it: no VLLM_LOGGING_LEVEL (conftest sets it for the tests' own engines)
+        env={**{k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}, "PYTHONUNBUFFERED": "1"},
     )
     metrics = tmp_path / "e2e" / "metrics.jsonl"
     deadline = time.time() + 240
@@ -244,6 +247,8 @@ def test_ctrl_c_saves_and_leaves_no_processes(tmp_path):
             p.kill()
         pytest.fail(f"no exit 120 s after SIGINT; its output ended with: {proc.communicate()[0][-3000:]}")
     assert "interrupted at step" in out, out[-3000:]
+    # vLLM's INFO lines on every weight swap stay off the console (`forge -v run` shows them)
+    assert "pause state" not in out and "prefix cache" not in out, out[-3000:]
     saved = checkpoint.load_run_state(checkpoint.latest(tmp_path / "e2e"))
     assert saved["step"] >= 2 and (checkpoint.latest(tmp_path / "e2e") / "trainer").is_dir()
     _, alive = psutil.wait_procs(children, timeout=30)

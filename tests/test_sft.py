@@ -11,8 +11,9 @@ from transformers import AutoTokenizer
 from apps.sft import Config, main
 from forge import checkpoint
 from forge.config import ConfigError, load_config
-from forge.data import SFTDataConfig, SFTExamples
+from forge.data import FilePrompts, SFTDataConfig, SFTExamples
 from forge.losses import LossConfig, sft
+from forge.tasks import end_of_turn
 from forge.types import Episode, collate
 
 CHAT = [
@@ -128,6 +129,10 @@ def test_the_walkthroughs_script_and_configs(tmp_path, tiny_model_dir, monkeypat
     grpo = load_config(root / "configs/grpo_upper.yaml", [f"model.path={tiny_model_dir}"], GRPOConfig)
     for cfg in (sft_cfg, grpo):
         assert cfg.eval.dataset.path == "runs/upper/eval.jsonl" and "runs.upper.reward:score" in cfg.rewards.weights
+        assert cfg.eval.dataset.messages_key == "prompt"  # chat prompts everywhere: training, evals
+    system, user = FilePrompts(grpo.dataset).next().prompt
+    assert system == {"role": "system", "content": "Upper-case."} and user["content"].startswith("up ")
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     ids, mask = SFTExamples(sft_cfg.data, tok, sft_cfg.task).sample(0)
-    assert tok.decode([t for t, m in zip(ids, mask) if m]).endswith("<|eos|>")
+    trained = tok.decode([t for t, m in zip(ids, mask) if m])  # the assistant's turn, and its end
+    assert trained.endswith(end_of_turn(tok)) and trained[: -len(end_of_turn(tok))].isupper()
