@@ -364,7 +364,8 @@ class Generator(ForgeActor):
                 raise ValueError(f"generate: prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
             return TokensPrompt(prompt_token_ids=list(prompt))
         raise TypeError(
-            f"generate: prompt must be a str, a list of token ids or a list of chat messages, got {_preview(prompt)}"
+            f"generate: prompt must be a str, a list of token ids or a list of chat messages, got "
+            f"{type(prompt).__name__} {_preview(prompt)}"
         )
 
     async def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Any:
