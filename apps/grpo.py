@@ -126,10 +126,15 @@ class Config(RunConfig):
             raise ConfigError(
                 "config key 'eval.dataset.path': a run on a dataset file evaluates on a file too (its held-out rows)"
             )
-        if self.eval.dataset.path and self.eval.dataset.template == DatasetConfig.template:
-            self.eval.dataset.template = self.dataset.template  # the run's prompt format, unless set
-            self.eval.dataset.messages_key = self.eval.dataset.messages_key or self.dataset.messages_key
-            self.eval.dataset.answer_key = self.dataset.answer_key
+        held = self.eval.dataset
+        if held.path and not held.messages_key and not held.chat and held.template == DatasetConfig.template:
+            # the run's prompt format, unless the eval's file has its own
+            held.template, held.messages_key, held.chat = (
+                self.dataset.template,
+                self.dataset.messages_key,
+                self.dataset.chat,
+            )
+            held.answer_key = self.dataset.answer_key
 
 
 async def run(cfg: Config, shared: Shared | None = None) -> dict[str, float]:

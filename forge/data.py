@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import re
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +28,20 @@ class DatasetConfig:
     # turn too: TRL's conversational format); the generator renders them with the model's chat
     # template, as `forge serve` does. Empty: `template` makes the prompt.
     messages_key: str = ""
+    # Chat messages made from plain columns: each one's content formatted like `template`, e.g.
+    # [{role: user, content: "{question} Answer after ####."}]; rendered like `messages_key`'s.
+    chat: list[dict[str, str]] = field(default_factory=list)
     answer_key: str = "answer"  # the column the reward compares with
 
     def validate(self) -> None:
-        if self.messages_key and self.template != DatasetConfig.template:
+        given = [k for k in ("messages_key", "chat") if getattr(self, k)]
+        given += ["template"] if self.template != DatasetConfig.template else []
+        if len(given) > 1:
             raise ConfigError(
-                "config keys 'dataset.messages_key' and 'dataset.template': a chat prompt is rendered by the "
-                "model's chat template; set one of them"
+                f"config keys {', '.join(f'dataset.{k}' for k in given)}: each makes the prompt; set one of them"
             )
+        if any(set(m) != {"role", "content"} for m in self.chat):
+            raise ConfigError(f"config key 'dataset.chat': each message is {{role, content}}, got {self.chat}")
         if self.path and Path(self.path).suffix not in FORMATS:
             raise ConfigError(f"config key 'dataset.path': {self.path} is not one of {', '.join(FORMATS)}")
         if self.path and not Path(self.path).is_file():
@@ -99,7 +105,8 @@ class FilePrompts(IndexedPrompts):
         cfg.validate()
         self.rows = datasets.load_dataset(FORMATS[Path(cfg.path).suffix], data_files=cfg.path, split="train")
         # A field may index its column ({test_list[0]}): the column is the name before [ or .
-        fields = [name for _, name, _, _ in string.Formatter().parse(cfg.template) if name]
+        texts = [m["content"] for m in cfg.chat] or [cfg.template]
+        fields = [name for text in texts for _, name, _, _ in string.Formatter().parse(text) if name]
         prompt = {cfg.messages_key} if cfg.messages_key else {re.split(r"[.\[]", name)[0] for name in fields}
         wanted = prompt | {cfg.answer_key}
         missing = wanted - set(self.rows.column_names)
@@ -116,11 +123,16 @@ class FilePrompts(IndexedPrompts):
         at = self.shuffled(i, len(self.rows))
         row = self.rows[at]
         return Sample(
-            prompt=self._messages(row, at) if self.cfg.messages_key else self.cfg.template.format(**row),
+            prompt=self._prompt(row, at),
             answer=str(row[self.cfg.answer_key]),
             task=Path(self.cfg.path).stem,
             meta=dict(row),
         )
+
+    def _prompt(self, row: dict[str, Any], at: int) -> str | list[dict[str, Any]]:
+        if self.cfg.chat:
+            return [{"role": m["role"], "content": m["content"].format(**row)} for m in self.cfg.chat]
+        return self._messages(row, at) if self.cfg.messages_key else self.cfg.template.format(**row)
 
     def _messages(self, row: dict[str, Any], at: int) -> list[dict[str, Any]]:
         messages = row[self.cfg.messages_key]

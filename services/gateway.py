@@ -533,6 +533,7 @@ class Gateway:
         # its own: one pool for 64 episodes spent 9% of it scanning its connections per request.
         self._ssl = ssl.create_default_context()
         self.adapters: dict[str, str] = {}  # named LoRA adapters served beside the base model
+        self.chat_template_kwargs: dict[str, Any] = {}
 
     @classmethod
     async def start(
@@ -545,6 +546,7 @@ class Gateway:
         generator_cfg = generator_cfg or GeneratorConfig()
         self = cls(gen, str(model), cfg, generator_cfg.engine_args(str(model)))
         self.adapters = generator_cfg.adapters
+        self.chat_template_kwargs = generator_cfg.chat_template_kwargs  # as the generator renders chat prompts
         await self._serve()
         return self
 
@@ -571,6 +573,8 @@ class Gateway:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", self.cfg.tool_parser]
         if self.cfg.reasoning_parser:
             argv += ["--reasoning-parser", self.cfg.reasoning_parser]
+        if self.chat_template_kwargs:
+            argv += ["--default-chat-template-kwargs", json.dumps(dict(self.chat_template_kwargs))]
         if self.adapters:  # the OpenAI `model` field names one of them, or the base model
             argv += ["--lora-modules", *(f"{name}={path}" for name, path in self.adapters.items())]
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)

@@ -74,3 +74,17 @@ def test_chat_format_prompts(tmp_path):
         FilePrompts(DatasetConfig(path=str(raw), messages_key="prompt"))
     with pytest.raises(ConfigError, match="'dataset.messages_key' and 'dataset.template'"):
         DatasetConfig(path=str(path), messages_key="prompt", template="{prompt}").validate()
+
+
+def test_chat_prompts_from_plain_columns(tmp_path):
+    """`dataset.chat`: message templates filled from a row's columns (GSM8K's question inside a
+    user turn); any two of chat, messages_key and template are a config error."""
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"question": "2+2?", "answer": "4"}) + "\n")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "{question} After ####."}]
+    s = FilePrompts(DatasetConfig(path=str(path), chat=chat)).next()
+    assert s.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2? After ####."}]
+    with pytest.raises(ConfigError, match="dataset.messages_key, dataset.chat: each makes the prompt"):
+        DatasetConfig(path=str(path), chat=chat, messages_key="prompt").validate()
+    with pytest.raises(ConfigError, match=r"missing \['query'\]"):
+        FilePrompts(DatasetConfig(path=str(path), chat=[{"role": "user", "content": "{query}"}]))

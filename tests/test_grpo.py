@@ -11,6 +11,7 @@ from apps.grpo import Config, run_together
 from forge import checkpoint
 from forge.cli import run
 from forge.config import ConfigError, load_config
+from forge.data import FilePrompts
 from services.roles import check_shareable
 from services.titan import load_hf_model
 
@@ -141,6 +142,10 @@ def test_gpu_gsm8k_config_is_valid(tmp_path, tiny_model_dir):
     )
     assert cfg.rewards.weights == {"math": 1.0} and cfg.generator.kv_cache_memory_bytes is None
     assert cfg.trainer.param_dtype == "bfloat16" and cfg.batch_size == 128
+    # Chat prompts, no hand-written template: the model's own chat template renders them
+    [user] = FilePrompts(cfg.dataset).next().prompt
+    assert user["role"] == "user" and 'output the final answer after "####"' in user["content"]
+    assert cfg.dataset.template == "{question}" and cfg.generator.chat_template_kwargs == {"enable_thinking": False}
 
 
 @pytest.mark.parametrize(
@@ -162,7 +167,7 @@ def test_gpu_model_family_configs_are_valid(tmp_path, request, config, model):
     Trainer.check_args(path, cfg.trainer)
     engine = cfg.generator.engine_args(str(path), [cfg.trainer.lora])
     if config == "llama3.2_1b":
-        assert cfg.model.family == "llama3" and "<|start_header_id|>user" in cfg.dataset.template
+        assert cfg.model.family == "llama3" and cfg.dataset.chat[0]["role"] == "user"  # the base's, Llama's template
     elif config == "qwen3_8b_lora":  # the adapters' keys are ones the trainer's model takes
         assert cfg.trainer.lora.rank == 32 and cfg.trainer_procs == 1
         adapted = load_hf_model(path, lora=cfg.trainer.lora)
@@ -375,7 +380,7 @@ def test_code_configs_are_valid(tmp_path, tiny_model_dir):
     )
     assert cfg.rewards.weights == {"code_tests": 1.0} and cfg.reward_unavailable == "mask" and cfg.batch_size == 128
     sample = next(iter(FilePrompts(cfg.dataset, cfg.seed)))
-    assert "Your code should pass this test:\nassert double(2) == 4\n" in sample.prompt
+    assert "Your code should pass this test:\nassert double(2) == 4\n" in sample.prompt[0]["content"]
     assert sample.answer == row["code"] and sample.row()["test_list"] == row["test_list"]
 
 
