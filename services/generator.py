@@ -90,6 +90,9 @@ class GeneratorConfig:
     # MoE: record the experts each token was routed to, for the trainer to replay (R3); null: on
     # for a MoE model, off for a dense one.
     routing_replay: bool | None = None
+    # Passed to the chat template with every chat prompt (as vLLM's --default-chat-template-kwargs
+    # for `forge serve`), e.g. {enable_thinking: false} for Qwen3.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Named LoRA adapters (PEFT directories) served beside the base model: a request's OpenAI
     # `model` field picks one (`forge serve BASE --lora NAME=DIR`).
     adapters: dict[str, str] = field(default_factory=dict)
@@ -259,6 +262,7 @@ class Generator(ForgeActor):
             request_logger=None,
             chat_template=None,
             chat_template_content_format="auto",
+            default_chat_template_kwargs=dict(self.cfg.chat_template_kwargs),
         )
         self.routing = await self._record_routing()
         await self._warm_up()

@@ -72,7 +72,7 @@ def test_chat_format_prompts(tmp_path):
     raw = write_dataset(tmp_path / "raw.jsonl", "reverse", n=5)
     with pytest.raises(ConfigError, match="row 0 of .*raw.jsonl holds 'rev .* not a list of chat messages"):
         FilePrompts(DatasetConfig(path=str(raw), messages_key="prompt"))
-    with pytest.raises(ConfigError, match="'dataset.messages_key' and 'dataset.template'"):
+    with pytest.raises(ConfigError, match="dataset.messages_key, dataset.template: each makes the prompt"):
         DatasetConfig(path=str(path), messages_key="prompt", template="{prompt}").validate()
 
 
