@@ -26,7 +26,7 @@ async def evaluate_model(app_cfg: Any, model: str) -> dict[str, float]:
     with its exported model/ of either kind)."""
     samples = held_out(app_cfg.eval, app_cfg.task)
     model = model_dir(model)
-    lora, _, tensors = read_adapter(model) if (model / ADAPTER_CONFIG).is_file() else (None, "", {})
+    lora, tensors = read_adapter(model) if (model / ADAPTER_CONFIG).is_file() else (None, {})
     gen = await Generator.options(replicas=getattr(app_cfg, "generator_replicas", 1)).as_service(
         str(base_of(model) if lora else model), app_cfg.generator, lora=lora
     )

@@ -4,7 +4,7 @@ generator hands vLLM for each policy version, and `peft` and `forge serve --lora
 
     cfg = LoRAConfig(rank=8, alpha=16)           # rank 0: off (a full fine-tune)
     write_adapter(out_dir, tensors, cfg, base)   # tensors named by `peft_key(module, "A")`
-    cfg, base, tensors = read_adapter(out_dir)
+    cfg, tensors = read_adapter(out_dir)
 """
 
 from __future__ import annotations
@@ -74,9 +74,8 @@ def write_adapter(out: str | Path, tensors: dict[str, torch.Tensor], cfg: LoRACo
     return out
 
 
-def read_adapter(path: str | Path) -> tuple[LoRAConfig, str, dict[str, torch.Tensor]]:
-    """A PEFT adapter directory: its config (rank, alpha, dropout, targets), the base model it
-    names, and its tensors."""
+def read_adapter(path: str | Path) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+    """A PEFT adapter directory: its config (rank, alpha, dropout, targets) and its tensors."""
     path = Path(path)
     peft = json.loads((path / ADAPTER_CONFIG).read_text())
     targets = peft.get("target_modules") or []
@@ -86,4 +85,4 @@ def read_adapter(path: str | Path) -> tuple[LoRAConfig, str, dict[str, torch.Ten
         dropout=peft.get("lora_dropout", 0.0),
         targets=sorted(targets) if isinstance(targets, list) else [targets],
     )
-    return cfg, peft.get("base_model_name_or_path") or "", load_file(str(path / ADAPTER_WEIGHTS))
+    return cfg, load_file(str(path / ADAPTER_WEIGHTS))

@@ -280,6 +280,12 @@ class MetricWriter:
             self._wandb.finish()
 
 
+def read_rows(run_dir: str | Path) -> list[dict[str, float]]:
+    """The rows of runs/<name>/metrics.jsonl (none before the first)."""
+    jsonl = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
+
+
 def plot_rewards(run_dir: str | Path, keys: Sequence[str] = ("reward_mean", "accuracy", "eval/accuracy")) -> Path:
     """runs/<name>/reward.png: `keys` vs step and vs wall time, from metrics.jsonl."""
     import matplotlib
@@ -287,7 +293,7 @@ def plot_rewards(run_dir: str | Path, keys: Sequence[str] = ("reward_mean", "acc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_rows(run_dir)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, x in zip(axes, ("step", "wall_s")):
         for style, key in zip(("-", "--", ":"), keys):

@@ -5,12 +5,13 @@ print(summary(run_dir, ("reward_mean", "accuracy")))
 
 from __future__ import annotations
 
-import json
 import math
+from collections import Counter
 from pathlib import Path
 
 from forge import checkpoint
 from forge.lora import ADAPTER_CONFIG
+from forge.metrics import read_rows
 
 # Counted over the run (each row holds its step's count): what went wrong and was recovered from.
 FAILURES = (
@@ -21,13 +22,6 @@ FAILURES = (
     "groups_masked",
     "groups_dropped",
 )
-
-
-def _rows(run_dir: Path) -> list[dict[str, float]]:
-    jsonl = run_dir / "metrics.jsonl"
-    if not jsonl.exists():
-        return []
-    return [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
 
 
 def _duration(seconds: float) -> str:
@@ -59,10 +53,7 @@ def failures(row: dict[str, float]) -> dict[str, float]:
 
 
 def _failures(rows: list[dict[str, float]]) -> str:
-    counted: dict[str, float] = {}
-    for r in rows:
-        for k, v in failures(r).items():
-            counted[k] = counted.get(k, 0) + v
+    counted = sum((Counter(failures(r)) for r in rows), Counter())
     order = sorted(counted, key=lambda k: (FAILURES.index(k) if k in FAILURES else len(FAILURES), k))
     return "failures: " + (", ".join(f"{k} {counted[k]:g}" for k in order) if counted else "none")
 
@@ -71,7 +62,7 @@ def summary(run_dir: str | Path, keys: tuple[str, ...]) -> str:
     """What the run in `run_dir` did (steps, wall time, `keys` first -> last, evals, failures) and
     where its checkpoint, model and plots are, with the commands that serve and evaluate it."""
     run_dir = Path(run_dir)
-    rows = [r for r in _rows(run_dir) if "step" in r]
+    rows = [r for r in read_rows(run_dir) if "step" in r]
     steps, wall = (rows[-1]["step"], rows[-1]["wall_s"]) if rows else (0, 0.0)
     lines = [f"{run_dir.name}: {steps:g} steps in {_duration(wall)}"]
     lines += [line for line in (*(_trend(rows, k) for k in keys), _evals(rows)) if line]
