@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from forge import logs
 from forge.cli import app_config, fail
 from forge.config import ConfigError
 from forge.lora import ADAPTER_CONFIG, read_adapter
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         path = model_dir(a.model)
     except (ConfigError, FileNotFoundError) as e:
         fail(str(e))
+    logs.capture(Path("runs") / "eval" / "logs")
     result = asyncio.run(evaluate_model(cfg, str(path)))
     print(f"{'metric':<24}{'value':>10}")
     for key, value in result.items():

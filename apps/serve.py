@@ -10,6 +10,7 @@ import asyncio
 import os
 from pathlib import Path
 
+from forge import logs
 from forge.cli import fail
 from forge.lora import ADAPTER_CONFIG
 from services import gateway
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         generator = GeneratorConfig(max_model_len=a.max_model_len, dtype=a.dtype, adapters=adapters(a.lora))
+        logs.capture(Path("runs") / "serve" / "logs")
         asyncio.run(gateway.serve(a.model, cfg, generator, a.replicas))
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))

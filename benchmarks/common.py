@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from forge import logs
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -16,8 +18,9 @@ def parse_args(name: str, doc: str, quick_help: str, argv: list[str] | None) -> 
     p.add_argument("--out", default=str(ROOT / f"benchmarks/results/{name}.json"))
     # Monarch children import forge and the benchmark module by name.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    logs.capture(Path("runs") / f"bench-{name}" / "logs")
+    return a
 
 
 def tiny_model(**dims: int) -> str:

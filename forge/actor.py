@@ -20,7 +20,7 @@ from typing import Any
 import monarch.actor
 from monarch.actor import Actor, ActorError, HostMesh, MeshFailure, ProcMesh, endpoint, returns_future, this_host
 
-from forge import metrics
+from forge import logs, metrics
 
 log = logging.getLogger("forge")
 
@@ -34,7 +34,9 @@ def _on_unhandled_fault(failure: MeshFailure) -> None:
 monarch.actor.unhandled_fault_hook = _on_unhandled_fault
 
 
-def _bootstrap(env: dict[str, str], title: str | None) -> None:
+def _bootstrap(env: dict[str, str], title: str | None, log_to: logs.Destination | None) -> None:
+    if log_to is not None:  # first: what the libraries print from now on goes to the file
+        logs.process_to_file(log_to, (title or "proc").removeprefix("forge:"))
     os.environ.update(env)
     if title:  # `ps` (and a chaos test) can tell the roles apart
         import setproctitle
@@ -46,9 +48,9 @@ def spawn_procs(
     procs: int, hosts: HostMesh | None = None, env: dict[str, str] | None = None, title: str | None = None
 ) -> ProcMesh:
     """`procs` processes on each host of `hosts` (this host by default), with `env` set in each
-    and `title` as their process title."""
+    and `title` as their process title; their output goes to forge.logs' directory."""
     host = hosts if hosts is not None else this_host()
-    bootstrap = functools.partial(_bootstrap, dict(env or {}), title) if env or title else None
+    bootstrap = functools.partial(_bootstrap, dict(env or {}), title, logs.destination())
     mesh = host.spawn_procs(per_host={"procs": procs}, bootstrap=bootstrap)
     metrics.register_procs(mesh)
     return mesh

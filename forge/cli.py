@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import os
 import pkgutil
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from forge import tasks
+from forge import logs, tasks
 from forge.checkpoint import RunStopped
 from forge.config import ConfigError, load_config, read_yaml, require_file
 
@@ -53,22 +52,15 @@ def run(config: str | None, overrides: list[str], app: str | None = None, resume
         module, cfg = app_config(config, overrides, app)
     except ConfigError as e:
         fail(str(e))
+    logs.capture(cfg.run_dir / "logs")
     try:
         return module.main(cfg)
     except RunStopped as e:
         fail(str(e))
 
 
-def library_logs(verbose: bool = False) -> None:
-    """vLLM's INFO lines (a pause and a prefix-cache reset on every weight swap, hundreds a run)
-    stay off the console unless asked for (`-v`, or VLLM_LOGGING_LEVEL); every process forge
-    starts inherits the setting."""
-    os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")
-
-
 def run_app(app: str, argv: list[str] | None = None) -> None:
     """Entry point of `python -m apps.NAME --config FILE [key=value ...]`."""
-    library_logs()
     p = argparse.ArgumentParser(prog=f"python -m apps.{app}")
     p.add_argument("--config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.lr=1e-4")
@@ -96,12 +88,18 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     verbose = bool(argv) and argv[0] in ("-v", "--verbose")
     argv = argv[verbose:]
-    library_logs(verbose)
+    if verbose:
+        logs.show_everything()
     if argv and argv[0] in COMMANDS:  # its options are its own (`forge NAME --help` lists them)
         importlib.import_module(f"apps.{COMMANDS[argv[0]][0]}").main(argv[1:])
         return
     p = argparse.ArgumentParser(prog="forge", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true", help="show the libraries' INFO lines (vLLM's) too")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="the libraries' output (vLLM, Monarch, torch) on the console, not in the run's logs/",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     r = sub.add_parser("run", help="run the app named by a config file's `app` key")

@@ -229,7 +229,7 @@ class Run:
                 self.bar.close()
             self.writer.close()
             self._plot()
-            if self.finished:
+            if self.finished and "jsonl" in self.cfg.metrics:  # the summary reads metrics.jsonl (not a warm start's)
                 print(summary(self.dir, tuple(key for key, _ in self.show.values())), flush=True)
 
     def _due(self, every: int) -> bool:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from monarch.actor import concurrent_endpoint, endpoint
 
+from forge import logs
 from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
 from forge.lora import ADAPTER_CONFIG, LoRAConfig, write_adapter
@@ -171,6 +172,18 @@ def _preview(prompt: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _advise_tcmalloc() -> None:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and "libtcmalloc" not in os.environ.get("LD_PRELOAD", ""):
+        logs.advise(
+            "tcmalloc",
+            "vLLM on CPU runs slower without tcmalloc: install it (Debian: apt-get install libtcmalloc-minimal4) "
+            "and start forge with LD_PRELOAD naming it, e.g. /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 "
+            "(vLLM's CPU guide, 'set LD_PRELOAD')",
+        )
+
+
 @dataclass
 class _Policy:
     """One policy a generator serves: where its versions come from, the version held and, for a
@@ -182,6 +195,7 @@ class _Policy:
     version: int = 0
     adapter: Any = None  # the LoRARequest of the version held (None: the base model's weights)
     adapters: dict[int, tuple[Any, Path]] = field(default_factory=dict)  # version -> its LoRARequest, its directory
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None  # the held adapter's tensors' (vLLM took them)
     users: collections.Counter[int] = field(default_factory=collections.Counter)  # requests in flight per version
     pull: asyncio.Lock = field(default_factory=asyncio.Lock)  # one fetch of the store's latest at a time
 
@@ -237,6 +251,7 @@ class Generator(ForgeActor):
         self._swap = asyncio.Lock()
         self._stage_errors: set[str] = set()
         self._pauses: collections.deque[float] = collections.deque(maxlen=32)
+        self._lora_loads: dict[int, asyncio.Future] = {}  # adapter id -> its add_lora under way
         self._in_flight, self._busy_mark = 0, 0.0
 
     @endpoint
@@ -253,6 +268,7 @@ class Generator(ForgeActor):
         except Exception as e:  # e.g. pydantic's ValidationError, which cannot be pickled back to the caller
             raise ValueError(f"Generator: vLLM cannot start on {self.model}: {e}") from None
         self.vocab_size = self.engine.model_config.get_vocab_size()
+        _advise_tcmalloc()
         # Chat prompts are rendered by the code vLLM's OpenAI server renders them with (the
         # tokenizer's chat template, the generation prompt, tools): training, evals and
         # `forge serve` see the same tokens for the same messages.
@@ -332,7 +348,8 @@ class Generator(ForgeActor):
             log.warning("forge: weights version %d was replaced while loading; loading the latest", version)
             return await self._pull_latest(policy)
         record_metric("generator/weight_sync_s", asyncio.get_running_loop().time() - start)
-        record_metric("generator/weight_swap_paused_s", paused, Reduce.MAX)
+        if paused is not None:
+            record_metric("generator/weight_swap_paused_s", paused, Reduce.MAX)
 
     # ---- generation ----------------------------------------------------------------
 
@@ -530,10 +547,10 @@ class Generator(ForgeActor):
     # ---- weights -------------------------------------------------------------------
 
     @concurrent_endpoint
-    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, policy: str = "") -> float:
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, policy: str = "") -> float | None:
         """Swap in `state_dict` (HF names; a LoRA policy's: its adapter, PEFT names) as `policy`'s
         `version`, without restarting the engine. Requests in flight are paused and kept, not
-        dropped. Returns the seconds generation was paused."""
+        dropped. Returns the seconds generation was paused (None: an adapter vLLM is loading)."""
         p = self._policy(policy)
         if p.lora:
             return await self._add_adapter(p, state_dict, version)
@@ -582,28 +599,48 @@ class Generator(ForgeActor):
                 await check()
             return self._pauses[-1]
 
-    async def _add_adapter(self, policy: _Policy, tensors: dict[str, torch.Tensor], version: int) -> float:
-        """`policy`'s version `version` is the LoRA adapter `tensors` (PEFT names): vLLM loads it
-        beside the ones in use, and requests admitted from then on use it; the base weights never
-        move. Returns the seconds the engine spent loading it (its steps wait meanwhile)."""
+    async def _add_adapter(self, policy: _Policy, tensors: dict[str, torch.Tensor], version: int) -> float | None:
+        """`policy`'s version `version` is the LoRA adapter `tensors` (PEFT names), loaded beside the
+        ones in use; requests admitted from then on use it, and the base weights never move. The
+        first adapter (or one of other shapes) is live once vLLM has loaded it; a later one of the
+        same shapes, which vLLM cannot refuse, as soon as its directory is written: vLLM loads it
+        between two steps (add_lora, sent meanwhile, or the scheduler for the first request naming
+        it) instead of the version waiting for the engine's step under way. Returns the seconds the
+        engine spent loading it (None: still loading)."""
         from vllm.lora.request import LoRARequest
 
         name = policy.name or "policy"
+        shapes = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
         async with self._swap:
             where = Path(run_dir()) / f"adapter-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}-v{version}"
             await asyncio.to_thread(write_adapter, where, tensors, policy.lora, self.model)
             request = LoRARequest(f"{name}-v{version}", next(self._adapter_ids), str(where))
-            start = time.perf_counter()
-            try:
-                await self.engine.add_lora(request)
-            except Exception:
-                shutil.rmtree(where, ignore_errors=True)
-                raise
-            paused = time.perf_counter() - start
+            paused = None
+            if shapes != policy.shapes:  # vLLM checks it: a bad adapter raises here, not in a request
+                paused = await self._engine_add_lora(request, where)
+            else:
+                loading = asyncio.ensure_future(self._engine_add_lora(request, where))
+                self._lora_loads[request.lora_int_id] = loading
+                loading.add_done_callback(functools.partial(self._lora_loaded, request.lora_int_id))
             policy.adapters[version] = (request, where)
-            policy.adapter, policy.version = request, version
-            self._pauses.append(paused)
+            policy.adapter, policy.version, policy.shapes = request, version, shapes
         await self._drop_unused_adapters(policy)
+        return paused
+
+    def _lora_loaded(self, adapter_id: int, task: asyncio.Future) -> None:
+        self._lora_loads.pop(adapter_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("forge: vLLM could not load a LoRA adapter: %s", task.exception())
+
+    async def _engine_add_lora(self, request: Any, where: Path) -> float:
+        start = time.perf_counter()
+        try:
+            await self.engine.add_lora(request)
+        except Exception:
+            shutil.rmtree(where, ignore_errors=True)
+            raise
+        paused = time.perf_counter() - start
+        self._pauses.append(paused)
         return paused
 
     async def _drop_unused_adapters(self, policy: _Policy) -> None:
@@ -611,8 +648,10 @@ class Generator(ForgeActor):
         if self.engine is None:
             return
         for version in [v for v in policy.adapters if v < policy.version and not policy.users[v]]:
-            if (held := policy.adapters.pop(version, None)) is None:  # another request's finally took it
+            held = policy.adapters.get(version)
+            if held is None or held[0].lora_int_id in self._lora_loads:  # taken by another call; being read by vLLM
                 continue
+            del policy.adapters[version]
             request, where = held
             policy.users.pop(version, None)
             await self.engine.remove_lora(request.lora_int_id)

@@ -14,6 +14,7 @@ version); `export_hf` writes safetensors that transformers and vLLM load. The se
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import shutil
@@ -135,6 +136,7 @@ class Trainer(ForgeActor):
         self.store = store if store is not None else weight_store(cfg)
         self.step = 0
         self.version = 0
+        self._dropping: asyncio.Future | None = None  # the last push's removal of older versions
 
     @endpoint
     async def setup(self) -> None:
@@ -303,8 +305,13 @@ class Trainer(ForgeActor):
     async def _push(self) -> int:
         sd = self._published()
         if self.rank == 0:
+            if self._dropping is not None:
+                await self._dropping  # the last push's: its error, if any, is this push's
             await self.store.publish(self.version, sd)
-            await self.store.drop_older_than(self.version - self.cfg.keep_versions + 1)
+            # Older versions go once the caller has its answer: the generators fetch meanwhile.
+            self._dropping = asyncio.ensure_future(
+                self.store.drop_older_than(self.version - self.cfg.keep_versions + 1)
+            )
         return self.version
 
     @endpoint
@@ -393,6 +400,8 @@ class Trainer(ForgeActor):
     async def __cleanup__(self, exc: Exception | None) -> None:
         if getattr(self, "rank", None) == 0:
             try:
+                if self._dropping is not None:
+                    await self._dropping
                 await self.store.clear()  # the published versions' shared memory
             except Exception as e:  # the store may already be gone; its files are tmpfs only
                 print(f"forge: trainer could not clear weights {self.store.name!r}: {e}", flush=True)

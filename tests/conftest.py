@@ -8,6 +8,16 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# The test's processes print where pytest shows them (tests of runs/NAME/logs run `forge` without it).
+os.environ.setdefault("FORGE_LOGS", "console")
+
+
+def as_a_user(env: dict[str, str]) -> dict[str, str]:
+    """`env` without what the tests set for their own processes: a command run with it puts its
+    libraries' output in runs/.../logs, as for a user."""
+    return {k: v for k, v in env.items() if k not in ("FORGE_LOGS", "VLLM_LOGGING_LEVEL")}
+
+
 # Monarch children import test actors (tests/*_actors.py) by module name.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), str(ROOT), os.environ.get("PYTHONPATH")) if p)
 

@@ -112,3 +112,17 @@ class Relay(ForgeActor):
     @endpoint
     async def pid(self) -> int:
         return os.getpid()
+
+
+class Noisy(ForgeActor):
+    """Writes as a library does (stdout, fd 2, a library's logger) and as forge does (its logger)."""
+
+    @endpoint
+    async def speak(self) -> int:
+        import logging
+
+        print("library chatter on stdout", flush=True)
+        os.write(2, b"C++ chatter on fd 2\n")
+        logging.getLogger("vllm").warning("a vllm warning")
+        logging.getLogger("forge").warning("forge: a reward failed in the actor")
+        return os.getpid()

@@ -2,20 +2,29 @@
 
 import asyncio
 import json
+import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
+from conftest import as_a_user
 
 
 def bench(tmp_path, name: str, timeout: float = 600, through_cli: bool = False) -> tuple[str, dict]:
-    """Run benchmark `name` with --quick; its stdout and its JSON result."""
+    """Run benchmark `name` with --quick; its stdout and its JSON result. Through the CLI, as a
+    user runs it (in tmp_path): nothing on stderr (the libraries' output is in runs/bench-NAME/logs)."""
     out = tmp_path / f"{name}.json"
     cmd = ["forge.cli", "bench", name] if through_cli else [f"benchmarks.{name}"]
     args = [sys.executable, "-m", *cmd, "--quick", "--out", str(out)]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    env = as_a_user(os.environ) if through_cli else None
+    r = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
+    if through_cli:
+        progress = [line for line in re.split(r"[\r\n]+", r.stderr) if line.strip() and not line.startswith("grpo: ")]
+        assert not progress, progress[:20]
+        assert list((tmp_path / f"runs/bench-{name}/logs").glob("main-*.log"))
     return r.stdout, json.loads(out.read_text())
 
 
@@ -29,7 +38,10 @@ def test_service_overhead_quick_writes_json(tmp_path):
 
 @pytest.mark.slow  # 60 s; the generator's figures are checked by tests/test_generator.py
 def test_generation_quick_writes_json(tmp_path):
-    _, data = bench(tmp_path, "generation")
+    """Through `forge bench`: its table alone on the console."""
+    stdout, data = bench(tmp_path, "generation", through_cli=True)
+    rows = ("system", "hf_generate", "bare_vllm", "service_1_replica", "service/bare vLLM", "reload: call")
+    assert [line.split()[0] for line in stdout.splitlines()] == [r.split()[0] for r in rows], stdout
     for row in ("hf_generate", "bare_vllm", "service_1_replica"):
         assert data["rows"][row]["tokens_per_s"] > 0
     assert data["service_vs_bare_vllm"] > 0 and data["vllm_vs_hf_generate"] > 0 and data["reload_paused_s_median"] > 0
@@ -71,8 +83,10 @@ def test_quick_benchmark_writes_json(tmp_path, name, positive):
 
 @pytest.mark.slow  # 110 s: the GRPO loop itself runs in tests/test_grpo.py
 def test_async_vs_sync_quick_through_forge_bench(tmp_path):
-    """Both variants: single-turn rollouts, and two-turn environment episodes through the gateway."""
-    _, data = bench(tmp_path, "async_vs_sync", through_cli=True)
+    """Both variants: single-turn rollouts, and two-turn environment episodes through the gateway.
+    Triton's leak report at the interpreter's exit stays off the console."""
+    stdout, data = bench(tmp_path, "async_vs_sync", through_cli=True)
+    assert "nanobind" not in stdout and "leaked" not in stdout
     for variant in (data, data["agentic"]):
         for key in ("speedup_async_vs_sync", "speedup_one_step_vs_sync", "ideal_speedup"):
             assert variant[key] > 0

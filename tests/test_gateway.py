@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 import torch
+from conftest import as_a_user
 
 MODEL_NAME = "tiny"  # the fixture `served` (conftest.py) serves the tiny model under this name
 ADD_TOOL = {
@@ -497,9 +498,10 @@ def test_an_eval_holds_the_generators_version(loop, served, tiny_model_dir):
     loop.run_until_complete(main())
 
 
-def forge_serve(*args: str) -> tuple[Any, int, str]:
+def forge_serve(*args: str, cwd: Any = None) -> tuple[Any, int, str]:
     """A `forge serve ARGS` process on a free loopback port, once it says it serves: (process, port,
-    that line). Stop it with SIGINT."""
+    its output so far, that line last). Stop it with SIGINT. With `cwd`: as a user starts it there
+    (the libraries' output in cwd/runs/serve/logs), else as the tests' processes (on the console)."""
     import os
     import socket
     import subprocess
@@ -513,24 +515,28 @@ def forge_serve(*args: str) -> tuple[Any, int, str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**as_a_user(os.environ), "PYTHONUNBUFFERED": "1"} if cwd else {**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=cwd,
     )
-    line = ""
+    out = ""
     for line in proc.stdout:
+        out += line
         if line.startswith("forge serve:"):
             break
-    return proc, port, line
+    return proc, port, out
 
 
-def test_forge_serve_with_the_openai_client(tiny_model_dir):
-    """`forge serve` as the README shows it: an API key, the plain (sync) openai client, Ctrl-C."""
+def test_forge_serve_with_the_openai_client(tiny_model_dir, tmp_path):
+    """`forge serve` as the README shows it: an API key, the plain (sync) openai client, Ctrl-C;
+    nothing on the console but its own lines."""
     import signal
 
     import psutil
 
-    proc, port, line = forge_serve(str(tiny_model_dir), "--api-key", "k1", "--max-model-len", "512")
+    proc, port, started = forge_serve(str(tiny_model_dir), "--api-key", "k1", "--max-model-len", "512", cwd=tmp_path)
     try:
-        assert f"model 'test-tiny' (1 replica(s)) on http://127.0.0.1:{port}/v1" in line, line
+        # The console holds forge's line alone; vLLM's and Monarch's are in runs/serve/logs.
+        assert started == f"forge serve: model 'test-tiny' (1 replica(s)) on http://127.0.0.1:{port}/v1; Ctrl-C stops\n"
         children = psutil.Process(proc.pid).children(recursive=True)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0)
         r = c.chat.completions.create(
@@ -545,6 +551,11 @@ def test_forge_serve_with_the_openai_client(tiny_model_dir):
     assert proc.returncode == 0, out[-2000:]
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive
+    assert not out.strip(), out[-2000:]
+    logs = {p.name.rsplit("-", 1)[0] for p in (tmp_path / "runs/serve/logs").glob("*.log")}
+    assert {"main", "generator"} <= logs and "Resolved architecture" in "".join(
+        p.read_text() for p in (tmp_path / "runs/serve/logs").glob("generator-*.log")
+    )
 
 
 def test_forge_serve_beyond_loopback_needs_a_key(tiny_model_dir, monkeypatch, capsys):

@@ -147,14 +147,16 @@ def test_adapter_sync_reference_peft_export_and_resume(tiny_llama_dir, tmp_path)
     assert resumed == went_on and torch.equal(end_resumed, end)
 
 
-def peft_adapter(base_dir, out, seed: int):
+def peft_adapter(base_dir, out, seed: int, rank: int = 8):
     """A PEFT adapter on every linear of `base_dir`'s model, random (B != 0), saved to `out`; the model with it."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
+    model = get_peft_model(
+        base, LoraConfig(r=rank, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    )
     model.save_pretrained(str(out))
     return model.eval()
 
@@ -205,10 +207,13 @@ def test_runs_sharing_a_generator_sample_with_their_own_adapters(tiny_model_dir,
     """One generator serves two runs (tenants a and b), each publishing its adapter to its own
     store, each seen through its own RunGenerator and WeightSync. Requests of both, interleaved
     while a's next version lands, sample with their own run's adapter (logprobs within 1e-4 of
-    peft's model with that adapter, far from the other's) and carry their own run's version."""
+    peft's model with that adapter, far from the other's) and carry their own run's version.
+    A's v2 is live before vLLM has loaded it (its shapes are v1's): requests sent at once use it.
+    An adapter vLLM refuses (rank 16, the config says 8) fails its load, and b keeps its v1."""
     from peft import get_peft_model_state_dict
 
     models = {seed: peft_adapter(tiny_model_dir, tmp_path / str(seed), seed) for seed in (1, 2, 3)}
+    too_big = get_peft_model_state_dict(peft_adapter(tiny_model_dir, tmp_path / "r16", 4, rank=16))
     lora = LoRAConfig(rank=8, alpha=16)
     prompts = ([1, 40, 50, 60, 70], [1, 80, 90, 30], [1, 20, 40, 60, 80, 90])
 
@@ -238,6 +243,9 @@ def test_runs_sharing_a_generator_sample_with_their_own_adapters(tiny_model_dir,
             requests = [sample(run) for _ in range(4) for run in ("a", "b")]
             first = await asyncio.gather(*requests[:4])
             later = await asyncio.gather(*requests[4:], publish("a", 2, 3))
+            at_once = await sample("a")
+            with pytest.raises(Exception, match="add_lora"):
+                await views["b"].load_weights.route(too_big, version=2)
             held = {run: await view.policy_version.route() for run, view in views.items()}
             with pytest.raises(ValueError, match="no policy 'c'"):
                 await gen.generate.route([1, 40], policy="c")
@@ -246,7 +254,7 @@ def test_runs_sharing_a_generator_sample_with_their_own_adapters(tiny_model_dir,
                 await sync.stop()
             await gen.shutdown()
             await stop_store(store)
-        return first + later[:-1], held
+        return [*first, *later[:-1], at_once], held
 
     samples, held = asyncio.run(main())
     assert held == {"a": 2, "b": 1}
@@ -267,7 +275,7 @@ def test_runs_sharing_a_generator_sample_with_their_own_adapters(tiny_model_dir,
             others = [m for s, m in models.items() if s != seed]
             assert all((got - hf_logprobs(m, c)).abs().max().item() > 1e-2 for m in others)
             checked[run].add(c.policy_version)
-    assert checked["b"] == {1} and 1 in checked["a"]
+    assert checked == {"a": {1, 2}, "b": {1}} and samples[-1][1][0].policy_version == 2
 
 
 @pytest.mark.slow  # 70 s: three generators
