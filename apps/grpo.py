@@ -129,10 +129,11 @@ class Config(RunConfig):
         held = self.eval.dataset
         if held.path and not held.messages_key and not held.chat and held.template == DatasetConfig.template:
             # the run's prompt format, unless the eval's file has its own
-            held.template, held.messages_key, held.chat = (
+            held.template, held.messages_key, held.chat, held.tools_key = (
                 self.dataset.template,
                 self.dataset.messages_key,
                 self.dataset.chat,
+                self.dataset.tools_key,
             )
             held.answer_key = self.dataset.answer_key
 

@@ -129,7 +129,9 @@ class SimGenerator(ForgeActor):
         return self.version
 
     @concurrent_endpoint
-    async def generate(self, prompt: str, n: int = 1, sampling: dict | None = None) -> list[Completion]:
+    async def generate(
+        self, prompt: str, n: int = 1, sampling: dict | None = None, tools: list | None = None
+    ) -> list[Completion]:  # the Generator's endpoint (tools: rendered into a chat prompt there)
         admitted, paused = self.version, self.paused_s
         self.started[admitted] += n
         rng = random.Random(f"{prompt}")  # the same prompt takes the same time in every mode

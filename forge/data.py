@@ -3,6 +3,7 @@ from the same data position)."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import string
@@ -31,6 +32,9 @@ class DatasetConfig:
     # Chat messages made from plain columns: each one's content formatted like `template`, e.g.
     # [{role: user, content: "{question} Answer after ####."}]; rendered like `messages_key`'s.
     chat: list[dict[str, str]] = field(default_factory=list)
+    # The column of each row's tools (OpenAI's format: [{type: function, function: {name, ...}}],
+    # or that list as a JSON string), shown to the model by its chat template. Chat prompts only.
+    tools_key: str = ""
     answer_key: str = "answer"  # the column the reward compares with
 
     def validate(self) -> None:
@@ -39,6 +43,10 @@ class DatasetConfig:
         if len(given) > 1:
             raise ConfigError(
                 f"config keys {', '.join(f'dataset.{k}' for k in given)}: each makes the prompt; set one of them"
+            )
+        if self.tools_key and not (self.messages_key or self.chat):
+            raise ConfigError(
+                "config key 'dataset.tools_key': tools are shown by a chat template: set dataset.messages_key or dataset.chat"
             )
         if any(set(m) != {"role", "content"} for m in self.chat):
             raise ConfigError(f"config key 'dataset.chat': each message is {{role, content}}, got {self.chat}")
@@ -108,7 +116,7 @@ class FilePrompts(IndexedPrompts):
         texts = [m["content"] for m in cfg.chat] or [cfg.template]
         fields = [name for text in texts for _, name, _, _ in string.Formatter().parse(text) if name]
         prompt = {cfg.messages_key} if cfg.messages_key else {re.split(r"[.\[]", name)[0] for name in fields}
-        wanted = prompt | {cfg.answer_key}
+        wanted = prompt | {cfg.answer_key} | ({cfg.tools_key} if cfg.tools_key else set())
         missing = wanted - set(self.rows.column_names)
         if missing or not len(self.rows):
             raise ConfigError(
@@ -118,6 +126,8 @@ class FilePrompts(IndexedPrompts):
         self.cfg = cfg
         if cfg.messages_key:
             self._messages(self.rows[0], 0)  # a column of plain strings fails here, not mid-run
+        if cfg.tools_key:
+            self._tools(self.rows[0], 0)
 
     def sample(self, i: int) -> Sample:
         at = self.shuffled(i, len(self.rows))
@@ -127,6 +137,7 @@ class FilePrompts(IndexedPrompts):
             answer=str(row[self.cfg.answer_key]),
             task=Path(self.cfg.path).stem,
             meta=dict(row),
+            tools=self._tools(row, at) if self.cfg.tools_key else None,
         )
 
     def _prompt(self, row: dict[str, Any], at: int) -> str | list[dict[str, Any]]:
@@ -142,6 +153,22 @@ class FilePrompts(IndexedPrompts):
                 f"column '{self.cfg.messages_key}', not a list of chat messages ({{role, content}})"
             )
         return [{k: v for k, v in m.items() if v is not None} for m in messages]  # datasets fills absent keys with None
+
+    def _tools(self, row: dict[str, Any], at: int) -> list[dict[str, Any]] | None:
+        tools = row[self.cfg.tools_key]
+        if isinstance(tools, str):  # a JSON string: tools' parameter schemas differ from row to row
+            try:
+                tools = json.loads(tools) if tools.strip() else None
+            except json.JSONDecodeError as e:
+                tools = e
+        if tools is not None and not (
+            isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)
+        ):
+            raise ConfigError(
+                f"config key 'dataset.tools_key': row {at} of {self.cfg.path} holds {str(row[self.cfg.tools_key])[:60]!r} "
+                f"in column '{self.cfg.tools_key}', not a list of OpenAI tools ({{type: function, function: {{name, ...}}}})"
+            )
+        return tools or None
 
 
 @dataclass

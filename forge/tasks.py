@@ -25,6 +25,7 @@ class Sample:
     answer: str
     task: str
     meta: dict[str, Any] = field(default_factory=dict)  # a dataset file's other columns
+    tools: list[dict[str, Any]] | None = None  # OpenAI-format tools the chat template shows the model
 
     def row(self) -> dict[str, Any]:
         """The task as rewards and agents see it: the file's columns, then prompt, answer, task."""

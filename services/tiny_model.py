@@ -39,7 +39,8 @@ BUILD_FILE = "forge_build.json"
 # A chat template in the shape of Qwen3's: tools listed in the system turn, tool calls as
 # <tool_call>{"name": ..., "arguments": ...}</tool_call> (vLLM's `hermes` tool parser reads them),
 # tool results as <tool_response> user turns, and the reasoning (<think>...</think>) of assistant
-# turns before the last user turn left out when the history is rendered again.
+# turns before the last user turn left out when the history is rendered again; with
+# `enable_thinking=False` (a chat template kwarg), an empty reasoning block after the generation prompt.
 CHAT_TEMPLATE = """\
 {%- if tools -%}
 <|im_start|>system
@@ -73,7 +74,11 @@ Call a tool as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call><|im_end|
 {% endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% endif -%}
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif -%}
 """
 
 

@@ -88,3 +88,27 @@ def test_chat_prompts_from_plain_columns(tmp_path):
         DatasetConfig(path=str(path), chat=chat, messages_key="prompt").validate()
     with pytest.raises(ConfigError, match=r"missing \['query'\]"):
         FilePrompts(DatasetConfig(path=str(path), chat=[{"role": "user", "content": "{query}"}]))
+
+
+def test_tools_column(tmp_path):
+    """`dataset.tools_key`: each row's tools (a list, or that list as JSON, as schemas differ by
+    row) go with its chat prompt to the generator; a row without tools has none; a column that
+    is not OpenAI tools, or tools with raw-text prompts, is a config error naming the key."""
+    tool = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
+    path = tmp_path / "tools.jsonl"
+    rows = [
+        {"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4", "tools": json.dumps([tool])},
+        {"prompt": [{"role": "user", "content": "3+3?"}], "answer": "6", "tools": ""},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    node = FilePrompts(DatasetConfig(path=str(path), messages_key="prompt", tools_key="tools"))
+    got = {s.answer: s.tools for s in (node.next(), node.next())}
+    assert got == {"4": [tool], "6": None}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**rows[0], "tools": '["calc"]'}) + "\n")
+    with pytest.raises(
+        ConfigError, match=r"dataset.tools_key': row 0 of .*bad.jsonl holds .* not a list of OpenAI tools"
+    ):
+        FilePrompts(DatasetConfig(path=str(bad), messages_key="prompt", tools_key="tools"))
+    with pytest.raises(ConfigError, match="tools are shown by a chat template"):
+        DatasetConfig(path=str(path), template="{prompt}", tools_key="tools").validate()

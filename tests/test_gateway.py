@@ -535,8 +535,11 @@ def test_forge_serve_with_the_openai_client(tiny_model_dir, tmp_path):
 
     proc, port, started = forge_serve(str(tiny_model_dir), "--api-key", "k1", "--max-model-len", "512", cwd=tmp_path)
     try:
-        # The console holds forge's line alone; vLLM's and Monarch's are in runs/serve/logs.
-        assert started == f"forge serve: model 'test-tiny' (1 replica(s)) on http://127.0.0.1:{port}/v1; Ctrl-C stops\n"
+        # The console holds forge's lines alone (its advice on CPU: tcmalloc); vLLM's and Monarch's
+        # are in runs/serve/logs.
+        *advice, line = started.splitlines()
+        assert line == f"forge serve: model 'test-tiny' (1 replica(s)) on http://127.0.0.1:{port}/v1; Ctrl-C stops"
+        assert all(a.startswith("forge: vLLM on CPU runs slower without tcmalloc") for a in advice), advice
         children = psutil.Process(proc.pid).children(recursive=True)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0)
         r = c.chat.completions.create(
@@ -625,3 +628,35 @@ def test_chat_prompts_are_the_tokens_forge_serve_renders(loop, served, tiny_mode
         == tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     )
     assert out["tools"][0] == out["tools"][1] != out["plain"][1]  # the tools are in the prompt, the same way
+
+
+def test_chat_template_kwargs_reach_the_template_in_training_and_serving(tiny_model_dir):
+    """`generator.chat_template_kwargs` ({enable_thinking: false}, as the Qwen3 configs set) reach
+    the chat template when the generator renders a chat prompt and when its gateway does (vLLM's
+    --default-chat-template-kwargs): both are the tokenizer's template with them, not without."""
+    from transformers import AutoTokenizer
+
+    from services.gateway import Gateway, GatewayConfig
+    from services.generator import Generator, GeneratorConfig
+
+    messages = [{"role": "user", "content": "rev abc="}]
+    cfg = GeneratorConfig(max_model_len=128, chat_template_kwargs={"enable_thinking": False})
+
+    async def main():
+        gen = await Generator.options().as_service(str(tiny_model_dir), cfg)
+        gw = await Gateway.start(gen, tiny_model_dir, GatewayConfig(sessions=False, served_model_name=MODEL_NAME), cfg)
+        try:
+            [ours] = await gen.generate.route(messages, n=1, sampling={"max_tokens": 1})
+            served_ = await chat(client(gw, "none"), messages, max_tokens=1, extra_body={"return_token_ids": True})
+        finally:
+            await gw.shutdown()
+            await gen.shutdown()
+        return ours.prompt_ids, served_.prompt_token_ids
+
+    ours, served_ = asyncio.run(main())
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    without = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    with_kwargs = tok.apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=True, enable_thinking=False
+    )["input_ids"]
+    assert ours == served_ == with_kwargs != without

@@ -12,7 +12,8 @@ import asyncio, logging, os, sys, warnings
 from forge import logs
 from service_actors import Noisy
 
-logs.capture(sys.argv[1])
+if sys.argv[1] != "no-capture":
+    logs.capture(sys.argv[1])
 
 async def main():
     noisy = await Noisy.options().as_service()
@@ -72,3 +73,21 @@ def test_verbose_leaves_everything_on_the_console(tmp_path):
     assert not (tmp_path / "logs").exists()
     for line in ("library chatter on stdout", "C++ chatter on fd 2", "controller chatter on fd 2"):
         assert line in out.stdout + out.stderr
+
+
+def test_without_capture_spawned_processes_still_write_to_runs_logs(tmp_path):
+    """A REPL (no entry point captured): the processes forge spawns write to runs/logs in the
+    working directory; their forge lines reach the console they inherited."""
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, "no-capture"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=as_a_user(os.environ),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    pid = int(out.stdout.split("forge: done ")[1])
+    assert "forge: a reward failed in the actor" in out.stderr
+    assert "library chatter on stdout" not in out.stdout + out.stderr
+    assert "C++ chatter on fd 2" in (tmp_path / "runs/logs" / f"noisy-{pid}.log").read_text()

@@ -221,3 +221,26 @@ def test_off_policy_groups_never_start_on_weights_older_than_max_staleness_allow
                 assert len(rollouts.started) > 2  # off-policy: no per-batch limit
 
     asyncio.run(main())
+
+
+def test_the_default_rollout_gives_the_generator_a_sample_s_tools():
+    """A dataset row's tools (dataset.tools_key) reach the generator with its chat prompt."""
+    from forge.rollout import generate_and_score
+    from forge.tasks import Sample
+    from forge.types import Completion
+
+    tool = {"type": "function", "function": {"name": "calc"}}
+    asked = []
+
+    async def generate(prompt, n, tools=None):
+        asked.append((prompt, n, tools))
+        return [Completion([1], [2], [-0.5], "4", "stop")] * n
+
+    async def score(inputs):
+        return [Score(float(i.completion == i.task["answer"])) for i in inputs]
+
+    gen = SimpleNamespace(generate=SimpleNamespace(route=generate))
+    rewards = SimpleNamespace(score=SimpleNamespace(route=score))
+    sample = Sample([{"role": "user", "content": "2+2?"}], "4", "calc", tools=[tool])
+    group, scores = asyncio.run(generate_and_score(sample, gen, rewards, SimpleNamespace(group_size=2)))
+    assert asked == [(sample.prompt, 2, [tool])] and [s.reward for s in scores] == [1.0, 1.0]
