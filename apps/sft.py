@@ -144,7 +144,6 @@ async def train(
             record_metric("tokens_per_s", metrics["trained_tokens"] / (time.perf_counter() - start))
             await run.end_step()
         await run.finish()
-    print(f"sft: {run.step} steps; model in {run.dir / 'model'}")
     return run.row
 
 
