@@ -155,17 +155,16 @@ class FilePrompts(IndexedPrompts):
         return [{k: v for k, v in m.items() if v is not None} for m in messages]  # datasets fills absent keys with None
 
     def _tools(self, row: dict[str, Any], at: int) -> list[dict[str, Any]] | None:
-        tools = row[self.cfg.tools_key]
-        if isinstance(tools, str):  # a JSON string: tools' parameter schemas differ from row to row
-            try:
-                tools = json.loads(tools) if tools.strip() else None
-            except json.JSONDecodeError as e:
-                tools = e
+        raw = row[self.cfg.tools_key]
+        try:  # a JSON string: tools' parameter schemas differ from row to row
+            tools = json.loads(raw) if isinstance(raw, str) and raw.strip() else raw or None
+        except json.JSONDecodeError:
+            tools = raw  # not tools: named below
         if tools is not None and not (
             isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)
         ):
             raise ConfigError(
-                f"config key 'dataset.tools_key': row {at} of {self.cfg.path} holds {str(row[self.cfg.tools_key])[:60]!r} "
+                f"config key 'dataset.tools_key': row {at} of {self.cfg.path} holds {str(raw)[:60]!r} "
                 f"in column '{self.cfg.tools_key}', not a list of OpenAI tools ({{type: function, function: {{name, ...}}}})"
             )
         return tools or None

@@ -57,9 +57,13 @@ def show_everything() -> None:
     os.environ[ENV] = "console"
 
 
-def _open(d: Path, role: str) -> int:
+def _redirect(d: Path, role: str) -> None:
+    """This process's fds 1 and 2 to `d/ROLE-PID.log`."""
     d.mkdir(parents=True, exist_ok=True)
-    return os.open(d / f"{role}-{os.getpid()}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(d / f"{role}-{os.getpid()}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 class _Plain(logging.Formatter):
@@ -104,12 +108,9 @@ def _relayed(to: Destination) -> int | None:
 def process_to_file(to: Destination, role: str) -> None:
     """In a spawned process, first thing: fds 1 and 2 to `DIRECTORY/ROLE-PID.log`; the "forge"
     logger's warnings to the console as well."""
-    fd = _open(to.directory, role)
     console_fd = _relayed(to)
     console = os.fdopen(os.dup(2) if console_fd is None else console_fd, "w", buffering=1)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    _redirect(to.directory, role)
     _to_console(logging.getLogger("forge"), console)
 
 
@@ -164,10 +165,7 @@ def capture(d: str | Path) -> None:
     if not again:
         sys.stdout, sys.stderr = _console_stream(sys.stdout, 1), _console_stream(sys.stderr, 2)
         _relay = _start_relay()
-    fd = _open(d, "main")
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    _redirect(d, "main")
     if again:
         return
     to_file = logging.StreamHandler(os.fdopen(2, "w", buffering=1, closefd=False))

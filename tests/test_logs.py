@@ -30,20 +30,25 @@ print(f"forge: done {pid}")
 """
 
 
-def test_library_output_goes_to_each_process_s_log_and_forge_s_lines_to_the_console(tmp_path):
-    """A process that captured (an entry point) and an actor it spawns: what a library writes
-    (stdout, fd 2, a logger, a warning) lands in logs/ROLE-PID.log and logs/main-PID.log; forge's
-    lines, the actor's included, reach the console, which holds nothing else."""
-    env = as_a_user(os.environ)
+def run_script(tmp_path, where: str, **env: str) -> subprocess.CompletedProcess:
+    """SCRIPT in tmp_path, as a user runs forge (plus `env`), capturing to `where`."""
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "logs")],
+        [sys.executable, "-c", SCRIPT, where],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=tmp_path,
-        env=env,
+        env={**as_a_user(os.environ), **env},
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_library_output_goes_to_each_process_s_log_and_forge_s_lines_to_the_console(tmp_path):
+    """A process that captured (an entry point) and an actor it spawns: what a library writes
+    (stdout, fd 2, a logger, a warning) lands in logs/ROLE-PID.log and logs/main-PID.log; forge's
+    lines, the actor's included, reach the console, which holds nothing else."""
+    out = run_script(tmp_path, str(tmp_path / "logs"))
     console = out.stdout.splitlines() + out.stderr.splitlines()
     pid = int(out.stdout.split("forge: done ")[1])
     assert sorted(console) == sorted(
@@ -60,16 +65,7 @@ def test_library_output_goes_to_each_process_s_log_and_forge_s_lines_to_the_cons
 
 def test_verbose_leaves_everything_on_the_console(tmp_path):
     """`forge -v` (FORGE_LOGS=console): no files, the libraries' lines on the console."""
-    env = {**os.environ, "FORGE_LOGS": "console"}
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "logs")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_script(tmp_path, str(tmp_path / "logs"), FORGE_LOGS="console")
     assert not (tmp_path / "logs").exists()
     for line in ("library chatter on stdout", "C++ chatter on fd 2", "controller chatter on fd 2"):
         assert line in out.stdout + out.stderr
@@ -78,16 +74,37 @@ def test_verbose_leaves_everything_on_the_console(tmp_path):
 def test_without_capture_spawned_processes_still_write_to_runs_logs(tmp_path):
     """A REPL (no entry point captured): the processes forge spawns write to runs/logs in the
     working directory; their forge lines reach the console they inherited."""
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, "no-capture"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=as_a_user(os.environ),
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_script(tmp_path, "no-capture")
     pid = int(out.stdout.split("forge: done ")[1])
     assert "forge: a reward failed in the actor" in out.stderr
     assert "library chatter on stdout" not in out.stdout + out.stderr
     assert "C++ chatter on fd 2" in (tmp_path / "runs/logs" / f"noisy-{pid}.log").read_text()
+
+
+RELAY = """
+import os, subprocess, sys
+from forge import logs
+
+logs.capture(sys.argv[1])
+pipe = logs.destination().console
+# Another local user (nobody) tries to put a line on this run's console through its relay.
+other = subprocess.run(
+    ["/bin/sh", "-c", 'printf "forge: fake\\n" > "$1"', "sh", pipe], user=65534, capture_output=True, text=True
+)
+print("refused" if other.returncode and "Permission denied" in other.stderr else f"written: {other.returncode} {other.stderr[-300:]}")
+"""
+
+
+def test_another_local_user_cannot_write_to_the_console_relay(tmp_path):
+    """The named pipe whose lines reach the console (from the run's processes) is this user's
+    alone: another local user's process cannot open it to print lines that look like forge's."""
+    out = subprocess.run(
+        [sys.executable, "-c", RELAY, str(tmp_path / "logs")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=as_a_user(os.environ),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "refused" and "fake" not in out.stderr, (out.stdout, out.stderr)
