@@ -15,7 +15,8 @@ from typing import Any
 from forge import logs
 from forge.cli import app_config, fail
 from forge.config import ConfigError
-from forge.lora import ADAPTER_CONFIG, read_adapter
+from forge.lora import read_adapter
+from forge.schema import ADAPTER_CONFIG
 from services.evals import evaluate, held_out
 from services.gateway import base_of, model_dir
 from services.generator import Generator

@@ -14,128 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from apps.schema import GRPOConfig as Config
 from apps.sft import warm_start
 from forge.buffer import ReplayBuffer
-from forge.config import ConfigError, import_object
-from forge.data import DatasetConfig, FilePrompts, TaskPrompts
-from forge.job import JobConfig
+from forge.config import import_object
+from forge.data import FilePrompts, TaskPrompts
 from forge.metrics import Reduce, metrics_scope, record_metric
-from forge.rollout import REWARD_UNAVAILABLE, RolloutLoops, Rollouts, SingleTurn
-from forge.run import ActorState, Run, RunConfig
+from forge.rollout import RolloutLoops, Rollouts, SingleTurn
+from forge.run import ActorState, Run
 from forge.service import ReplicaRestored
-from forge.tasks import get_task
 from forge.types import collate
-from services.agentic import AgenticConfig, AgenticRollouts
-from services.evals import BackgroundEvals, EvalConfig, held_out
-from services.generator import GeneratorConfig
-from services.rewards import RewardsConfig
+from services.agentic import AgenticRollouts
+from services.evals import BackgroundEvals, held_out
 from services.roles import Roles, Shared
-from services.tiny_model import ModelConfig
-from services.trainer import TrainerConfig
-
-
-@dataclass
-class Config(RunConfig):
-    app: str = "grpo"
-    run_name: str = "grpo"
-    task: str = "reverse"  # a generated toy task (forge/tasks.py), unless `dataset` names a file
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    group_size: int = 8
-    groups_per_step: int = 8  # batch = group_size x groups_per_step episodes
-    max_staleness: int = 1
-    rollout_tasks: int = 4  # concurrent rollout loops
-    rollout: str = "forge.rollout:generate_and_score"  # one prompt -> (completions, scores)
-    agentic: AgenticConfig = field(default_factory=AgenticConfig)  # multi-turn agents or environments
-    max_rollout_failures: int = 20  # rollouts failing in a row before the run stops
-    sample_timeout_s: float = 600.0  # the longest wait for a batch before the run stops
-    dynamic_sampling: bool = False  # drop zero-variance groups and refill (DAPO)
-    max_episode_tokens: int = 0  # drop longer episodes (0: keep all)
-    rewards: RewardsConfig = field(default_factory=RewardsConfig)  # what scores a sample (services/rewards/)
-    # A group with a reward whose infrastructure failed (RewardUnavailable): dropped, or trained
-    # with that reward at 0.
-    reward_unavailable: str = "mask"
-    job: JobConfig = field(default_factory=JobConfig)  # where the roles run (forge/job.py); default: this host
-    generator_replicas: int = 1  # spread over the hosts of the generator's job mesh
-    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
-    trainer_procs: int = 1
-    trainer_restores: int = 3  # trainer deaths recovered from the last checkpoint before the run stops
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evals during training
-
-    @property
-    def batch_size(self) -> int:
-        return self.group_size * self.groups_per_step
-
-    def validate(self) -> None:
-        """The app's own keys and how sections fit together (each section validates itself)."""
-        super().validate()
-        if self.group_size < 2:
-            raise ConfigError(
-                f"config key 'group_size' must be >= 2 (GRPO compares samples of a group), got {self.group_size}"
-            )
-        if self.max_staleness < 0:
-            raise ConfigError(f"config key 'max_staleness' must be >= 0, got {self.max_staleness}")
-        for key in ("max_rollout_failures", "sample_timeout_s", "rollout_tasks"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"config key '{key}' must be > 0, got {getattr(self, key)}")
-        shards = self.trainer_procs * self.trainer.grad_accum
-        if self.batch_size % shards:
-            raise ConfigError(
-                f"batch of {self.batch_size} (group_size x groups_per_step) does not split over "
-                f"trainer_procs x trainer.grad_accum = {shards}"
-            )
-        if self.reward_unavailable not in REWARD_UNAVAILABLE:
-            raise ConfigError(
-                f"config key 'reward_unavailable': {self.reward_unavailable!r} is not one of "
-                f"{', '.join(REWARD_UNAVAILABLE)}"
-            )
-        if self.trainer.total_steps is None:
-            self.trainer.total_steps = self.steps
-        import_object("rollout", self.rollout)
-        if self.agentic.enabled and self.rollout != Config.rollout:
-            raise ConfigError(
-                "config keys 'rollout' and 'agentic': an agent or environment makes the rollouts; set one of them"
-            )
-        if not self.dataset.path:
-            try:
-                get_task(self.task)
-            except ValueError as e:
-                raise ConfigError(f"config key 'task': {e} (or give a file in 'dataset.path')") from None
-        self._validate_rewards()
-        self._validate_eval()
-
-    def _validate_rewards(self) -> None:
-        if "task" in self.rewards.weights and self.dataset.path:
-            raise ConfigError(
-                "config key 'rewards.weights': the 'task' reward scores toy tasks, not a dataset file's rows"
-            )
-        if self.eval.rewards:
-            self.rewards.check_weights(self.eval.rewards, "eval.rewards")
-        if "judge" in self.rewards.weights and not self.dataset.path:  # a dataset file's columns: checked once read
-            self.rewards.check_judge(columns=())
-
-    def _validate_eval(self) -> None:
-        if self.eval.enabled and self.dataset.path and not self.eval.dataset.path:
-            raise ConfigError(
-                "config key 'eval.dataset.path': a run on a dataset file evaluates on a file too (its held-out rows)"
-            )
-        held = self.eval.dataset
-        if held.path and not held.messages_key and not held.chat and held.template == DatasetConfig.template:
-            # the run's prompt format, unless the eval's file has its own
-            held.template, held.messages_key, held.chat, held.tools_key = (
-                self.dataset.template,
-                self.dataset.messages_key,
-                self.dataset.chat,
-                self.dataset.tools_key,
-            )
-            held.answer_key = self.dataset.answer_key
 
 
 async def run(cfg: Config, shared: Shared | None = None) -> dict[str, float]:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from forge import logs
 from forge.cli import fail
-from forge.lora import ADAPTER_CONFIG
+from forge.schema import ADAPTER_CONFIG
 from services import gateway
-from services.generator import GeneratorConfig
+from services.schema import GeneratorConfig
 
 
 def parser() -> argparse.ArgumentParser:

@@ -13,78 +13,32 @@ import asyncio
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forge import tasks
-from forge.config import ConfigError
-from forge.data import SFTDataConfig, SFTExamples
-from forge.losses import LossConfig
+from apps.schema import SFTConfig as Config
+from forge.data import SFTExamples
 from forge.metrics import record_metric
-from forge.run import Run, RunConfig
+from forge.run import Run
+from forge.schema import LossConfig, SFTDataConfig
 from forge.store import WeightStore, start_store, stop_store
 from forge.types import Episode, collate
 from forge.weight_sync import WeightSync
-from services.evals import BackgroundEvals, EvalConfig, held_out
-from services.generator import Generator, GeneratorConfig
-from services.rewards import Rewards, RewardsConfig
-from services.tiny_model import ModelConfig, TinyModelSpec
-from services.trainer import Trainer, TrainerConfig
+from services.evals import BackgroundEvals, held_out
+from services.generator import Generator
+from services.rewards import Rewards
+from services.schema import EvalConfig, ModelConfig, TinyModelSpec, TrainerConfig
+from services.tiny_model import resolve_model
+from services.trainer import Trainer
 
 EVAL_PLOT = ("eval/accuracy", "eval/reward_mean")  # SFT's curves: it has no rewards of its own
-
-
-@dataclass
-class Config(RunConfig):
-    app: str = "sft"
-    run_name: str = "sft_tiny"
-    steps: int = 300
-    checkpoint_every: int = 100
-    metrics: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
-    task: str = "add"  # the toy task: the examples when `data.path` is empty, and the eval's rewards
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    batch_size: int = 64  # examples per step (rows, unless data.pack_to packs them)
-    trainer_procs: int = 1
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=3e-3, loss=LossConfig(name="sft")))
-    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evals (through a generator)
-    rewards: RewardsConfig = field(default_factory=RewardsConfig)  # the eval's
-    generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # the eval's sampler
-
-    def validate(self) -> None:
-        super().validate()
-        if self.task not in tasks.TASKS:
-            raise ConfigError(f"config key 'task': unknown task {self.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
-        for key in ("batch_size", "trainer_procs"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
-        if self.trainer.loss.name != "sft":
-            raise ConfigError(
-                f"config key 'trainer.loss.name': the SFT app trains with 'sft', got {self.trainer.loss.name!r}"
-            )
-        shards = self.trainer_procs * self.trainer.grad_accum
-        if self.batch_size % shards and not self.data.pack_to:  # packed: empty rows make up the count
-            raise ConfigError(
-                f"config key 'batch_size': {self.batch_size} rows do not split over trainer_procs x "
-                f"trainer.grad_accum = {shards}"
-            )
-        if self.trainer.total_steps is None:
-            self.trainer.total_steps = self.steps
-        if self.eval.enabled:
-            if self.data.path and not self.eval.dataset.path:
-                raise ConfigError(
-                    "config key 'eval.dataset.path': a run on a dataset file evaluates on a file too (held-out prompts)"
-                )
-            if self.eval.rewards:
-                self.rewards.check_weights(self.eval.rewards, "eval.rewards")
 
 
 async def run(cfg: Config) -> dict[str, float]:
     last = cfg.resume_point()
     from transformers import AutoTokenizer
 
-    model = cfg.model.resolve(warm_start)
+    model = resolve_model(cfg.model, warm_start)
     tokenizer = AutoTokenizer.from_pretrained(model)
     # A bad file stops here, before any spawn.
     examples = SFTExamples(cfg.data, tokenizer, cfg.task, cfg.seed)

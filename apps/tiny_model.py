@@ -14,7 +14,8 @@ from apps.sft import warm_start
 from forge import tasks
 from forge.cli import fail
 from services import models
-from services.tiny_model import BUILD_FILE, TinyModelSpec, make_tiny_model
+from services.schema import TinyModelSpec
+from services.tiny_model import BUILD_FILE, make_tiny_model
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -25,7 +25,8 @@ def parse_args(name: str, doc: str, quick_help: str, argv: list[str] | None) -> 
 
 def tiny_model(**dims: int) -> str:
     """The benchmark model: the tiny model untrained, or wider/deeper with `dims` (TinyModelSpec fields)."""
-    from services.tiny_model import TinyModelSpec, make_tiny_model
+    from services.schema import TinyModelSpec
+    from services.tiny_model import make_tiny_model
 
     name = "bench-tiny" + "".join(f"-{k}{v}" for k, v in sorted(dims.items()))
     return str(make_tiny_model(ROOT / ".cache/forge/models" / name, TinyModelSpec(sft_steps=0, **dims)))

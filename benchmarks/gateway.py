@@ -50,8 +50,9 @@ async def measure(model: str, turns: int, rounds: int, pairs: int) -> dict:
     import openai
     from transformers import AutoTokenizer
 
-    from services.gateway import Gateway, GatewayConfig
-    from services.generator import Generator, GeneratorConfig
+    from services.gateway import Gateway
+    from services.generator import Generator
+    from services.schema import GatewayConfig, GeneratorConfig
 
     cfg = GeneratorConfig(max_model_len=256)
     gen = await Generator.options().as_service(model, cfg)

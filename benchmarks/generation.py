@@ -76,11 +76,12 @@ async def bare_vllm_rate(model: str, ps: list[str], n: int, max_tokens: int, rep
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from services.generator import GeneratorConfig
+    from services.generator import engine_args, engine_env
+    from services.schema import GeneratorConfig
 
     os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache/forge/vllm"))
-    os.environ.update(GeneratorConfig().engine_env())  # the engine the service runs, in this process
-    engine = AsyncLLM.from_engine_args(GeneratorConfig().engine_args(model))
+    os.environ.update(engine_env(GeneratorConfig()))  # the engine the service runs, in this process
+    engine = AsyncLLM.from_engine_args(engine_args(GeneratorConfig(), model))
     params = SamplingParams(
         n=n, max_tokens=max_tokens, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, **SAMPLING
     )

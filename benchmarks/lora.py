@@ -48,8 +48,9 @@ def batch(rows: int = 8, length: int = 64):
 
 def optimizer_bytes(model: str, lora) -> int:
     """Bytes of AdamW's state after one step (its moments: 2 per trained parameter)."""
+    from services.schema import TrainerConfig
     from services.titan import load_hf_model, token_logprobs
-    from services.trainer import TrainerConfig, build_optimizers
+    from services.trainer import build_optimizers
 
     m = load_hf_model(model, lora=lora)
     optimizers, _ = build_optimizers(m, TrainerConfig(lr=1e-4))
@@ -63,8 +64,9 @@ async def measure(model: str, lora, versions: int, seconds: float) -> dict:
     """One mode: step time, publish -> live and the engine's stop per version, generation tokens/s."""
     from forge.store import WeightStore
     from forge.weight_sync import WeightSync
-    from services.generator import Generator, GeneratorConfig
-    from services.trainer import Trainer, TrainerConfig
+    from services.generator import Generator
+    from services.schema import GeneratorConfig, TrainerConfig
+    from services.trainer import Trainer
 
     weights = WeightStore(f"bench-lora-{lora.rank}")
     cfg = TrainerConfig(lr=1e-4, lora=lora, threads=1)
@@ -125,7 +127,7 @@ async def rate(gen, ps: list[str], seconds: float) -> float:
 
 
 async def run(model: str, versions: int, seconds: float) -> dict:
-    from forge.lora import LoRAConfig
+    from forge.schema import LoRAConfig
     from forge.store import start_store, stop_store
 
     procs = await start_store()

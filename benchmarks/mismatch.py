@@ -25,8 +25,9 @@ from forge.losses import mismatch_metrics, mismatch_sums
 from forge.tasks import generate
 from forge.types import Episode, collate
 from services import titan
-from services.generator import Generator, GeneratorConfig, SamplingConfig
-from services.tiny_model import TinyModelSpec, make_tiny_model
+from services.generator import Generator
+from services.schema import GeneratorConfig, SamplingConfig, TinyModelSpec
+from services.tiny_model import make_tiny_model
 
 FAMILIES = ("qwen3", "llama3", "hf", "qwen3_moe")
 CAP = 2.0

@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import parse_args, write_result
-from services.sandbox import Sandbox, SandboxConfig, default_python
+from services.sandbox import Sandbox, default_python
+from services.schema import SandboxConfig
 
 PROGRAMS = {
     "trivial": "print(1)\n",

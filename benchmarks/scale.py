@@ -246,8 +246,9 @@ async def measure(w: Workload, replicas: int, steps: int, runs_dir: Path) -> dic
     from forge.service import Service
     from forge.store import WeightStore, start_store, stop_store
     from forge.weight_sync import WeightSync
-    from services.rewards import Rewards, RewardsConfig
+    from services.rewards import Rewards
     from services.roles import Roles
+    from services.schema import RewardsConfig
 
     store = await start_store()
     weights = WeightStore("scale")

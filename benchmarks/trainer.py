@@ -50,8 +50,9 @@ class BareTitan(ForgeActor):
 
     @endpoint
     async def setup(self) -> None:
+        from services.schema import TrainerConfig
         from services.titan import build_sharded_model, default_device, init_distributed
-        from services.trainer import TrainerConfig, build_optimizers
+        from services.trainer import build_optimizers
 
         torch.set_num_threads(self.threads)
         device = default_device()
@@ -63,7 +64,8 @@ class BareTitan(ForgeActor):
     async def steps(self, b, n: int) -> list[float]:
         from torchtitan.distributed import utils as dist_utils
 
-        from forge.losses import LossConfig, grpo, importance_weight
+        from forge.losses import grpo, importance_weight
+        from forge.schema import LossConfig
         from services.titan import token_logprobs
 
         cfg, times = LossConfig(), []
@@ -80,7 +82,8 @@ class BareTitan(ForgeActor):
 
 
 async def measure(model_dir: str, b, rounds: int, steps: int, threads: int) -> tuple[list[float], list[float]]:
-    from services.trainer import Trainer, TrainerConfig
+    from services.schema import TrainerConfig
+    from services.trainer import Trainer
 
     trainer = await Trainer.options().as_service(model_dir, TrainerConfig(lr=1e-5, total_steps=1000, threads=threads))
     bare = await BareTitan.options().as_actor(model_dir, threads)

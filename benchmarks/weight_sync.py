@@ -152,7 +152,8 @@ async def generator_stall(model: str, versions: int = 6, cross_host: bool = Fals
 
     from forge.store import WeightStore
     from forge.weight_sync import WeightSync
-    from services.generator import Generator, GeneratorConfig
+    from services.generator import Generator
+    from services.schema import GeneratorConfig
 
     store = WeightStore("bench-gen")
     env = {"_MONARCH_WORKER_ADDR": "ipc:///forge-bench/generator-host"} if cross_host else None

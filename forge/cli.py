@@ -22,23 +22,19 @@ def fail(msg: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def app_config(config: str | None, overrides: list[str], app: str | None = None) -> tuple[Any, Any]:
-    """The app module (named by `app`, else by the config's `app:` key) and its loaded Config."""
+def app_config(config: str | None, overrides: list[str], app: str | None = None) -> tuple[str, Any]:
+    """The app's name (`app`, else the config's `app:` key) and its loaded Config. Only the apps'
+    configs (apps/schema.py) are imported: a bad config is reported before torch loads."""
     if app is None:
         if config is None:
             raise ConfigError("no config file given")
         app = read_yaml(config).get("app")
         if not app:
             raise ConfigError(f"{config}: no top-level 'app' key (e.g. app: grpo)")
-    try:
-        module = importlib.import_module(f"apps.{app}")
-    except ModuleNotFoundError as e:
-        if e.name != f"apps.{app}":
-            raise
-        raise ConfigError(f"config key 'app': no app named {app!r} (no module apps/{app}.py)") from None
-    if not hasattr(module, "Config"):
-        raise ConfigError(f"config key 'app': apps/{app}.py is a command, not an app (it has no Config)")
-    return module, load_config(config, overrides, module.Config)
+    apps = importlib.import_module("apps.schema").APPS
+    if app not in apps:
+        raise ConfigError(f"config key 'app': no app named {app!r}; apps: {', '.join(apps)}")
+    return app, load_config(config, overrides, apps[app])
 
 
 def run(config: str | None, overrides: list[str], app: str | None = None, resume: str | None = None):
@@ -49,12 +45,12 @@ def run(config: str | None, overrides: list[str], app: str | None = None, resume
             require_file("resume", Path(resume) / "config.yaml")
             config = config or str(Path(resume) / "config.yaml")
             overrides = [*overrides, f"resume={resume}"]
-        module, cfg = app_config(config, overrides, app)
+        app, cfg = app_config(config, overrides, app)
     except ConfigError as e:
         fail(str(e))
     logs.capture(cfg.run_dir / "logs")
     try:
-        return module.main(cfg)
+        return importlib.import_module(f"apps.{app}").main(cfg)
     except RunStopped as e:
         fail(str(e))
 

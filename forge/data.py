@@ -7,53 +7,14 @@ import json
 import random
 import re
 import string
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchdata.nodes import BaseNode
 
 from forge.config import ConfigError
+from forge.schema import FORMATS, DatasetConfig, SFTDataConfig
 from forge.tasks import Sample, chat_tokens, end_of_turn, get_task
-
-FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-@dataclass
-class DatasetConfig:
-    """Prompts from a local file instead of a generated toy task (e.g. GSM8K as parquet/jsonl)."""
-
-    path: str = ""  # empty: the config's toy `task`
-    template: str = "{question}"  # a raw-text prompt: the row's columns formatted in
-    # The column that holds each row's prompt as chat messages ([{role, content}, ...], a system
-    # turn too: TRL's conversational format); the generator renders them with the model's chat
-    # template, as `forge serve` does. Empty: `template` makes the prompt.
-    messages_key: str = ""
-    # Chat messages made from plain columns: each one's content formatted like `template`, e.g.
-    # [{role: user, content: "{question} Answer after ####."}]; rendered like `messages_key`'s.
-    chat: list[dict[str, str]] = field(default_factory=list)
-    # The column of each row's tools (OpenAI's format: [{type: function, function: {name, ...}}],
-    # or that list as a JSON string), shown to the model by its chat template. Chat prompts only.
-    tools_key: str = ""
-    answer_key: str = "answer"  # the column the reward compares with
-
-    def validate(self) -> None:
-        given = [k for k in ("messages_key", "chat") if getattr(self, k)]
-        given += ["template"] if self.template != DatasetConfig.template else []
-        if len(given) > 1:
-            raise ConfigError(
-                f"config keys {', '.join(f'dataset.{k}' for k in given)}: each makes the prompt; set one of them"
-            )
-        if self.tools_key and not (self.messages_key or self.chat):
-            raise ConfigError(
-                "config key 'dataset.tools_key': tools are shown by a chat template: set dataset.messages_key or dataset.chat"
-            )
-        if any(set(m) != {"role", "content"} for m in self.chat):
-            raise ConfigError(f"config key 'dataset.chat': each message is {{role, content}}, got {self.chat}")
-        if self.path and Path(self.path).suffix not in FORMATS:
-            raise ConfigError(f"config key 'dataset.path': {self.path} is not one of {', '.join(FORMATS)}")
-        if self.path and not Path(self.path).is_file():
-            raise ConfigError(f"config key 'dataset.path': file not found: {self.path}")
 
 
 class IndexedPrompts(BaseNode[Sample]):
@@ -168,31 +129,6 @@ class FilePrompts(IndexedPrompts):
                 f"in column '{self.cfg.tools_key}', not a list of OpenAI tools ({{type: function, function: {{name, ...}}}})"
             )
         return tools or None
-
-
-@dataclass
-class SFTDataConfig:
-    """The SFT app's `data` section: rows of a local file (chat `messages`, or prompt and
-    completion columns), or, with no file, the app's toy task (prompt and answer)."""
-
-    path: str = ""  # .jsonl/.json/.parquet/.csv; empty: the toy `task`
-    messages_key: str = "messages"  # a column of chat messages: loss on the assistant turns only
-    prompt_key: str = "prompt"  # else prompt and completion columns: loss on the completion (and EOS)
-    completion_key: str = "completion"
-    max_tokens: int = 1024  # a longer row is cut to this (its loss tokens past it are lost)
-    pack_to: int = 0  # examples packed into rows of up to this many tokens, each seeing only itself; 0: one per row
-    noise: float = 0.0  # toy task only: this fraction of answer characters (or digits) replaced at random
-    system: str | None = None  # toy task only: chat examples (this system turn, the task as the user's); None: raw text
-
-    def validate(self) -> None:
-        if self.path and Path(self.path).suffix not in FORMATS:
-            raise ConfigError(f"config key 'data.path': {self.path} is not one of {', '.join(FORMATS)}")
-        if self.path and not Path(self.path).is_file():
-            raise ConfigError(f"config key 'data.path': file not found: {self.path}")
-        if self.max_tokens < 2:
-            raise ConfigError(f"config key 'data.max_tokens' must be >= 2, got {self.max_tokens}")
-        if self.pack_to < 0:
-            raise ConfigError(f"config key 'data.pack_to' must be >= 0, got {self.pack_to}")
 
 
 class SFTExamples(IndexedPrompts):

@@ -13,78 +13,10 @@ multi-host layout on one machine.
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from dataclasses import dataclass, field
 from typing import Any
 
-from forge.config import ConfigError
+from forge.schema import JobConfig, job_class
 from forge.shm import sweep_dead_runs
-
-KINDS = {
-    "local": None,
-    "process": "monarch.job:ProcessJob",
-    "slurm": "monarch.job:SlurmJob",
-    "kubernetes": "monarch.job.kubernetes:KubernetesJob",
-}
-ROLES = ("trainer", "generator", "reference", "rewards", "store", "envs")
-
-
-def _job_class(kind: str) -> type:
-    module, name = KINDS[kind].split(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, RuntimeError) as e:  # KubernetesJob raises RuntimeError without its package
-        raise ConfigError(f"config key 'job.kind': {kind} needs a package (pip install 'forge[{kind}]'): {e}") from None
-
-
-@dataclass
-class JobConfig:
-    """The `job` section: a Monarch job kind, its host meshes, and which role runs on which mesh."""
-
-    kind: str = "local"
-    meshes: dict[str, int] = field(default_factory=dict)
-    args: dict[str, Any] = field(default_factory=dict)  # the job class's constructor arguments
-    # kubernetes: each mesh's `KubernetesJob.add_mesh` arguments (label_selector, port, ...)
-    mesh_args: dict[str, Any] = field(default_factory=dict)
-    placement: dict[str, str] = field(default_factory=dict)
-
-    def validate(self) -> None:
-        if self.kind not in KINDS:
-            raise ConfigError(f"config key 'job.kind': {self.kind!r} is not one of {', '.join(KINDS)}")
-        if self.kind == "local":
-            for key in ("meshes", "args", "mesh_args", "placement"):
-                if getattr(self, key):
-                    raise ConfigError(f"config key 'job.{key}': a local job runs every role on this host; set job.kind")
-            return
-        if not self.meshes or any(not isinstance(n, int) or n < 1 for n in self.meshes.values()):
-            raise ConfigError(
-                f"config key 'job.meshes': name each host mesh with its host count >= 1, got {self.meshes}"
-            )
-        for role, mesh in self.placement.items():
-            if role not in ROLES:
-                raise ConfigError(f"config key 'job.placement.{role}': not a role; roles: {', '.join(ROLES)}")
-            if mesh not in self.meshes:
-                raise ConfigError(
-                    f"config key 'job.placement.{role}': no mesh {mesh!r} in job.meshes ({', '.join(self.meshes)})"
-                )
-        # The job classes' own signatures say which arguments exist: a misspelt one fails here,
-        # before anything is submitted (constructing a job would also reconfigure Monarch's transport).
-        cls = _job_class(self.kind)
-        if self.kind == "kubernetes":
-            _bind("args", cls, self.args)
-            _bind("mesh_args", cls.add_mesh, {"self": None, "name": "m", "num_replicas": 1, **self.mesh_args})
-        elif self.mesh_args:
-            raise ConfigError("config key 'job.mesh_args': only a kubernetes job takes per-mesh arguments")
-        else:
-            _bind("args", cls, {"meshes": dict(self.meshes), **self.args})
-
-
-def _bind(key: str, fn: Any, kwargs: dict[str, Any]) -> None:
-    try:
-        inspect.signature(fn).bind(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"config key 'job.{key}': {fn.__qualname__}: {e}") from None
 
 
 class Job:
@@ -94,7 +26,7 @@ class Job:
         self.cfg, self.job, self.meshes = cfg, None, {}
         if cfg.kind == "local":
             return
-        cls = _job_class(cfg.kind)
+        cls = job_class(cfg.kind)
         if cfg.kind == "kubernetes":
             self.job = cls(**cfg.args)
             for name, hosts in cfg.meshes.items():

@@ -10,44 +10,14 @@ generator hands vLLM for each policy version, and `peft` and `forge serve --lora
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from forge.config import ConfigError
+from forge.schema import ADAPTER_CONFIG, LoRAConfig
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# Every linear of attention and MLP, in HF's names (PEFT's `target_modules`).
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@dataclass
-class LoRAConfig:
-    """Low-rank adapters on the target linears; the base weights stay frozen."""
-
-    rank: int = 0  # 0: off, every weight trains
-    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapter's input, while training
-    targets: list[str] = field(default_factory=lambda: list(ALL_LINEAR))  # HF module names
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
-    def validate(self, key: str = "trainer.lora") -> None:
-        if self.rank < 0:
-            raise ConfigError(f"config key '{key}.rank' must be >= 0 (0: off), got {self.rank}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"config key '{key}.dropout' must be in [0, 1), got {self.dropout}")
-        if self.enabled and not self.targets:
-            raise ConfigError(f"config key '{key}.targets' names no module to adapt")
 
 
 def peft_key(hf_module: str, which: str) -> str:

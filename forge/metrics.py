@@ -32,9 +32,10 @@ from typing import Any
 
 from monarch.actor import Actor, endpoint, returns_future
 
+from forge.schema import DEFAULT_BACKENDS
+
 log = logging.getLogger("forge")
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
-DEFAULT_BACKENDS = ("console", "jsonl", "tensorboard")
 
 
 class Reduce(str, Enum):

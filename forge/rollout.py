@@ -68,9 +68,6 @@ def check_rollout(result: Any, where: str) -> tuple[list[Completion], list[Score
         raise RolloutError(str(e)) from None
 
 
-REWARD_UNAVAILABLE = ("mask", "zero")  # the GRPO config key `reward_unavailable`
-
-
 def masked(scores: list[Score], reward_unavailable: str) -> bool:
     """Whether a group stays out of training: with `mask`, when a sample's reward is unknown
     (its infrastructure failed); with `zero` it trains, that reward scored 0."""

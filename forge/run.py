@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,46 +25,13 @@ from tqdm import tqdm
 
 from forge import checkpoint
 from forge.checkpoint import RunStopped
-from forge.config import ConfigError, to_yaml
-from forge.metrics import DEFAULT_BACKENDS, MetricWriter, discard_pending, plot_rewards
+from forge.config import to_yaml
+from forge.metrics import MetricWriter, discard_pending, plot_rewards
 from forge.rollout import RolloutError, RolloutsStopped
 from forge.service import ServiceError
 from forge.summary import failures, summary
 
 PLOT_EVERY_S = 10.0  # matplotlib costs ~0.2 s: not every step
-
-
-@dataclass
-class RunConfig:
-    """The keys of every app's config that the run skeleton reads (an app's Config extends it)."""
-
-    app: str = ""  # the app that runs it (apps/APP.py)
-    run_name: str = "run"
-    runs_dir: str = "runs"
-    seed: int = 0
-    steps: int = 100
-    checkpoint_every: int = 25
-    resume: str | None = None  # a run directory to continue
-    metrics: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.runs_dir) / self.run_name
-
-    def validate(self) -> None:
-        """The keys every run has (an app's `validate` calls it first)."""
-        for key, low in (("steps", 1), ("checkpoint_every", 0)):
-            if getattr(self, key) < low:
-                raise ConfigError(f"config key '{key}' must be >= {low}, got {getattr(self, key)}")
-
-    def resume_point(self) -> Path | None:
-        """The checkpoint `resume` names (its newest complete one), or None: a new run."""
-        if not self.resume:
-            return None
-        last = checkpoint.latest(self.resume)
-        if last is None:
-            raise ConfigError(f"config key 'resume': no checkpoint in {self.resume}/checkpoints")
-        return last
 
 
 class Part(Protocol):

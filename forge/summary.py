@@ -10,8 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 from forge import checkpoint
-from forge.lora import ADAPTER_CONFIG
 from forge.metrics import read_rows
+from forge.schema import ADAPTER_CONFIG
 
 # Counted over the run (each row holds its step's count): what went wrong and was recovered from.
 FAILURES = (

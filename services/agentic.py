@@ -18,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from forge.config import ConfigError, import_object
+from forge.config import import_object
 from forge.console import report
 from forge.env import EpisodeStats, run_env_episode
 from forge.losses import group_advantages
@@ -32,48 +32,7 @@ from forge.rollout import RolloutError
 from forge.tasks import Sample
 from forge.types import Episode, Score
 from services.envs import RemoteEnv
-from services.gateway import GatewayConfig
-
-ON_FAILURE = ("mask", "drop")
-
-
-@dataclass
-class AgenticConfig:
-    """The `agentic` section of an app config: set `agent` or `env` to train through the gateway."""
-
-    agent: str | None = None  # "package.module:function": async def run(client, task) -> float | dict
-    env: str | None = None  # "package.module:name": makes a MessageEnv (a class, or a function)
-    env_replicas: int = 1  # environment actors
-    envs_per_replica: int = 64  # episodes one environment actor runs at once
-    max_turns: int = 8  # policy calls per environment episode
-    max_episode_tokens: int | None = None  # an environment episode ends once its conversation is this long
-    step_timeout_s: float = 60.0  # one environment step (reset, step, close)
-    episode_timeout_s: float = 600.0  # one whole episode, agent or environment
-    on_failure: str = "mask"  # a failed episode: its group trains on the rest (mask) or is dropped (drop)
-    # Chat completion parameters of the environment loop's calls (an agent sets its own).
-    sampling: dict[str, Any] = field(default_factory=dict)
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.agent or self.env)
-
-    def validate(self) -> None:
-        if self.agent and self.env:
-            raise ConfigError("config keys 'agentic.agent' and 'agentic.env': set one, not both")
-        if self.on_failure not in ON_FAILURE:
-            raise ConfigError(
-                f"config key 'agentic.on_failure': {self.on_failure!r} is not one of {', '.join(ON_FAILURE)}"
-            )
-        for key in ("env_replicas", "envs_per_replica", "max_turns", "step_timeout_s", "episode_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"config key 'agentic.{key}' must be > 0, got {getattr(self, key)}")
-        if self.max_episode_tokens is not None and self.max_episode_tokens <= 0:
-            raise ConfigError(f"config key 'agentic.max_episode_tokens' must be > 0, got {self.max_episode_tokens}")
-        if self.agent:
-            import_object("agentic.agent", self.agent)
-        if self.env:
-            import_object("agentic.env", self.env)
+from services.schema import AgenticConfig
 
 
 @dataclass

@@ -15,56 +15,14 @@ import asyncio
 import logging
 import math
 import statistics
-from dataclasses import dataclass, field
 from typing import Any
 
-from forge.config import ConfigError
-from forge.data import DatasetConfig, FilePrompts, TaskPrompts
+from forge.data import FilePrompts, TaskPrompts
 from forge.tasks import Sample
 from forge.types import Completion, RewardInput, Score
+from services.schema import EvalConfig
 
 log = logging.getLogger("forge")
-
-
-@dataclass
-class EvalConfig:
-    """The `eval` section: what is evaluated, how often, and how it shares the generators."""
-
-    every: int = 0  # steps between evals during training (0: none)
-    before_train: bool = False  # evaluate the starting policy (step 0)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # a local file; empty: the toy task
-    seed: int = 1_000_003  # the toy task's held-out prompts come from this seed (training: `seed`)
-    prompts: int = 64  # how many held-out prompts (a file: a seeded sample of its rows; 0: all)
-    n: int = 1  # samples per prompt
-    k: list[int] = field(default_factory=lambda: [1])  # eval/pass@k for each k (k <= n)
-    temperature: float = 0.0  # 0: greedy
-    max_tokens: int | None = None  # default: the generator's sampling.max_tokens
-    max_concurrent: int = 8  # eval requests in flight at once: the generators' capacity is shared with rollouts
-    max_hold_s: float = 60.0  # the longest an eval keeps the generators on the version it evaluates
-    # name: weight, as the app's `rewards.weights` (empty: the app's own). Empty here so a config's dict
-    # replaces it instead of merging into it.
-    rewards: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def enabled(self) -> bool:
-        return self.every > 0 or self.before_train
-
-    def validate(self) -> None:
-        for key, low in (("every", 0), ("prompts", 0), ("n", 1), ("max_concurrent", 1)):
-            if getattr(self, key) < low:
-                raise ConfigError(f"config key 'eval.{key}' must be >= {low}, got {getattr(self, key)}")
-        if self.temperature < 0 or self.max_hold_s <= 0:
-            raise ConfigError(
-                f"config keys 'eval.temperature' (>= 0) and 'eval.max_hold_s' (> 0): got "
-                f"{self.temperature}, {self.max_hold_s}"
-            )
-        if self.n > 1 and self.temperature == 0:
-            raise ConfigError(
-                f"config key 'eval.n' is {self.n}: more than one sample per prompt needs eval.temperature > 0"
-            )
-        bad = [k for k in self.k if not 1 <= k <= self.n]
-        if bad or not self.k:
-            raise ConfigError(f"config key 'eval.k': each k must be in 1..eval.n={self.n}, got {list(self.k)}")
 
 
 def held_out(cfg: EvalConfig, task: str) -> list[Sample]:

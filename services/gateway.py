@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hmac
-import ipaddress
 import json
 import logging
 import signal
@@ -37,9 +36,10 @@ from typing import Any
 import openai
 import torch
 
-from forge.lora import ADAPTER_CONFIG
+from forge.schema import ADAPTER_CONFIG
 from forge.types import Episode
-from services.generator import Generator, GeneratorConfig
+from services.generator import Generator, engine_args
+from services.schema import GatewayConfig, GeneratorConfig
 
 log = logging.getLogger("forge")
 
@@ -48,49 +48,6 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")  # counted agains
 # vLLM's app has more routes that generate (/v1/responses, /v1/messages, /invocations, ...);
 # they would skip the session record and the limits below, so only these are served.
 ROUTES = (*PUBLIC_PATHS, *GENERATION_PATHS, "/v1/models", "/tokenize", "/detokenize")
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return False
-
-
-@dataclass
-class GatewayConfig:
-    host: str = "127.0.0.1"  # set it explicitly to listen beyond this machine
-    port: int = 0  # 0: any free port (see Gateway.base_url)
-    # True: every call needs an open session's id as its API key (training); False: `forge serve`.
-    sessions: bool = True
-    api_key: str | None = None  # without sessions: the key clients must send (None: any)
-    max_sessions: int = 1024
-    session_timeout_s: float = 900.0  # a session idle this long is closed and its record dropped
-    max_inflight: int = 512  # generation requests in flight; more get 429
-    # Per request, else 400: the body's bytes, choices (n × prompts) and max_tokens.
-    max_body_bytes: int = 1 << 20
-    max_n: int = 16
-    max_tokens: int = 8192
-    # Per session, else 429: requests in flight, and turns recorded (in flight included).
-    max_session_inflight: int = 16
-    max_turns: int = 256
-    chat_template: str | None = None  # a file or a Jinja string; default: the tokenizer's
-    tool_parser: str | None = None  # a vLLM tool parser (e.g. "hermes"): tool calls come back as tool_calls
-    reasoning_parser: str | None = None  # a vLLM reasoning parser (e.g. "qwen3")
-    served_model_name: str | None = None  # default: the model directory's name
-
-    def validate(self) -> None:
-        if not _loopback(self.host):
-            if not self.sessions and self.api_key is None:  # training's session ids are its keys
-                raise ValueError(
-                    f"the gateway would listen on {self.host}, beyond this machine, with no API key: "
-                    "give one (forge serve --api-key, or FORGE_API_KEY to keep it off the command line)"
-                )
-            log.warning("forge: the gateway listens on %s, beyond this machine", self.host)
-        limits = ("max_body_bytes", "max_n", "max_tokens", "max_session_inflight", "max_turns")
-        for key in ("max_sessions", "max_inflight", "session_timeout_s", *limits):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"config key 'gateway.{key}' must be > 0, got {getattr(self, key)}")
 
 
 # ---- what a session recorded --------------------------------------------------------
@@ -544,7 +501,7 @@ class Gateway:
         cfg = cfg or GatewayConfig()
         cfg.validate()
         generator_cfg = generator_cfg or GeneratorConfig()
-        self = cls(gen, str(model), cfg, generator_cfg.engine_args(str(model)))
+        self = cls(gen, str(model), cfg, engine_args(generator_cfg, str(model)))
         self.adapters = generator_cfg.adapters
         self.chat_template_kwargs = generator_cfg.chat_template_kwargs  # as the generator renders chat prompts
         await self._serve()

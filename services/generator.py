@@ -44,115 +44,65 @@ from monarch.actor import concurrent_endpoint, endpoint
 from forge import logs
 from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
-from forge.lora import ADAPTER_CONFIG, LoRAConfig, write_adapter
+from forge.lora import write_adapter
 from forge.metrics import Reduce, record_metric
+from forge.schema import ADAPTER_CONFIG, LoRAConfig
 from forge.shm import run_dir, write_safetensors
 from forge.types import Completion
+from services.schema import GeneratorConfig
 
 log = logging.getLogger("forge")
 
 
-@dataclass
-class SamplingConfig:
-    """Defaults for every request; a call's `sampling=` dict overrides any vLLM SamplingParams field."""
+def _lora_args(cfg: GeneratorConfig, loras: list[LoRAConfig]) -> dict[str, Any]:
+    """vLLM's LoRA options for the policies' adapters (`loras`, one per LoRA policy) and the named ones."""
+    from vllm.config.lora import MaxLoRARanks
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    max_tokens: int = 32
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
+    ranks = [json.loads((Path(p) / ADAPTER_CONFIG).read_text())["r"] for p in cfg.adapters.values()]
+    loras = [lora for lora in loras if lora.enabled]
+    ranks += [lora.rank for lora in loras]
+    if not ranks:
+        return {}
+    fits = [r for r in typing.get_args(MaxLoRARanks) if r >= max(ranks)]
+    if not fits:
+        most = max(typing.get_args(MaxLoRARanks))
+        raise ConfigError(f"config key 'trainer.lora.rank' (or an adapter's r): {max(ranks)} > {most}, vLLM's largest")
+    # Each policy's: the version requests are admitted under, and the one before, still
+    # finishing the requests admitted under it.
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": len(cfg.adapters) + 2 * len(loras)}
 
 
-@dataclass
-class GeneratorConfig:
-    dtype: str = "float32"
-    max_model_len: int | None = 512  # None: the model's own (max_position_embeddings)
-    # CPU: vLLM cannot size the KV cache from free memory there, so it is given explicitly.
-    # null on GPU: vLLM sizes it from engine.gpu_memory_utilization.
-    kv_cache_memory_bytes: int | None = 64 * 2**20
-    max_num_seqs: int = 256
-    # Eager by default: on the tiny CPU model torch.compile gave no speed-up (4.2-5.4k tokens/s
-    # either way) and adds 20-40 s to engine start. Turn it off for real models; the compile
-    # cache then lives in cache_dir.
-    enforce_eager: bool = True
-    request_timeout_s: float = 300.0
-    cache_dir: str = ".cache/forge/vllm"  # vLLM's compile cache survives between runs here
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    # True: a swap prepares the new weights beside the live ones while generation goes on and
-    # pauses only to install them (services/vllm_staging.py); needs memory for a second copy
-    # of the weights meanwhile. False: vLLM's in-place reload, all of it while generation waits.
-    staged_swap: bool = True
-    # CPU only: the engine's torch threads. N > 0: the model runs in vLLM's engine-core process on
-    # N threads. 0: vLLM's CPU default, a worker process of its own whose engine core busy-waits
-    # on it for a second after every step; that spin takes a whole core from the trainer on a
-    # small machine (tiny model, 8 requests at once: the same tokens/s, 1.2 cores against 2.0).
-    cpu_threads: int = 1
-    # MoE: record the experts each token was routed to, for the trainer to replay (R3); null: on
-    # for a MoE model, off for a dense one.
-    routing_replay: bool | None = None
-    # Passed to the chat template with every chat prompt (as vLLM's --default-chat-template-kwargs
-    # for `forge serve`), e.g. {enable_thinking: false} for Qwen3.
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # Named LoRA adapters (PEFT directories) served beside the base model: a request's OpenAI
-    # `model` field picks one (`forge serve BASE --lora NAME=DIR`).
-    adapters: dict[str, str] = field(default_factory=dict)
-    engine: dict[str, Any] = field(default_factory=dict)  # any other vllm AsyncEngineArgs field
+def engine_env(cfg: GeneratorConfig) -> dict[str, str]:
+    """What the environment of vLLM's engine-core process must hold (it inherits it when the
+    engine starts): `cpu_threads`, on CPU. Its CPU platform keeps the multiprocess executor
+    unless multiprocessing is off."""
+    if not cfg.cpu_threads or torch.accelerator.is_available():
+        return {}
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(cfg.cpu_threads),
+    }
 
-    def validate(self) -> None:
-        if self.cpu_threads < 0:
-            raise ConfigError(f"config key 'generator.cpu_threads' must be >= 0, got {self.cpu_threads}")
-        for name, path in self.adapters.items():
-            require_file(f"generator.adapters.{name}", Path(path) / ADAPTER_CONFIG)
 
-    def _lora_args(self, loras: list[LoRAConfig]) -> dict[str, Any]:
-        """vLLM's LoRA options for the policies' adapters (`loras`, one per LoRA policy) and the named ones."""
-        from vllm.config.lora import MaxLoRARanks
+def engine_args(cfg: GeneratorConfig, model: str, loras: list[LoRAConfig] = ()) -> Any:
+    """vLLM's AsyncEngineArgs for `model` under the `generator` section (and the policies' adapters)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
-        ranks = [json.loads((Path(p) / ADAPTER_CONFIG).read_text())["r"] for p in self.adapters.values()]
-        loras = [lora for lora in loras if lora.enabled]
-        ranks += [lora.rank for lora in loras]
-        if not ranks:
-            return {}
-        fits = [r for r in typing.get_args(MaxLoRARanks) if r >= max(ranks)]
-        if not fits:
-            most = max(typing.get_args(MaxLoRARanks))
-            raise ConfigError(
-                f"config key 'trainer.lora.rank' (or an adapter's r): {max(ranks)} > {most}, vLLM's largest"
-            )
-        # Each policy's: the version requests are admitted under, and the one before, still
-        # finishing the requests admitted under it.
-        return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": len(self.adapters) + 2 * len(loras)}
-
-    def engine_env(self) -> dict[str, str]:
-        """What the environment of vLLM's engine-core process must hold (it inherits it when the
-        engine starts): `cpu_threads`, on CPU. Its CPU platform keeps the multiprocess executor
-        unless multiprocessing is off."""
-        if not self.cpu_threads or torch.accelerator.is_available():
-            return {}
-        return {
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "OMP_NUM_THREADS": str(self.cpu_threads),
-        }
-
-    def engine_args(self, model: str, loras: list[LoRAConfig] = ()) -> Any:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-
-        unknown = sorted(set(self.engine) - {f.name for f in dataclasses.fields(AsyncEngineArgs)})
-        if unknown:
-            raise ValueError(f"unknown vLLM engine option(s) {unknown} (generator config key 'engine')")
-        return AsyncEngineArgs(
-            model=model,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            max_num_seqs=self.max_num_seqs,
-            enforce_eager=self.enforce_eager,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="services.vllm_worker.WeightReloader",
-            **{**self._lora_args(list(loras)), **self.engine},
-        )
+    unknown = sorted(set(cfg.engine) - {f.name for f in dataclasses.fields(AsyncEngineArgs)})
+    if unknown:
+        raise ValueError(f"unknown vLLM engine option(s) {unknown} (generator config key 'engine')")
+    return AsyncEngineArgs(
+        model=model,
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+        max_num_seqs=cfg.max_num_seqs,
+        enforce_eager=cfg.enforce_eager,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls="services.vllm_worker.WeightReloader",
+        **{**_lora_args(cfg, list(loras)), **cfg.engine},
+    )
 
 
 def _record(found: tuple[tuple[int, ...], bytes] | None, length: int) -> torch.Tensor | None:
@@ -261,10 +211,10 @@ class Generator(ForgeActor):
 
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(self.cfg.cache_dir).absolute()))
         os.environ["FORGE_GENERATOR_PID"] = str(os.getpid())  # vLLM's processes exit with this one
-        os.environ.update(self.cfg.engine_env())
+        os.environ.update(engine_env(self.cfg))
         try:
             loras = [p.lora for p in self.policies.values() if p.lora is not None]
-            self.engine = AsyncLLM.from_engine_args(self.cfg.engine_args(self.model, loras))
+            self.engine = AsyncLLM.from_engine_args(engine_args(self.cfg, self.model, loras))
         except Exception as e:  # e.g. pydantic's ValidationError, which cannot be pickled back to the caller
             raise ValueError(f"Generator: vLLM cannot start on {self.model}: {e}") from None
         self.vocab_size = self.engine.model_config.get_vocab_size()

@@ -19,7 +19,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from forge.config import ConfigError
-from forge.lora import LoRAConfig, peft_key
+from forge.lora import peft_key
+from forge.schema import LoRAConfig
 
 
 def _lora_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:

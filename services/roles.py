@@ -24,7 +24,7 @@ from services.gateway import Gateway
 from services.generator import Generator, RunGenerator
 from services.reference import Reference
 from services.rewards import Rewards
-from services.tiny_model import WarmStart
+from services.tiny_model import WarmStart, resolve_model
 from services.trainer import Trainer, weight_store
 
 
@@ -50,7 +50,7 @@ class Roles:
         """The roles `cfg` (the GRPO app's Config) asks for, on its model (built and
         warm-started by `warm_start` first, when the config says so); with `shared`, on the
         store and generator of several runs."""
-        model = shared.model if shared is not None else str(cfg.model.resolve(warm_start))
+        model = shared.model if shared is not None else str(resolve_model(cfg.model, warm_start))
         job = shared.job if shared is not None else Job(cfg.job)
         try:
             hosts = job.hosts
@@ -120,7 +120,7 @@ class Shared:
         """For the runs of `cfgs` (the GRPO app's Configs): each trains a LoRA adapter of the same
         base model. Their versions are published under their run names."""
         check_shareable(cfgs)
-        model = str(cfgs[0].model.resolve(warm_start))  # every run's (checked): built, if need be, once
+        model = str(resolve_model(cfgs[0].model, warm_start))  # every run's (checked): built, if need be, once
         for cfg in cfgs:
             cfg.trainer.weights = cfg.run_name  # each run's versions under its own name in the one store
         job = Job(cfgs[0].job)

@@ -50,14 +50,13 @@ from pathlib import Path, PurePosixPath
 from monarch.actor import concurrent_endpoint, endpoint
 
 from forge.actor import ForgeActor
-from forge.config import ConfigError
 from forge.shm import open_new, owned_dir
 from services.sandbox_cgroup import SlotCgroups
+from services.schema import SandboxConfig
 
 log = logging.getLogger("forge")
 
 LANGUAGES = {"python": "main.py", "bash": "main.sh"}
-ISOLATION = ("auto", "unsafe_local")
 TESTS_FILE = ".forge_tests.json"
 # What a program prints when the address-space limit stops an allocation (Python, libc, C++).
 _OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
@@ -66,40 +65,6 @@ _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWR
 
 class SandboxError(RuntimeError):
     """The sandbox could not run the program (not the program's fault): an infrastructure failure."""
-
-
-@dataclass
-class SandboxConfig:
-    """The `sandbox` section: the pool, and the limits a request does not set itself."""
-
-    workers: int = 8  # runs at once per replica (each slot its own uid); more wait for a slot
-    run_timeout: float = 10.0  # seconds of wall time, when a request gives none
-    memory_limit_MB: int = 512  # address space, when a request gives none
-    max_output_bytes: int = 1 << 20  # of stdout, and of stderr, kept; the rest is read and dropped
-    max_processes: int = 64
-    max_file_MB: int = 64  # the largest file a run may write
-    max_open_files: int = 256
-    tmpfs_MB: int = 256  # the private /tmp, the working directory (namespaces only)
-    tmpfs_inodes: int = 16384  # files and directories the private /tmp may hold
-    # auto: namespaces, a cgroup per slot and a uid per slot, or an error naming what is missing;
-    # unsafe_local: what the host allows (rlimits at least), with a warning: for trusted code only.
-    isolation: str = "auto"
-    uid_base: int = 60000  # slot uids are taken from uid_base up
-    # The interpreter of language "python" (3.9+; it also runs the launcher, which forks each
-    # Python run from itself), run as the slot's uid, so one every user may run: "" is the
-    # system's python3 on PATH (its standard library), else the one forge runs on.
-    python: str = ""
-    # False: `python -S`, the standard library only (no site-packages), which starts ~3x faster.
-    site_packages: bool = True
-
-    def validate(self) -> None:
-        for key in ("workers", "run_timeout", "memory_limit_MB", "max_output_bytes", "max_processes"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"config key 'sandbox.{key}' must be > 0, got {getattr(self, key)}")
-        if self.isolation not in ISOLATION:
-            raise ConfigError(
-                f"config key 'sandbox.isolation' must be one of {', '.join(ISOLATION)}, got {self.isolation!r}"
-            )
 
 
 @dataclass

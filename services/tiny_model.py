@@ -18,7 +18,7 @@ import string
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from forge import data, tasks
 from forge.config import ConfigError
 from services import models
 from services.models import tiny as tiny_keys
+from services.schema import ModelConfig, TinyModelSpec
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>", "<|im_start|>", "<|im_end|>"]
 PAD, BOS, EOS, UNK = SPECIAL_TOKENS[:4]
@@ -82,38 +83,13 @@ Call a tool as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call><|im_end|
 """
 
 
-@dataclass
-class TinyModelSpec:
-    """What to build. Everything that changes the output is here (and in the cache key)."""
-
-    family: str = "qwen3"  # services/models/: its tiny builder
-    task: str = "add"
-    sft_steps: int = 0
-    seed: int = 0
-    hidden_size: int = 256
-    intermediate_size: int = 512
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 64  # vLLM's CPU attention kernels take 32/64/80/96/112/128/...
-    vocab_size: int = 128
-    max_position_embeddings: int = 512
-    sft_batch_size: int = 64
-    sft_lr: float = 3e-3
-    # Fraction of answer characters replaced at random in the warm-start data: noisy
-    # demonstrations give a model whose greedy answer is often right but whose samples
-    # rarely are, the gap RL closes.
-    sft_noise: float = 0.0
-    # Warm start on chat prompts (this system turn, the task as the user's turn), as a chat-format
-    # dataset (`forge make-dataset --system`) prompts it; None: on raw text.
-    sft_system: str | None = None
-
-    def key(self) -> str:
-        family = sys.modules[models.get(self.family, "model.tiny.family").tiny.__module__]  # its builder
-        # data: the warm start's samples; tiny_keys: what every family's builder shares
-        src = b"".join(Path(m.__file__).read_bytes() for m in (sys.modules[__name__], tasks, data, family, tiny_keys))
-        blob = json.dumps(asdict(self), sort_keys=True).encode() + src
-        return hashlib.sha256(blob).hexdigest()[:16]
+def spec_key(spec: TinyModelSpec) -> str:
+    """The cache key of a build: the spec, and the source of everything that makes the model."""
+    family = sys.modules[models.get(spec.family, "model.tiny.family").tiny.__module__]  # its builder
+    # data: the warm start's samples; tiny_keys: what every family's builder shares
+    src = b"".join(Path(m.__file__).read_bytes() for m in (sys.modules[__name__], tasks, data, family, tiny_keys))
+    blob = json.dumps(asdict(spec), sort_keys=True).encode() + src
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def build_tokenizer(seed: int = 0):
@@ -163,7 +139,7 @@ def make_tiny_model(
     spec = spec or TinyModelSpec()
     out = Path(out)
     build_file = out / BUILD_FILE
-    if not force and build_file.is_file() and json.loads(build_file.read_text()).get("key") == spec.key():
+    if not force and build_file.is_file() and json.loads(build_file.read_text()).get("key") == spec_key(spec):
         return out
     tasks.get_task(spec.task)  # a bad task name fails before any work
     if spec.sft_steps and warm_start is None:
@@ -182,7 +158,7 @@ def make_tiny_model(
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     info = {
-        "key": spec.key(),
+        "key": spec_key(spec),
         "spec": asdict(spec),
         "parameters": sum(p.numel() for p in model.parameters()),
         "sft_final_loss": warm_start(tmp, spec) if warm_start and spec.sft_steps else None,
@@ -194,41 +170,9 @@ def make_tiny_model(
     return out
 
 
-@dataclass
-class ModelConfig:
-    """The `model` section of every app config: an HF directory, optionally forge-built."""
-
-    path: str = ".cache/forge/models/tiny"
-    # The model family (services/models/: qwen3, llama3, qwen3_moe); null: config.json's
-    # model_type says. Set, it must be the checkpoint's (a tiny model is built of it).
-    family: str | None = None
-    # When set, `path` is (re)built from this spec if missing or stale (cached otherwise).
-    tiny: TinyModelSpec | None = None
-
-    def validate(self) -> None:
-        for key, family in (("family", self.family), ("tiny.family", self.tiny and self.tiny.family)):
-            if family is not None and family not in models.NAMES:
-                raise ConfigError(
-                    f"config key 'model.{key}': unknown model family {family!r}; known: {', '.join(models.NAMES)}"
-                )
-        if self.tiny is not None:
-            if self.family not in (None, self.tiny.family):
-                raise ConfigError(
-                    f"config key 'model.tiny.family' is {self.tiny.family!r}, but 'model.family' is {self.family!r}"
-                )
-            return
-        if not (Path(self.path) / "config.json").is_file():
-            raise ConfigError(f"config key 'model.path': no HF model (config.json) in {self.path}")
-        try:
-            family = models.of_model(self.path).name
-        except ValueError as e:
-            raise ConfigError(f"config key 'model.path': {e}") from None
-        if self.family not in (None, family):
-            raise ConfigError(f"config key 'model.family' is {self.family!r}, but {self.path} holds a {family} model")
-
-    def resolve(self, warm_start: WarmStart | None = None) -> Path:
-        """The model's directory, built first when `tiny` asks for it (warm-started by `warm_start`)."""
-        if self.tiny is not None:
-            return make_tiny_model(self.path, self.tiny, warm_start=warm_start)
-        self.validate()
-        return Path(self.path)
+def resolve_model(cfg: ModelConfig, warm_start: WarmStart | None = None) -> Path:
+    """The `model` section's directory, built first when `tiny` asks for it (warm-started by `warm_start`)."""
+    if cfg.tiny is not None:
+        return make_tiny_model(cfg.path, cfg.tiny, warm_start=warm_start)
+    cfg.validate()
+    return Path(cfg.path)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from torchtitan.models.common.attention import FlexAttention
 
-from forge.lora import LoRAConfig
+from forge.schema import LoRAConfig
 from services import models
 from services.lora import adapt, add_dropout, is_adapter
 from services.models import hf

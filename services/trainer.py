@@ -18,7 +18,6 @@ import asyncio
 import dataclasses
 import json
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +27,13 @@ from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
-from forge.lora import LoRAConfig, write_adapter
-from forge.losses import LossConfig, get_loss, importance_weight, k3_kl, loss_units, mismatch_metrics, mismatch_sums
+from forge.lora import write_adapter
+from forge.losses import get_loss, importance_weight, k3_kl, loss_units, mismatch_metrics, mismatch_sums
 from forge.store import WeightStore
 from forge.types import Batch
 from services import models
 from services.lora import AdapterState, PeftNames, adapters_off, merged
+from services.schema import DECAYS, TrainerConfig
 
 HF_FILES = (
     "config.json",
@@ -45,48 +45,9 @@ HF_FILES = (
 )
 
 
-@dataclass
-class TrainerConfig:
-    lr: float = 1e-5
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    lr_decay: str = "none"  # torchtitan decay_type: none | linear | cosine | sqrt
-    total_steps: int | None = None  # length of the LR schedule; null: the app's `steps`
-    max_norm: float = 1.0  # gradient clipping
-    grad_accum: int = 1  # microbatches per step on each rank
-    loss: LossConfig = field(default_factory=LossConfig)
-    weights: str = "policy"  # WeightStore name push_weights publishes to
-    transport: str = "shm"
-    # Where generators on other hosts fetch versions from ("shm"): this host's loopback by
-    # default; "0.0.0.0" on a cluster (every interface, advertised as the trainer's host name).
-    serve_weights_on: str = "127.0.0.1"
-    keep_versions: int = 2  # versions kept in the store (>= the staleness window + 1)
-    threads: int = 0  # torch threads per rank (0: the cores divided by the ranks)
-    param_dtype: str = "float32"  # FSDP2 compute dtype of parameters (bfloat16 on GPU); grads reduce in fp32
-    # MoE: split the experts over this many of the trainer's procs (a divisor of trainer_procs), the
-    # rest of the model FSDP-sharded over all of them as always.
-    expert_parallel: int = 1
-    # Low-rank adapters (rank > 0): only they train, checkpoint and travel to the generators; the
-    # reference model is this one with them off.
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-
-    def validate(self) -> None:
-        self.lora.validate()
-        if self.lr_decay not in DECAYS:
-            raise ConfigError(f"config key 'trainer.lr_decay': {self.lr_decay!r} is not one of {', '.join(DECAYS)}")
-        if self.grad_accum < 1:
-            raise ConfigError(f"config key 'trainer.grad_accum' must be >= 1, got {self.grad_accum}")
-        if self.expert_parallel < 1:
-            raise ConfigError(f"config key 'trainer.expert_parallel' must be >= 1, got {self.expert_parallel}")
-
-
 def weight_store(cfg: TrainerConfig) -> WeightStore:
     """The WeightStore `push_weights` publishes to, as the config says."""
     return WeightStore(cfg.weights, transport=cfg.transport, serve_on=cfg.serve_weights_on)
-
-
-DECAYS = {"none": "linear", "linear": "linear", "cosine": "cosine", "sqrt": "sqrt"}  # ours -> torchtitan's
 
 
 def build_optimizers(model: torch.nn.Module, c: TrainerConfig) -> tuple[Any, Any]:

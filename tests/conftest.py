@@ -25,7 +25,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), str(ROOT), os
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The tiny model (random init), cached under .cache/ like every forge build."""
-    from services.tiny_model import TinyModelSpec, make_tiny_model
+    from services.schema import TinyModelSpec
+    from services.tiny_model import make_tiny_model
 
     return make_tiny_model(ROOT / ".cache/forge/models/test-tiny", TinyModelSpec(sft_steps=0))
 
@@ -33,7 +34,8 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir() -> Path:
     """The tiny model of the llama3 family (random init, Llama 3's rope scaling), cached like it."""
-    from services.tiny_model import TinyModelSpec, make_tiny_model
+    from services.schema import TinyModelSpec
+    from services.tiny_model import make_tiny_model
 
     return make_tiny_model(ROOT / ".cache/forge/models/test-tiny-llama3", TinyModelSpec(family="llama3"))
 
@@ -41,7 +43,8 @@ def tiny_llama_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_moe_dir() -> Path:
     """The tiny model of the qwen3_moe family (random init: 4 experts, 2 per token)."""
-    from services.tiny_model import TinyModelSpec, make_tiny_model
+    from services.schema import TinyModelSpec
+    from services.tiny_model import make_tiny_model
 
     return make_tiny_model(ROOT / ".cache/forge/models/test-tiny-qwen3_moe", TinyModelSpec(family="qwen3_moe"))
 
@@ -50,7 +53,8 @@ def tiny_moe_dir() -> Path:
 def tiny_hf_dir() -> Path:
     """The tiny model of the hf family (any other causal LM, through torchtitan's transformers
     backend): a Qwen2, random init."""
-    from services.tiny_model import TinyModelSpec, make_tiny_model
+    from services.schema import TinyModelSpec
+    from services.tiny_model import make_tiny_model
 
     return make_tiny_model(ROOT / ".cache/forge/models/test-tiny-hf", TinyModelSpec(family="hf"))
 
@@ -71,8 +75,9 @@ def served(loop, tiny_model_dir):
 
     from forge.store import WeightStore, start_store, stop_store
     from forge.weight_sync import WeightSync
-    from services.gateway import Gateway, GatewayConfig
-    from services.generator import Generator, GeneratorConfig
+    from services.gateway import Gateway
+    from services.generator import Generator
+    from services.schema import GatewayConfig, GeneratorConfig
 
     async def start():
         store = await start_store()

@@ -19,9 +19,10 @@ from openenv.core.env_server import Action, Environment, Observation, State, cre
 from forge.metrics import MetricWriter
 from forge.rollout import RolloutError
 from forge.tasks import Sample, get_task
-from services.agentic import AgenticConfig, AgenticRollouts
+from services.agentic import AgenticRollouts
 from services.envs import EnvPool
 from services.envs.guess import GuessWord, guess_agent
+from services.schema import AgenticConfig
 
 TASK = Sample("rev abc=", "cba", "reverse")
 

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from forge.config import ConfigError
-from forge.data import DatasetConfig, FilePrompts, TaskPrompts
+from forge.data import FilePrompts, TaskPrompts
+from forge.schema import DatasetConfig
 
 
 def gsm8k_like(path, n=5):

@@ -11,7 +11,8 @@ import pytest
 from apps.grpo import Config
 from forge.config import ConfigError, load_config
 from forge.types import Completion, Score
-from services.evals import EvalConfig, held_out, pass_at_k, summarize
+from services.evals import held_out, pass_at_k, summarize
+from services.schema import EvalConfig
 
 
 def brute_force_pass_at_k(outcomes: list[bool], k: int) -> float:

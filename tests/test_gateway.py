@@ -568,8 +568,8 @@ def test_forge_serve_beyond_loopback_needs_a_key(tiny_model_dir, monkeypatch, ca
     gateway authenticates by session ids, so it only warns.)"""
     import services.gateway
     from forge.cli import main
-    from services.gateway import GatewayConfig
     from services.generator import Generator
+    from services.schema import GatewayConfig
 
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine started before the key was checked")
@@ -636,8 +636,9 @@ def test_chat_template_kwargs_reach_the_template_in_training_and_serving(tiny_mo
     --default-chat-template-kwargs): both are the tokenizer's template with them, not without."""
     from transformers import AutoTokenizer
 
-    from services.gateway import Gateway, GatewayConfig
-    from services.generator import Generator, GeneratorConfig
+    from services.gateway import Gateway
+    from services.generator import Generator
+    from services.schema import GatewayConfig, GeneratorConfig
 
     messages = [{"role": "user", "content": "rev abc="}]
     cfg = GeneratorConfig(max_model_len=128, chat_template_kwargs={"enable_thinking": False})

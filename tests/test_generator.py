@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.generator import Generator, GeneratorConfig
+from services.generator import Generator
+from services.schema import GeneratorConfig
 
 PROMPTS = ["rev abc=", "12+7=", "sort dbca=", "rev jihgf=", "3+45=", "sort gfe="]
 

@@ -160,6 +160,7 @@ def test_gpu_model_family_configs_are_valid(tmp_path, request, config, model):
     engine keys are ones the trainer and vLLM take."""
     from test_data import gsm8k_like
 
+    from services.generator import engine_args
     from services.trainer import Trainer
 
     path = request.getfixturevalue(model)
@@ -167,7 +168,7 @@ def test_gpu_model_family_configs_are_valid(tmp_path, request, config, model):
     cfg = load_config(f"configs/grpo_{config}_gsm8k.yaml", [f"model.path={path}", f"dataset.path={data}"], Config)
     assert cfg.rewards.weights == {"math": 1.0} and cfg.generator.kv_cache_memory_bytes is None  # from the base
     Trainer.check_args(path, cfg.trainer)
-    engine = cfg.generator.engine_args(str(path), [cfg.trainer.lora])
+    engine = engine_args(cfg.generator, str(path), [cfg.trainer.lora])
     if config == "llama3.2_1b":
         assert cfg.model.family == "llama3" and cfg.dataset.chat[0]["role"] == "user"  # the base's, Llama's template
     elif config == "qwen3_8b_lora":  # the adapters' keys are ones the trainer's model takes
@@ -409,8 +410,8 @@ def test_agentic_toy_configs_are_valid(path, task, env, agent):
     agent in the environment's place (`base:`), the same task, model and training."""
     from forge.cli import app_config
 
-    module, cfg = app_config(path, [])
-    assert module.__name__ == "apps.grpo" and cfg.task == task and cfg.model.tiny.task == task
+    app, cfg = app_config(path, [])
+    assert app == "grpo" and cfg.task == task and cfg.model.tiny.task == task
     assert cfg.agentic.env == env and cfg.agentic.agent == agent
     assert cfg.groups_per_step * cfg.group_size == 32 and cfg.trainer.lr == 1e-4
 

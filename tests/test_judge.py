@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from forge.types import RewardInput
-from services.rewards import Rewards, RewardsConfig
-from services.rewards.judge import JudgeConfig
+from services.rewards import Rewards
+from services.schema import JudgeConfig, RewardsConfig
 
 SAMPLE = RewardInput({"prompt": "rev abc=", "answer": "cba", "task": "reverse", "level": "easy"}, "cbb")
 RUBRIC = "Grade {prompt} -> {completion} (want {answer}, {level}). Score:"

@@ -9,15 +9,15 @@ from test_gateway import forge_serve
 from test_trainer import fixed_batch, on_policy
 
 from forge.config import ConfigError
-from forge.lora import ALL_LINEAR, LoRAConfig
-from forge.losses import LossConfig
+from forge.schema import ALL_LINEAR, LoRAConfig, LossConfig
 from forge.store import WeightStore, start_store, stop_store
 from forge.types import Episode, collate
 from forge.weight_sync import WeightSync
-from services.generator import Generator, GeneratorConfig, RunGenerator
+from services.generator import Generator, RunGenerator
 from services.lora import adapters_off, is_adapter
+from services.schema import GeneratorConfig, TrainerConfig
 from services.titan import load_hf_model, token_logprobs
-from services.trainer import Trainer, TrainerConfig, build_optimizers
+from services.trainer import Trainer, build_optimizers
 
 
 def test_a_step_changes_only_the_adapters_and_adapters_off_is_the_base(tiny_llama_dir):

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from forge.losses import IS_CORRECTIONS, LOSSES, LossConfig, group_advantages, importance_weight, k3_kl, mismatch_sums
+from forge.losses import IS_CORRECTIONS, LOSSES, group_advantages, importance_weight, k3_kl, mismatch_sums
+from forge.schema import IS_CORRECTION_NAMES, LOSS_NAMES, LossConfig
 from forge.types import Episode, collate
 
 # Episode 1: prompt 1 token, 3 response tokens, advantage +1. Episode 2: 2 response tokens, -0.5.
@@ -113,6 +114,11 @@ def test_is_corrections_by_hand(correction, want):
 def test_unknown_is_correction_is_named():
     with pytest.raises(ValueError, match="'loss.is_correction': 'tis'"):
         LossConfig(is_correction="tis").validate()
+
+
+def test_a_config_is_checked_against_the_registered_names():
+    """forge.schema checks `loss.name` and `loss.is_correction` without importing torch: by name."""
+    assert list(LOSSES) == list(LOSS_NAMES) and list(IS_CORRECTIONS) == list(IS_CORRECTION_NAMES)
 
 
 def test_mismatch_sums_count_only_fresh_tokens():

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from services import models, titan
-from services.tiny_model import TinyModelSpec, make_tiny_model
+from services.schema import TinyModelSpec
+from services.tiny_model import make_tiny_model
 
 FAMILIES = ["qwen3", "llama3", "qwen3_moe", "hf"]  # hf: the tiny one is a Qwen2
 

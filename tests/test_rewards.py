@@ -8,10 +8,11 @@ import pytest
 from forge.config import ConfigError
 from forge.rollout import masked
 from forge.types import RewardInput, Score
-from services.rewards import REWARDS, Rewards, RewardsConfig, builtin
+from services.rewards import REWARDS, Rewards, build_rewards, builtin
 from services.rewards.builtin import final_number
 from services.rewards.code_tests import CodeTests
-from services.rewards.judge import Judge, JudgeConfig
+from services.rewards.judge import Judge
+from services.schema import REWARD_NAMES, JudgeConfig, RewardsConfig
 
 
 def weights(w: dict, **sections) -> RewardsConfig:
@@ -187,7 +188,8 @@ def test_every_reward_is_finite_and_within_its_declared_range():
 
 
 def test_built_in_rewards_declare_their_range():
-    built = RewardsConfig(dict.fromkeys(REWARDS, 1.0)).build()
+    assert sorted(REWARDS) == sorted(REWARD_NAMES)  # the names a config is checked against
+    built = build_rewards(RewardsConfig(dict.fromkeys(REWARDS, 1.0)))
     assert sorted(built) == sorted(["exact", "math", "format", "task", "judge", "code_tests"])
     for fn in built.values():
         assert fn.reward_range == (0.0, 1.0)

@@ -10,14 +10,16 @@ import torch
 
 from forge.types import Episode, collate
 from services import titan
-from services.generator import Generator, GeneratorConfig
+from services.generator import Generator
 from services.models.layers import ReplayRouter
+from services.schema import GeneratorConfig
 
 
 @pytest.fixture(scope="module")
 def moe_served(loop, tiny_moe_dir):
     """A generator of the tiny MoE (routing replay on: the default for a MoE) and a gateway over it."""
-    from services.gateway import Gateway, GatewayConfig
+    from services.gateway import Gateway
+    from services.schema import GatewayConfig
 
     cfg = GeneratorConfig(max_model_len=128)
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from services.sandbox import _ENV, Sandbox, SandboxConfig, default_python
+from services.sandbox import _ENV, Sandbox, default_python
+from services.schema import SandboxConfig
 
 WORKERS = 4
 CFG = SandboxConfig(workers=WORKERS, run_timeout=5.0, max_output_bytes=4096, uid_base=61000)
@@ -339,7 +340,8 @@ MBPP_ROW = {
 def test_code_tests_reward_runs_the_completion_against_the_row(loop):
     from forge.tasks import generate
     from forge.types import RewardInput
-    from services.rewards.code_tests import CodeTests, CodeTestsConfig
+    from services.rewards.code_tests import CodeTests
+    from services.schema import CodeTestsConfig
 
     reward = CodeTests(CodeTestsConfig(sandbox=SandboxConfig(workers=2, uid_base=61100, site_packages=False)))
     row = generate("pyrev", 1)[0].row()
@@ -362,7 +364,8 @@ def test_code_tests_reward_runs_the_completion_against_the_row(loop):
 
 def test_a_sandbox_that_crashes_makes_the_reward_unavailable(loop):
     from forge.types import RewardInput, RewardUnavailable
-    from services.rewards.code_tests import CodeTests, CodeTestsConfig
+    from services.rewards.code_tests import CodeTests
+    from services.schema import CodeTestsConfig
 
     reward = CodeTests(CodeTestsConfig(sandbox=SandboxConfig(workers=2, uid_base=61300)))
     slow = "import time\ntime.sleep(10)\ndef f(x):\n    return 2 * x"
@@ -386,8 +389,8 @@ def test_a_sandbox_that_crashes_makes_the_reward_unavailable(loop):
 def test_reward_service_scores_with_code_tests(loop):
     from forge.tasks import generate
     from forge.types import RewardInput
-    from services.rewards import Rewards, RewardsConfig
-    from services.rewards.code_tests import CodeTestsConfig
+    from services.rewards import Rewards
+    from services.schema import CodeTestsConfig, RewardsConfig
 
     cfg = CodeTestsConfig(sandbox=SandboxConfig(workers=2, uid_base=61400))
     rewards = loop.run_until_complete(Rewards.options().as_service(RewardsConfig({"code_tests": 1.0}, code_tests=cfg)))
@@ -408,7 +411,8 @@ def test_a_program_cannot_pass_for_a_sandbox_that_failed(loop):
     the program never holds: the fake is an ordinary failing program, and a real set-up failure
     (here: a working directory that does not exist) is still reported as one."""
     from forge.types import RewardInput, RewardUnavailable
-    from services.rewards.code_tests import CodeTests, CodeTestsConfig
+    from services.rewards.code_tests import CodeTests
+    from services.schema import CodeTestsConfig
 
     reward = CodeTests(CodeTestsConfig(sandbox=SandboxConfig(workers=2, uid_base=61500)))
     fake = "import sys\nprint('forge sandbox launcher: OSError: boom', file=sys.stderr)\nsys.exit(125)\n"
@@ -424,8 +428,9 @@ def test_a_program_cannot_pass_for_a_sandbox_that_failed(loop):
 def test_a_program_faking_its_counts_scores_at_most_its_tests(loop):
     """The reward of the fd attack (it was 499.5): 0, and never past 1 whatever the report says."""
     from forge.types import RewardInput
-    from services.rewards.code_tests import CodeTests, CodeTestsConfig
+    from services.rewards.code_tests import CodeTests
     from services.sandbox import _passed
+    from services.schema import CodeTestsConfig
 
     reward = CodeTests(CodeTestsConfig(sandbox=SandboxConfig(workers=1, uid_base=61600)))
     spoof = "import os\nos.write(3, b'{\"passed\": 999}')\nos._exit(0)"

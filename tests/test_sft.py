@@ -11,8 +11,9 @@ from transformers import AutoTokenizer
 from apps.sft import Config, main
 from forge import checkpoint
 from forge.config import ConfigError, load_config
-from forge.data import FilePrompts, SFTDataConfig, SFTExamples
-from forge.losses import LossConfig, sft
+from forge.data import FilePrompts, SFTExamples
+from forge.losses import sft
+from forge.schema import LossConfig, SFTDataConfig
 from forge.tasks import end_of_turn
 from forge.types import Episode, collate
 

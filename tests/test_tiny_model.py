@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from apps.sft import warm_start
-from services.tiny_model import BUILD_FILE, TinyModelSpec, make_tiny_model
+from services.schema import TinyModelSpec
+from services.tiny_model import BUILD_FILE, make_tiny_model
 
 
 def test_files_and_size(tiny_model_dir):

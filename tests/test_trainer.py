@@ -7,11 +7,11 @@ import torch
 from safetensors.torch import load_file
 from test_losses import with_ref
 
-from forge.lora import LoRAConfig
-from forge.losses import LossConfig
+from forge.schema import LoRAConfig, LossConfig
 from forge.store import WeightStore, start_store, stop_store
 from forge.types import Batch, Episode, collate
-from services.trainer import Trainer, TrainerConfig
+from services.schema import TrainerConfig
+from services.trainer import Trainer
 
 
 def fixed_batch(rows: int = 4) -> Batch:

@@ -13,7 +13,8 @@ from test_generator import max_logprob_error, perturbed
 
 from forge.store import WeightStore, start_store, stop_store
 from forge.weight_sync import WeightSync
-from services.generator import Generator, GeneratorConfig
+from services.generator import Generator
+from services.schema import GeneratorConfig
 
 
 async def loaded(sync: WeightSync, version: int) -> None:
@@ -189,10 +190,11 @@ def test_trainer_to_generator_parity_and_reference(model, request, tmp_path):
     chunked or not."""
     from test_trainer import fixed_batch, on_policy
 
-    from forge.losses import LossConfig
+    from forge.schema import LossConfig
     from forge.types import Episode, collate
     from services.reference import Reference
-    from services.trainer import Trainer, TrainerConfig
+    from services.schema import TrainerConfig
+    from services.trainer import Trainer
 
     tiny_model_dir = request.getfixturevalue(model)
 

@@ -15,40 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from forge.schema import LossConfig
 from forge.types import Batch
-
-
-@dataclass
-class LossConfig:
-    name: str = "grpo"  # grpo | dr_grpo | dapo | gspo | cispo | reinforce | sft
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # DAPO's clip-higher uses 0.28
-    kl_coef: float = 0.0  # k3 KL to the reference model (needs ref_logprobs)
-    is_cap: float = 2.0  # truncated importance sampling cap; masking keeps ratios in [1/is_cap, is_cap]
-    # How the generator -> trainer ratio weighs tokens: token_truncate | sequence_truncate |
-    # token_mask | sequence_mask (IS_CORRECTIONS).
-    is_correction: str = "token_truncate"
-    norm_tokens: int = 0  # Dr.GRPO's constant normalizer (0: the batch's row length)
-    # Divide group advantages by the group's reward std; null: the loss's own choice (Dr.GRPO
-    # drops it, the others keep it).
-    std_normalize: bool | None = None
-
-    def validate(self) -> None:
-        get_loss(self.name)
-        if self.is_correction not in IS_CORRECTIONS:
-            raise ValueError(
-                f"config key 'loss.is_correction': {self.is_correction!r} is not one of {', '.join(IS_CORRECTIONS)}"
-            )
-        if self.is_cap < 1:
-            raise ValueError(f"config key 'loss.is_cap' must be >= 1, got {self.is_cap}")
-
-    @property
-    def normalize_std(self) -> bool:
-        return self.std_normalize if self.std_normalize is not None else self.name not in NO_STD_NORMALIZE
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -156,7 +127,6 @@ LOSSES: dict[str, LossFn] = {
     "reinforce": reinforce,
     "sft": sft,
 }
-NO_STD_NORMALIZE = {"dr_grpo"}  # Dr.GRPO: the std division biases towards easy and hard groups
 TOKEN_MEANS = {"dapo", "cispo", "reinforce", "sft"}  # the rest average over episodes
 
 

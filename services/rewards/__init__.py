@@ -24,78 +24,24 @@ the run. One that raises `RewardUnavailable` (its infrastructure failed) also ma
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
-from forge.config import ConfigError, import_object
 from forge.env import call
 from forge.types import RewardInput, RewardUnavailable, Score, check_reward
 from services.rewards import builtin
-from services.rewards.code_tests import CodeTests, CodeTestsConfig
-from services.rewards.judge import Judge, JudgeConfig
+from services.rewards.code_tests import CodeTests
+from services.rewards.judge import Judge
+from services.schema import RewardsConfig, user_reward
 
 log = logging.getLogger("forge")
+
+
 RewardFn = Callable[[RewardInput], Any]
-
-
-@dataclass
-class RewardsConfig:
-    """The `rewards` section: which rewards score a sample, their weights, and the sections of
-    the rewards that need one."""
-
-    # name -> weight. Empty here so a config's dict replaces it instead of merging into it
-    # (OmegaConf merges dicts); empty after loading means {"exact": 1.0}.
-    weights: dict[str, float] = field(default_factory=dict)
-    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the `judge` reward's model and rubric
-    code_tests: CodeTestsConfig = field(default_factory=CodeTestsConfig)  # the `code_tests` reward's sandbox
-
-    def validate(self) -> None:
-        """Every name is a built-in or an importable function (imported here, before anything
-        spawns), and the sections of the rewards used are complete."""
-        self.weights = dict(self.weights) or {"exact": 1.0}
-        unknown = sorted(n for n in self.weights if n not in REWARDS and ":" not in n)
-        if unknown:
-            raise ConfigError(
-                f"unknown reward(s) {unknown} (config key 'rewards.weights'); known: {', '.join(REWARDS)}, "
-                "or a function 'package.module:function'"
-            )
-        for name in self.weights:
-            if ":" in name:
-                user_reward(name)
-        if "judge" in self.weights:
-            self.check_judge(None)
-
-    def check_judge(self, columns: Iterable[str] | None) -> None:
-        """With the `judge` reward: its endpoint, and a rubric naming only `columns` of a sample
-        (a dataset file's, () for a toy task; None: not known yet)."""
-        try:
-            self.judge.check(columns)
-        except ConfigError as e:
-            raise ConfigError(re.sub(r"config key '(judge\.)", r"config key 'rewards.\1", str(e))) from None
-
-    def with_weights(self, weights: dict[str, float]) -> RewardsConfig:
-        """These rewards' sections with other `weights` (an eval's); with none, these."""
-        return dataclasses.replace(self, weights=dict(weights)) if weights else self
-
-    def check_weights(self, weights: dict[str, float], key: str) -> None:
-        """`validate` of other `weights` (config key `key`, e.g. eval.rewards)."""
-        try:
-            self.with_weights(weights).validate()
-        except ConfigError as e:
-            raise ConfigError(str(e).replace("'rewards.weights", f"'{key}")) from None
-
-    def build(self) -> dict[str, RewardFn]:
-        """The reward functions by name."""
-        return {n: REWARDS[n](self) if n in REWARDS else user_reward(n) for n in self.weights}
-
-
 # The built-in rewards: name -> its function, made from the section.
 REWARDS: dict[str, Callable[[RewardsConfig], RewardFn]] = {
     "exact": lambda cfg: builtin.exact,
@@ -107,19 +53,16 @@ REWARDS: dict[str, Callable[[RewardsConfig], RewardFn]] = {
 }
 
 
-def user_reward(name: str) -> RewardFn:
-    """The reward function a "package.module:function" name imports, checked callable."""
-    fn = import_object(f"rewards.weights.{name}", name)
-    if not callable(fn):
-        raise ConfigError(f"config key 'rewards.weights.{name}': {type(fn).__name__} is not a function")
-    return fn
+def build_rewards(cfg: RewardsConfig) -> dict[str, RewardFn]:
+    """The reward functions of a validated `rewards` section, by name."""
+    return {n: REWARDS[n](cfg) if n in REWARDS else user_reward(n) for n in cfg.weights}
 
 
 class Rewards(ForgeActor):
     """Scores completions: the weighted sum of the configured rewards, and each component."""
 
     def __init__(self, cfg: RewardsConfig):  # a validated section (loading a config validates it)
-        self.weights, self.fns = dict(cfg.weights), cfg.build()
+        self.weights, self.fns = dict(cfg.weights), build_rewards(cfg)
 
     @endpoint
     async def score(self, samples: list[RewardInput]) -> list[Score]:

@@ -8,19 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import dataclass, field
 
 from forge.types import RewardInput, RewardUnavailable
-from services.sandbox import SandboxConfig, SandboxError, SandboxPool
-
-
-@dataclass
-class CodeTestsConfig:
-    """The `code_tests` section: the reward that runs each completion's program in the sandbox."""
-
-    all_pass: bool = False  # reward 1 when every test passes, else 0 (default: the fraction passing)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-
+from services.sandbox import SandboxError, SandboxPool
+from services.schema import CodeTestsConfig
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
 

@@ -1,0 +1,157 @@
+"""The apps' configs (what `forge run` loads, and checks, before an app and its libraries are
+imported): `APPS` maps each app's name (a config's `app:` key, apps/NAME.py) to its Config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from forge import tasks
+from forge.config import ConfigError, import_object
+from forge.schema import REWARD_UNAVAILABLE, DatasetConfig, JobConfig, LossConfig, RunConfig, SFTDataConfig
+from services.schema import AgenticConfig, EvalConfig, GeneratorConfig, ModelConfig, RewardsConfig, TrainerConfig
+
+
+@dataclass
+class GRPOConfig(RunConfig):
+    app: str = "grpo"
+    run_name: str = "grpo"
+    task: str = "reverse"  # a generated toy task (forge/tasks.py), unless `dataset` names a file
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    group_size: int = 8
+    groups_per_step: int = 8  # batch = group_size x groups_per_step episodes
+    max_staleness: int = 1
+    rollout_tasks: int = 4  # concurrent rollout loops
+    rollout: str = "forge.rollout:generate_and_score"  # one prompt -> (completions, scores)
+    agentic: AgenticConfig = field(default_factory=AgenticConfig)  # multi-turn agents or environments
+    max_rollout_failures: int = 20  # rollouts failing in a row before the run stops
+    sample_timeout_s: float = 600.0  # the longest wait for a batch before the run stops
+    dynamic_sampling: bool = False  # drop zero-variance groups and refill (DAPO)
+    max_episode_tokens: int = 0  # drop longer episodes (0: keep all)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)  # what scores a sample (services/rewards/)
+    # A group with a reward whose infrastructure failed (RewardUnavailable): dropped, or trained
+    # with that reward at 0.
+    reward_unavailable: str = "mask"
+    job: JobConfig = field(default_factory=JobConfig)  # where the roles run (forge/job.py); default: this host
+    generator_replicas: int = 1  # spread over the hosts of the generator's job mesh
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    trainer_procs: int = 1
+    trainer_restores: int = 3  # trainer deaths recovered from the last checkpoint before the run stops
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evals during training
+
+    @property
+    def batch_size(self) -> int:
+        return self.group_size * self.groups_per_step
+
+    def validate(self) -> None:
+        """The app's own keys and how sections fit together (each section validates itself)."""
+        super().validate()
+        if self.group_size < 2:
+            raise ConfigError(
+                f"config key 'group_size' must be >= 2 (GRPO compares samples of a group), got {self.group_size}"
+            )
+        if self.max_staleness < 0:
+            raise ConfigError(f"config key 'max_staleness' must be >= 0, got {self.max_staleness}")
+        for key in ("max_rollout_failures", "sample_timeout_s", "rollout_tasks"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"config key '{key}' must be > 0, got {getattr(self, key)}")
+        shards = self.trainer_procs * self.trainer.grad_accum
+        if self.batch_size % shards:
+            raise ConfigError(
+                f"batch of {self.batch_size} (group_size x groups_per_step) does not split over "
+                f"trainer_procs x trainer.grad_accum = {shards}"
+            )
+        if self.reward_unavailable not in REWARD_UNAVAILABLE:
+            raise ConfigError(
+                f"config key 'reward_unavailable': {self.reward_unavailable!r} is not one of "
+                f"{', '.join(REWARD_UNAVAILABLE)}"
+            )
+        if self.trainer.total_steps is None:
+            self.trainer.total_steps = self.steps
+        if self.agentic.enabled and self.rollout != GRPOConfig.rollout:
+            raise ConfigError(
+                "config keys 'rollout' and 'agentic': an agent or environment makes the rollouts; set one of them"
+            )
+        if not self.dataset.path:
+            try:
+                tasks.get_task(self.task)
+            except ValueError as e:
+                raise ConfigError(f"config key 'task': {e} (or give a file in 'dataset.path')") from None
+        self._validate_rewards()
+        self._validate_eval()
+        import_object("rollout", self.rollout)  # last: importing it loads torch (the default's module)
+
+    def _validate_rewards(self) -> None:
+        if "task" in self.rewards.weights and self.dataset.path:
+            raise ConfigError(
+                "config key 'rewards.weights': the 'task' reward scores toy tasks, not a dataset file's rows"
+            )
+        if self.eval.rewards:
+            self.rewards.check_weights(self.eval.rewards, "eval.rewards")
+        if "judge" in self.rewards.weights and not self.dataset.path:  # a dataset file's columns: checked once read
+            self.rewards.check_judge(columns=())
+
+    def _validate_eval(self) -> None:
+        if self.eval.enabled and self.dataset.path and not self.eval.dataset.path:
+            raise ConfigError(
+                "config key 'eval.dataset.path': a run on a dataset file evaluates on a file too (its held-out rows)"
+            )
+        held = self.eval.dataset
+        if held.path and not held.messages_key and not held.chat and held.template == DatasetConfig.template:
+            # the run's prompt format, unless the eval's file has its own
+            held.template, held.messages_key, held.chat, held.tools_key = (
+                self.dataset.template,
+                self.dataset.messages_key,
+                self.dataset.chat,
+                self.dataset.tools_key,
+            )
+            held.answer_key = self.dataset.answer_key
+
+
+@dataclass
+class SFTConfig(RunConfig):
+    app: str = "sft"
+    run_name: str = "sft_tiny"
+    steps: int = 300
+    checkpoint_every: int = 100
+    metrics: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    task: str = "add"  # the toy task: the examples when `data.path` is empty, and the eval's rewards
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    batch_size: int = 64  # examples per step (rows, unless data.pack_to packs them)
+    trainer_procs: int = 1
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=3e-3, loss=LossConfig(name="sft")))
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evals (through a generator)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)  # the eval's
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # the eval's sampler
+
+    def validate(self) -> None:
+        super().validate()
+        if self.task not in tasks.TASKS:
+            raise ConfigError(f"config key 'task': unknown task {self.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
+        for key in ("batch_size", "trainer_procs"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
+        if self.trainer.loss.name != "sft":
+            raise ConfigError(
+                f"config key 'trainer.loss.name': the SFT app trains with 'sft', got {self.trainer.loss.name!r}"
+            )
+        shards = self.trainer_procs * self.trainer.grad_accum
+        if self.batch_size % shards and not self.data.pack_to:  # packed: empty rows make up the count
+            raise ConfigError(
+                f"config key 'batch_size': {self.batch_size} rows do not split over trainer_procs x "
+                f"trainer.grad_accum = {shards}"
+            )
+        if self.trainer.total_steps is None:
+            self.trainer.total_steps = self.steps
+        if self.eval.enabled:
+            if self.data.path and not self.eval.dataset.path:
+                raise ConfigError(
+                    "config key 'eval.dataset.path': a run on a dataset file evaluates on a file too (held-out prompts)"
+                )
+            if self.eval.rewards:
+                self.rewards.check_weights(self.eval.rewards, "eval.rewards")
+
+
+APPS: dict[str, type[RunConfig]] = {"grpo": GRPOConfig, "sft": SFTConfig}

@@ -1,0 +1,254 @@
+"""The config sections of forge's machinery, as dataclasses with no heavy imports (no torch,
+Monarch or vLLM), so a bad config is reported before any of them loads. Each section checks its
+own keys in `validate()`; the modules that use a section import it from here.
+
+    RunConfig (every app's top level)   DatasetConfig (dataset)   SFTDataConfig (data)
+    LossConfig (trainer.loss)   LoRAConfig (trainer.lora)   JobConfig (job)
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forge import checkpoint
+from forge.config import ConfigError
+
+DEFAULT_BACKENDS = ("console", "jsonl", "tensorboard")
+
+
+@dataclass
+class RunConfig:
+    """The keys of every app's config that the run skeleton reads (an app's Config extends it)."""
+
+    app: str = ""  # the app that runs it (apps/APP.py)
+    run_name: str = "run"
+    runs_dir: str = "runs"
+    seed: int = 0
+    steps: int = 100
+    checkpoint_every: int = 25
+    resume: str | None = None  # a run directory to continue
+    metrics: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.run_name
+
+    def validate(self) -> None:
+        """The keys every run has (an app's `validate` calls it first)."""
+        for key, low in (("steps", 1), ("checkpoint_every", 0)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"config key '{key}' must be >= {low}, got {getattr(self, key)}")
+
+    def resume_point(self) -> Path | None:
+        """The checkpoint `resume` names (its newest complete one), or None: a new run."""
+        if not self.resume:
+            return None
+        last = checkpoint.latest(self.resume)
+        if last is None:
+            raise ConfigError(f"config key 'resume': no checkpoint in {self.resume}/checkpoints")
+        return last
+
+
+FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass
+class DatasetConfig:
+    """Prompts from a local file instead of a generated toy task (e.g. GSM8K as parquet/jsonl)."""
+
+    path: str = ""  # empty: the config's toy `task`
+    template: str = "{question}"  # a raw-text prompt: the row's columns formatted in
+    # The column that holds each row's prompt as chat messages ([{role, content}, ...], a system
+    # turn too: TRL's conversational format); the generator renders them with the model's chat
+    # template, as `forge serve` does. Empty: `template` makes the prompt.
+    messages_key: str = ""
+    # Chat messages made from plain columns: each one's content formatted like `template`, e.g.
+    # [{role: user, content: "{question} Answer after ####."}]; rendered like `messages_key`'s.
+    chat: list[dict[str, str]] = field(default_factory=list)
+    # The column of each row's tools (OpenAI's format: [{type: function, function: {name, ...}}],
+    # or that list as a JSON string), shown to the model by its chat template. Chat prompts only.
+    tools_key: str = ""
+    answer_key: str = "answer"  # the column the reward compares with
+
+    def validate(self) -> None:
+        given = [k for k in ("messages_key", "chat") if getattr(self, k)]
+        given += ["template"] if self.template != DatasetConfig.template else []
+        if len(given) > 1:
+            raise ConfigError(
+                f"config keys {', '.join(f'dataset.{k}' for k in given)}: each makes the prompt; set one of them"
+            )
+        if self.tools_key and not (self.messages_key or self.chat):
+            raise ConfigError(
+                "config key 'dataset.tools_key': tools are shown by a chat template: set dataset.messages_key or dataset.chat"
+            )
+        if any(set(m) != {"role", "content"} for m in self.chat):
+            raise ConfigError(f"config key 'dataset.chat': each message is {{role, content}}, got {self.chat}")
+        if self.path and Path(self.path).suffix not in FORMATS:
+            raise ConfigError(f"config key 'dataset.path': {self.path} is not one of {', '.join(FORMATS)}")
+        if self.path and not Path(self.path).is_file():
+            raise ConfigError(f"config key 'dataset.path': file not found: {self.path}")
+
+
+@dataclass
+class SFTDataConfig:
+    """The SFT app's `data` section: rows of a local file (chat `messages`, or prompt and
+    completion columns), or, with no file, the app's toy task (prompt and answer)."""
+
+    path: str = ""  # .jsonl/.json/.parquet/.csv; empty: the toy `task`
+    messages_key: str = "messages"  # a column of chat messages: loss on the assistant turns only
+    prompt_key: str = "prompt"  # else prompt and completion columns: loss on the completion (and EOS)
+    completion_key: str = "completion"
+    max_tokens: int = 1024  # a longer row is cut to this (its loss tokens past it are lost)
+    pack_to: int = 0  # examples packed into rows of up to this many tokens, each seeing only itself; 0: one per row
+    noise: float = 0.0  # toy task only: this fraction of answer characters (or digits) replaced at random
+    system: str | None = None  # toy task only: chat examples (this system turn, the task as the user's); None: raw text
+
+    def validate(self) -> None:
+        if self.path and Path(self.path).suffix not in FORMATS:
+            raise ConfigError(f"config key 'data.path': {self.path} is not one of {', '.join(FORMATS)}")
+        if self.path and not Path(self.path).is_file():
+            raise ConfigError(f"config key 'data.path': file not found: {self.path}")
+        if self.max_tokens < 2:
+            raise ConfigError(f"config key 'data.max_tokens' must be >= 2, got {self.max_tokens}")
+        if self.pack_to < 0:
+            raise ConfigError(f"config key 'data.pack_to' must be >= 0, got {self.pack_to}")
+
+
+# The names of forge.losses' LOSSES and IS_CORRECTIONS (tests/test_losses.py checks they agree).
+LOSS_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "reinforce", "sft")
+IS_CORRECTION_NAMES = ("token_truncate", "sequence_truncate", "token_mask", "sequence_mask")
+NO_STD_NORMALIZE = {"dr_grpo"}  # Dr.GRPO: the std division biases towards easy and hard groups
+
+
+@dataclass
+class LossConfig:
+    name: str = "grpo"  # grpo | dr_grpo | dapo | gspo | cispo | reinforce | sft
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # DAPO's clip-higher uses 0.28
+    kl_coef: float = 0.0  # k3 KL to the reference model (needs ref_logprobs)
+    is_cap: float = 2.0  # truncated importance sampling cap; masking keeps ratios in [1/is_cap, is_cap]
+    # How the generator -> trainer ratio weighs tokens: token_truncate | sequence_truncate |
+    # token_mask | sequence_mask (forge.losses.IS_CORRECTIONS).
+    is_correction: str = "token_truncate"
+    norm_tokens: int = 0  # Dr.GRPO's constant normalizer (0: the batch's row length)
+    # Divide group advantages by the group's reward std; null: the loss's own choice (Dr.GRPO
+    # drops it, the others keep it).
+    std_normalize: bool | None = None
+
+    def validate(self) -> None:
+        if self.name not in LOSS_NAMES:
+            raise ConfigError(f"unknown loss {self.name!r} (config key 'loss.name'); known: {', '.join(LOSS_NAMES)}")
+        if self.is_correction not in IS_CORRECTION_NAMES:
+            raise ConfigError(
+                f"config key 'loss.is_correction': {self.is_correction!r} is not one of {', '.join(IS_CORRECTION_NAMES)}"
+            )
+        if self.is_cap < 1:
+            raise ConfigError(f"config key 'loss.is_cap' must be >= 1, got {self.is_cap}")
+
+    @property
+    def normalize_std(self) -> bool:
+        return self.std_normalize if self.std_normalize is not None else self.name not in NO_STD_NORMALIZE
+
+
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's (forge/lora.py writes and reads the format)
+# Every linear of attention and MLP, in HF's names (PEFT's `target_modules`).
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the target linears; the base weights stay frozen."""
+
+    rank: int = 0  # 0: off, every weight trains
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input, while training
+    targets: list[str] = field(default_factory=lambda: list(ALL_LINEAR))  # HF module names
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self, key: str = "trainer.lora") -> None:
+        if self.rank < 0:
+            raise ConfigError(f"config key '{key}.rank' must be >= 0 (0: off), got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"config key '{key}.dropout' must be in [0, 1), got {self.dropout}")
+        if self.enabled and not self.targets:
+            raise ConfigError(f"config key '{key}.targets' names no module to adapt")
+
+
+KINDS = {
+    "local": None,
+    "process": "monarch.job:ProcessJob",
+    "slurm": "monarch.job:SlurmJob",
+    "kubernetes": "monarch.job.kubernetes:KubernetesJob",
+}
+ROLES = ("trainer", "generator", "reference", "rewards", "store", "envs")
+
+
+def job_class(kind: str) -> type:
+    module, name = KINDS[kind].split(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, RuntimeError) as e:  # KubernetesJob raises RuntimeError without its package
+        raise ConfigError(f"config key 'job.kind': {kind} needs a package (pip install 'forge[{kind}]'): {e}") from None
+
+
+@dataclass
+class JobConfig:
+    """The `job` section: a Monarch job kind, its host meshes, and which role runs on which mesh."""
+
+    kind: str = "local"
+    meshes: dict[str, int] = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict)  # the job class's constructor arguments
+    # kubernetes: each mesh's `KubernetesJob.add_mesh` arguments (label_selector, port, ...)
+    mesh_args: dict[str, Any] = field(default_factory=dict)
+    placement: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"config key 'job.kind': {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.kind == "local":
+            for key in ("meshes", "args", "mesh_args", "placement"):
+                if getattr(self, key):
+                    raise ConfigError(f"config key 'job.{key}': a local job runs every role on this host; set job.kind")
+            return
+        if not self.meshes or any(not isinstance(n, int) or n < 1 for n in self.meshes.values()):
+            raise ConfigError(
+                f"config key 'job.meshes': name each host mesh with its host count >= 1, got {self.meshes}"
+            )
+        for role, mesh in self.placement.items():
+            if role not in ROLES:
+                raise ConfigError(f"config key 'job.placement.{role}': not a role; roles: {', '.join(ROLES)}")
+            if mesh not in self.meshes:
+                raise ConfigError(
+                    f"config key 'job.placement.{role}': no mesh {mesh!r} in job.meshes ({', '.join(self.meshes)})"
+                )
+        # The job classes' own signatures say which arguments exist: a misspelt one fails here,
+        # before anything is submitted (constructing a job would also reconfigure Monarch's transport).
+        cls = job_class(self.kind)
+        if self.kind == "kubernetes":
+            _bind("args", cls, self.args)
+            _bind("mesh_args", cls.add_mesh, {"self": None, "name": "m", "num_replicas": 1, **self.mesh_args})
+        elif self.mesh_args:
+            raise ConfigError("config key 'job.mesh_args': only a kubernetes job takes per-mesh arguments")
+        else:
+            _bind("args", cls, {"meshes": dict(self.meshes), **self.args})
+
+
+def _bind(key: str, fn: Any, kwargs: dict[str, Any]) -> None:
+    try:
+        inspect.signature(fn).bind(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"config key 'job.{key}': {fn.__qualname__}: {e}") from None
+
+
+REWARD_UNAVAILABLE = ("mask", "zero")  # the GRPO config key `reward_unavailable`

@@ -1,0 +1,477 @@
+"""The config sections of the services, as dataclasses with no heavy imports (no torch, Monarch
+or vLLM), so a bad config is reported before any of them loads. Each section checks its own keys
+in `validate()`; the services import their sections from here.
+
+    ModelConfig (model)   GeneratorConfig (generator)   TrainerConfig (trainer)
+    RewardsConfig (rewards: judge, code_tests)   EvalConfig (eval)   AgenticConfig (agentic: gateway)
+    SandboxConfig (sandbox)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import logging
+import re
+import string
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forge.config import ConfigError, import_object, require_file
+from forge.schema import ADAPTER_CONFIG, DatasetConfig, LoRAConfig, LossConfig
+from services import models
+
+log = logging.getLogger("forge")
+
+
+@dataclass
+class TinyModelSpec:
+    """What `services/tiny_model.py` builds. Everything that changes the output is here (and in
+    its cache key, `spec_key`)."""
+
+    family: str = "qwen3"  # services/models/: its tiny builder
+    task: str = "add"
+    sft_steps: int = 0
+    seed: int = 0
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64  # vLLM's CPU attention kernels take 32/64/80/96/112/128/...
+    vocab_size: int = 128
+    max_position_embeddings: int = 512
+    sft_batch_size: int = 64
+    sft_lr: float = 3e-3
+    # Fraction of answer characters replaced at random in the warm-start data: noisy
+    # demonstrations give a model whose greedy answer is often right but whose samples
+    # rarely are, the gap RL closes.
+    sft_noise: float = 0.0
+    # Warm start on chat prompts (this system turn, the task as the user's turn), as a chat-format
+    # dataset (`forge make-dataset --system`) prompts it; None: on raw text.
+    sft_system: str | None = None
+
+
+@dataclass
+class ModelConfig:
+    """The `model` section of every app config: an HF directory, optionally forge-built."""
+
+    path: str = ".cache/forge/models/tiny"
+    # The model family (services/models/: qwen3, llama3, qwen3_moe); null: config.json's
+    # model_type says. Set, it must be the checkpoint's (a tiny model is built of it).
+    family: str | None = None
+    # When set, `path` is (re)built from this spec if missing or stale (cached otherwise).
+    tiny: TinyModelSpec | None = None
+
+    def validate(self) -> None:
+        for key, family in (("family", self.family), ("tiny.family", self.tiny and self.tiny.family)):
+            if family is not None and family not in models.NAMES:
+                raise ConfigError(
+                    f"config key 'model.{key}': unknown model family {family!r}; known: {', '.join(models.NAMES)}"
+                )
+        if self.tiny is not None:
+            if self.family not in (None, self.tiny.family):
+                raise ConfigError(
+                    f"config key 'model.tiny.family' is {self.tiny.family!r}, but 'model.family' is {self.family!r}"
+                )
+            return
+        if not (Path(self.path) / "config.json").is_file():
+            raise ConfigError(f"config key 'model.path': no HF model (config.json) in {self.path}")
+        try:
+            family = models.of_model(self.path).name
+        except ValueError as e:
+            raise ConfigError(f"config key 'model.path': {e}") from None
+        if self.family not in (None, family):
+            raise ConfigError(f"config key 'model.family' is {self.family!r}, but {self.path} holds a {family} model")
+
+
+@dataclass
+class SamplingConfig:
+    """Defaults for every request; a call's `sampling=` dict overrides any vLLM SamplingParams field."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    max_tokens: int = 32
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class GeneratorConfig:
+    dtype: str = "float32"
+    max_model_len: int | None = 512  # None: the model's own (max_position_embeddings)
+    # CPU: vLLM cannot size the KV cache from free memory there, so it is given explicitly.
+    # null on GPU: vLLM sizes it from engine.gpu_memory_utilization.
+    kv_cache_memory_bytes: int | None = 64 * 2**20
+    max_num_seqs: int = 256
+    # Eager by default: on the tiny CPU model torch.compile gave no speed-up (4.2-5.4k tokens/s
+    # either way) and adds 20-40 s to engine start. Turn it off for real models; the compile
+    # cache then lives in cache_dir.
+    enforce_eager: bool = True
+    request_timeout_s: float = 300.0
+    cache_dir: str = ".cache/forge/vllm"  # vLLM's compile cache survives between runs here
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # True: a swap prepares the new weights beside the live ones while generation goes on and
+    # pauses only to install them (services/vllm_staging.py); needs memory for a second copy
+    # of the weights meanwhile. False: vLLM's in-place reload, all of it while generation waits.
+    staged_swap: bool = True
+    # CPU only: the engine's torch threads. N > 0: the model runs in vLLM's engine-core process on
+    # N threads. 0: vLLM's CPU default, a worker process of its own whose engine core busy-waits
+    # on it for a second after every step; that spin takes a whole core from the trainer on a
+    # small machine (tiny model, 8 requests at once: the same tokens/s, 1.2 cores against 2.0).
+    cpu_threads: int = 1
+    # MoE: record the experts each token was routed to, for the trainer to replay (R3); null: on
+    # for a MoE model, off for a dense one.
+    routing_replay: bool | None = None
+    # Passed to the chat template with every chat prompt (as vLLM's --default-chat-template-kwargs
+    # for `forge serve`), e.g. {enable_thinking: false} for Qwen3.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Named LoRA adapters (PEFT directories) served beside the base model: a request's OpenAI
+    # `model` field picks one (`forge serve BASE --lora NAME=DIR`).
+    adapters: dict[str, str] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)  # any other vllm AsyncEngineArgs field
+
+    def validate(self) -> None:
+        if self.cpu_threads < 0:
+            raise ConfigError(f"config key 'generator.cpu_threads' must be >= 0, got {self.cpu_threads}")
+        for name, path in self.adapters.items():
+            require_file(f"generator.adapters.{name}", Path(path) / ADAPTER_CONFIG)
+
+
+DECAYS = {"none": "linear", "linear": "linear", "cosine": "cosine", "sqrt": "sqrt"}  # ours -> torchtitan's
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_decay: str = "none"  # torchtitan decay_type: none | linear | cosine | sqrt
+    total_steps: int | None = None  # length of the LR schedule; null: the app's `steps`
+    max_norm: float = 1.0  # gradient clipping
+    grad_accum: int = 1  # microbatches per step on each rank
+    loss: LossConfig = field(default_factory=LossConfig)
+    weights: str = "policy"  # WeightStore name push_weights publishes to
+    transport: str = "shm"
+    # Where generators on other hosts fetch versions from ("shm"): this host's loopback by
+    # default; "0.0.0.0" on a cluster (every interface, advertised as the trainer's host name).
+    serve_weights_on: str = "127.0.0.1"
+    keep_versions: int = 2  # versions kept in the store (>= the staleness window + 1)
+    threads: int = 0  # torch threads per rank (0: the cores divided by the ranks)
+    param_dtype: str = "float32"  # FSDP2 compute dtype of parameters (bfloat16 on GPU); grads reduce in fp32
+    # MoE: split the experts over this many of the trainer's procs (a divisor of trainer_procs), the
+    # rest of the model FSDP-sharded over all of them as always.
+    expert_parallel: int = 1
+    # Low-rank adapters (rank > 0): only they train, checkpoint and travel to the generators; the
+    # reference model is this one with them off.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def validate(self) -> None:
+        self.lora.validate()
+        if self.lr_decay not in DECAYS:
+            raise ConfigError(f"config key 'trainer.lr_decay': {self.lr_decay!r} is not one of {', '.join(DECAYS)}")
+        if self.grad_accum < 1:
+            raise ConfigError(f"config key 'trainer.grad_accum' must be >= 1, got {self.grad_accum}")
+        if self.expert_parallel < 1:
+            raise ConfigError(f"config key 'trainer.expert_parallel' must be >= 1, got {self.expert_parallel}")
+
+
+RUBRIC = (
+    "Grade the response against the reference answer.\n"
+    "Question: {prompt}\nReference answer: {answer}\nResponse: {completion}\n"
+    "Reply with 'Score: N', N from 0 (wrong) to 10 (fully right)."
+)
+SAMPLE_FIELDS = ("prompt", "completion", "answer", "task")  # besides a dataset file's columns
+
+
+@dataclass
+class JudgeConfig:
+    """The `judge` section: the endpoint and rubric of the `judge` reward."""
+
+    base_url: str | None = None  # an OpenAI API, e.g. `forge serve`'s http://127.0.0.1:8000/v1
+    model: str | None = None  # None: the endpoint's first model
+    api_key: str = "EMPTY"
+    rubric: str = RUBRIC  # format fields: {prompt}, {completion}, {answer}, {task}, the dataset's columns
+    pattern: str = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"  # its one group is the score
+    max_score: float = 10.0  # reward = score / max_score, clipped to [0, 1]
+    temperature: float = 0.0
+    max_tokens: int = 256
+    timeout_s: float = 60.0  # one request
+    retries: int = 2  # of a request that failed to connect, timed out or got 408/429/5xx
+    # More request fields, e.g. vLLM's {structured_outputs: {regex: "Score: [0-9]+"}} or logit_bias.
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        try:
+            groups = re.compile(self.pattern).groups
+        except re.error as e:
+            raise ConfigError(f"config key 'judge.pattern': {self.pattern!r} is not a regex: {e}") from None
+        if groups != 1:
+            raise ConfigError(f"config key 'judge.pattern' must have one group (the score), has {groups}")
+        for key in ("max_score", "max_tokens", "timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"config key 'judge.{key}' must be > 0, got {getattr(self, key)}")
+        if self.retries < 0:
+            raise ConfigError(f"config key 'judge.retries' must be >= 0, got {self.retries}")
+        self.check_rubric(None)
+
+    def check(self, columns: Iterable[str] | None = None) -> None:
+        """For a run whose rewards include `judge`: an endpoint, and a rubric whose fields the
+        samples have (`columns`: a dataset file's, () for a toy task; None: not known yet)."""
+        self.validate()
+        if not self.base_url:
+            raise ConfigError(
+                "config key 'judge.base_url' is not set: the `judge` reward needs an OpenAI API endpoint "
+                "(e.g. forge serve's http://127.0.0.1:8000/v1)"
+            )
+        self.check_rubric(columns)
+
+    def check_rubric(self, columns: Iterable[str] | None) -> None:
+        """The rubric parses as a template and, when `columns` are known, names only fields a sample has."""
+        try:
+            names = {field for _, field, _, _ in string.Formatter().parse(self.rubric) if field is not None}
+        except ValueError as e:
+            raise ConfigError(f"config key 'judge.rubric': {e}") from None
+        roots = {re.split(r"[.\[]", n, maxsplit=1)[0] for n in names}
+        if "" in roots:
+            raise ConfigError("config key 'judge.rubric': name its fields ({completion}), not {} by position")
+        known = None if columns is None else {*SAMPLE_FIELDS, *columns}
+        if known is not None and roots - known:
+            raise ConfigError(
+                f"config key 'judge.rubric': unknown field(s) {sorted(roots - known)}; a sample has "
+                f"{', '.join(sorted(known))}"
+            )
+
+
+ISOLATION = ("auto", "unsafe_local")
+
+
+@dataclass
+class SandboxConfig:
+    """The `sandbox` section: the pool, and the limits a request does not set itself."""
+
+    workers: int = 8  # runs at once per replica (each slot its own uid); more wait for a slot
+    run_timeout: float = 10.0  # seconds of wall time, when a request gives none
+    memory_limit_MB: int = 512  # address space, when a request gives none
+    max_output_bytes: int = 1 << 20  # of stdout, and of stderr, kept; the rest is read and dropped
+    max_processes: int = 64
+    max_file_MB: int = 64  # the largest file a run may write
+    max_open_files: int = 256
+    tmpfs_MB: int = 256  # the private /tmp, the working directory (namespaces only)
+    tmpfs_inodes: int = 16384  # files and directories the private /tmp may hold
+    # auto: namespaces, a cgroup per slot and a uid per slot, or an error naming what is missing;
+    # unsafe_local: what the host allows (rlimits at least), with a warning: for trusted code only.
+    isolation: str = "auto"
+    uid_base: int = 60000  # slot uids are taken from uid_base up
+    # The interpreter of language "python" (3.9+; it also runs the launcher, which forks each
+    # Python run from itself), run as the slot's uid, so one every user may run: "" is the
+    # system's python3 on PATH (its standard library), else the one forge runs on.
+    python: str = ""
+    # False: `python -S`, the standard library only (no site-packages), which starts ~3x faster.
+    site_packages: bool = True
+
+    def validate(self) -> None:
+        for key in ("workers", "run_timeout", "memory_limit_MB", "max_output_bytes", "max_processes"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"config key 'sandbox.{key}' must be > 0, got {getattr(self, key)}")
+        if self.isolation not in ISOLATION:
+            raise ConfigError(
+                f"config key 'sandbox.isolation' must be one of {', '.join(ISOLATION)}, got {self.isolation!r}"
+            )
+
+
+@dataclass
+class CodeTestsConfig:
+    """The `code_tests` section: the reward that runs each completion's program in the sandbox."""
+
+    all_pass: bool = False  # reward 1 when every test passes, else 0 (default: the fraction passing)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+
+# The built-in rewards' names (services.rewards.REWARDS; tests/test_rewards.py checks they agree).
+REWARD_NAMES = ("exact", "math", "format", "task", "judge", "code_tests")
+
+
+@dataclass
+class RewardsConfig:
+    """The `rewards` section: which rewards score a sample, their weights, and the sections of
+    the rewards that need one."""
+
+    # name -> weight. Empty here so a config's dict replaces it instead of merging into it
+    # (OmegaConf merges dicts); empty after loading means {"exact": 1.0}.
+    weights: dict[str, float] = field(default_factory=dict)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the `judge` reward's model and rubric
+    code_tests: CodeTestsConfig = field(default_factory=CodeTestsConfig)  # the `code_tests` reward's sandbox
+
+    def validate(self) -> None:
+        """Every name is a built-in or an importable function (imported here, before anything
+        spawns), and the sections of the rewards used are complete."""
+        self.weights = dict(self.weights) or {"exact": 1.0}
+        unknown = sorted(n for n in self.weights if n not in REWARD_NAMES and ":" not in n)
+        if unknown:
+            raise ConfigError(
+                f"unknown reward(s) {unknown} (config key 'rewards.weights'); known: {', '.join(REWARD_NAMES)}, "
+                "or a function 'package.module:function'"
+            )
+        for name in self.weights:
+            if ":" in name:
+                user_reward(name)
+        if "judge" in self.weights:
+            self.check_judge(None)
+
+    def check_judge(self, columns: Iterable[str] | None) -> None:
+        """With the `judge` reward: its endpoint, and a rubric naming only `columns` of a sample
+        (a dataset file's, () for a toy task; None: not known yet)."""
+        try:
+            self.judge.check(columns)
+        except ConfigError as e:
+            raise ConfigError(re.sub(r"config key '(judge\.)", r"config key 'rewards.\1", str(e))) from None
+
+    def with_weights(self, weights: dict[str, float]) -> RewardsConfig:
+        """These rewards' sections with other `weights` (an eval's); with none, these."""
+        return dataclasses.replace(self, weights=dict(weights)) if weights else self
+
+    def check_weights(self, weights: dict[str, float], key: str) -> None:
+        """`validate` of other `weights` (config key `key`, e.g. eval.rewards)."""
+        try:
+            self.with_weights(weights).validate()
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("'rewards.weights", f"'{key}")) from None
+
+
+def user_reward(name: str) -> Callable[..., Any]:
+    """The reward function a "package.module:function" name imports, checked callable."""
+    fn = import_object(f"rewards.weights.{name}", name)
+    if not callable(fn):
+        raise ConfigError(f"config key 'rewards.weights.{name}': {type(fn).__name__} is not a function")
+    return fn
+
+
+@dataclass
+class EvalConfig:
+    """The `eval` section: what is evaluated, how often, and how it shares the generators."""
+
+    every: int = 0  # steps between evals during training (0: none)
+    before_train: bool = False  # evaluate the starting policy (step 0)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # a local file; empty: the toy task
+    seed: int = 1_000_003  # the toy task's held-out prompts come from this seed (training: `seed`)
+    prompts: int = 64  # how many held-out prompts (a file: a seeded sample of its rows; 0: all)
+    n: int = 1  # samples per prompt
+    k: list[int] = field(default_factory=lambda: [1])  # eval/pass@k for each k (k <= n)
+    temperature: float = 0.0  # 0: greedy
+    max_tokens: int | None = None  # default: the generator's sampling.max_tokens
+    max_concurrent: int = 8  # eval requests in flight at once: the generators' capacity is shared with rollouts
+    max_hold_s: float = 60.0  # the longest an eval keeps the generators on the version it evaluates
+    # name: weight, as the app's `rewards.weights` (empty: the app's own). Empty here so a config's dict
+    # replaces it instead of merging into it.
+    rewards: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0 or self.before_train
+
+    def validate(self) -> None:
+        for key, low in (("every", 0), ("prompts", 0), ("n", 1), ("max_concurrent", 1)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"config key 'eval.{key}' must be >= {low}, got {getattr(self, key)}")
+        if self.temperature < 0 or self.max_hold_s <= 0:
+            raise ConfigError(
+                f"config keys 'eval.temperature' (>= 0) and 'eval.max_hold_s' (> 0): got "
+                f"{self.temperature}, {self.max_hold_s}"
+            )
+        if self.n > 1 and self.temperature == 0:
+            raise ConfigError(
+                f"config key 'eval.n' is {self.n}: more than one sample per prompt needs eval.temperature > 0"
+            )
+        bad = [k for k in self.k if not 1 <= k <= self.n]
+        if bad or not self.k:
+            raise ConfigError(f"config key 'eval.k': each k must be in 1..eval.n={self.n}, got {list(self.k)}")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"  # set it explicitly to listen beyond this machine
+    port: int = 0  # 0: any free port (see Gateway.base_url)
+    # True: every call needs an open session's id as its API key (training); False: `forge serve`.
+    sessions: bool = True
+    api_key: str | None = None  # without sessions: the key clients must send (None: any)
+    max_sessions: int = 1024
+    session_timeout_s: float = 900.0  # a session idle this long is closed and its record dropped
+    max_inflight: int = 512  # generation requests in flight; more get 429
+    # Per request, else 400: the body's bytes, choices (n × prompts) and max_tokens.
+    max_body_bytes: int = 1 << 20
+    max_n: int = 16
+    max_tokens: int = 8192
+    # Per session, else 429: requests in flight, and turns recorded (in flight included).
+    max_session_inflight: int = 16
+    max_turns: int = 256
+    chat_template: str | None = None  # a file or a Jinja string; default: the tokenizer's
+    tool_parser: str | None = None  # a vLLM tool parser (e.g. "hermes"): tool calls come back as tool_calls
+    reasoning_parser: str | None = None  # a vLLM reasoning parser (e.g. "qwen3")
+    served_model_name: str | None = None  # default: the model directory's name
+
+    def validate(self) -> None:
+        if not _loopback(self.host):
+            if not self.sessions and self.api_key is None:  # training's session ids are its keys
+                raise ValueError(
+                    f"the gateway would listen on {self.host}, beyond this machine, with no API key: "
+                    "give one (forge serve --api-key, or FORGE_API_KEY to keep it off the command line)"
+                )
+            log.warning("forge: the gateway listens on %s, beyond this machine", self.host)
+        limits = ("max_body_bytes", "max_n", "max_tokens", "max_session_inflight", "max_turns")
+        for key in ("max_sessions", "max_inflight", "session_timeout_s", *limits):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"config key 'gateway.{key}' must be > 0, got {getattr(self, key)}")
+
+
+ON_FAILURE = ("mask", "drop")
+
+
+@dataclass
+class AgenticConfig:
+    """The `agentic` section of an app config: set `agent` or `env` to train through the gateway."""
+
+    agent: str | None = None  # "package.module:function": async def run(client, task) -> float | dict
+    env: str | None = None  # "package.module:name": makes a MessageEnv (a class, or a function)
+    env_replicas: int = 1  # environment actors
+    envs_per_replica: int = 64  # episodes one environment actor runs at once
+    max_turns: int = 8  # policy calls per environment episode
+    max_episode_tokens: int | None = None  # an environment episode ends once its conversation is this long
+    step_timeout_s: float = 60.0  # one environment step (reset, step, close)
+    episode_timeout_s: float = 600.0  # one whole episode, agent or environment
+    on_failure: str = "mask"  # a failed episode: its group trains on the rest (mask) or is dropped (drop)
+    # Chat completion parameters of the environment loop's calls (an agent sets its own).
+    sampling: dict[str, Any] = field(default_factory=dict)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.agent or self.env)
+
+    def validate(self) -> None:
+        if self.agent and self.env:
+            raise ConfigError("config keys 'agentic.agent' and 'agentic.env': set one, not both")
+        if self.on_failure not in ON_FAILURE:
+            raise ConfigError(
+                f"config key 'agentic.on_failure': {self.on_failure!r} is not one of {', '.join(ON_FAILURE)}"
+            )
+        for key in ("env_replicas", "envs_per_replica", "max_turns", "step_timeout_s", "episode_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"config key 'agentic.{key}' must be > 0, got {getattr(self, key)}")
+        if self.max_episode_tokens is not None and self.max_episode_tokens <= 0:
+            raise ConfigError(f"config key 'agentic.max_episode_tokens' must be > 0, got {self.max_episode_tokens}")
+        if self.agent:
+            import_object("agentic.agent", self.agent)
+        if self.env:
+            import_object("agentic.env", self.env)
