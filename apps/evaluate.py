@@ -2,19 +2,19 @@
 model: prints a table, writes JSON.
 
     forge eval CONFIG [key=value ...] --model MODEL [--out FILE]
+
+forge/cli.py parses the command and checks the config before this module (and torch) loads.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
 from forge import logs
-from forge.cli import app_config, fail
-from forge.config import ConfigError
+from forge.cli import fail
 from forge.lora import read_adapter
 from forge.schema import ADAPTER_CONFIG
 from services.evals import evaluate, held_out
@@ -44,33 +44,18 @@ async def evaluate_model(app_cfg: Any, model: str) -> dict[str, float]:
         await gen.shutdown()
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    p = argparse.ArgumentParser(prog="forge eval", description=__doc__.splitlines()[0])
-    p.add_argument("config", help="an app's YAML config: its `eval` section, rewards and generator settings")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.n=8 'eval.k=[1,8]'")
-    p.add_argument("--model", required=True, help="an HF model directory, or a run directory (its exported model/)")
-    p.add_argument("--out", help="the JSON file (default: eval.json in the model directory)")
-    a, extra = p.parse_known_args(argv)
-    if not all("=" in x and not x.startswith("-") for x in extra):
-        p.error(f"unrecognized arguments: {' '.join(extra)}")
-    overrides = a.overrides + extra  # key=value overrides after --model
+def main(cfg: Any, config: str, model: str, out: str | None = None) -> dict[str, float]:
+    """`forge eval` (forge/cli.py parses its options and loads the config `cfg`, from file `config`)."""
     try:
-        _, cfg = app_config(a.config, overrides)
-        if not hasattr(cfg, "eval"):
-            raise ConfigError(f"config key 'app': the {cfg.app} app has no eval section")
-        path = model_dir(a.model)
-    except (ConfigError, FileNotFoundError) as e:
+        path = model_dir(model)
+    except FileNotFoundError as e:
         fail(str(e))
     logs.capture(Path("runs") / "eval" / "logs")
     result = asyncio.run(evaluate_model(cfg, str(path)))
     print(f"{'metric':<24}{'value':>10}")
     for key, value in result.items():
         print(f"{key:<24}{value:>10.4g}")
-    target = Path(a.out) if a.out else path / "eval.json"
-    target.write_text(json.dumps({"model": str(path), "config": a.config, **result}, indent=2) + "\n")
+    target = Path(out) if out else path / "eval.json"
+    target.write_text(json.dumps({"model": str(path), "config": config, **result}, indent=2) + "\n")
     print(f"forge eval: {len(result)} metrics of {path} -> {target}")
     return result
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,7 @@
-"""The `forge` command line: runs the app a config file names (apps/NAME.py), a command that is an
-app of its own (`COMMANDS`), or a benchmark (benchmarks/NAME.py); each found by its name."""
+"""The `forge` command line: runs the app a config file names (apps/NAME.py) or its eval
+(apps/evaluate.py), a command that is an app of its own (`COMMANDS`), or a benchmark
+(benchmarks/NAME.py); each found by its name. A config is checked (apps/schema.py) before an app,
+and torch with it, is imported."""
 
 from __future__ import annotations
 
@@ -55,6 +57,17 @@ def run(config: str | None, overrides: list[str], app: str | None = None, resume
         fail(str(e))
 
 
+def evaluate(config: str, overrides: list[str], model: str, out: str | None) -> dict[str, float]:
+    """`forge eval`: the config's eval (apps/evaluate.py) of `model`; the config is checked first."""
+    try:
+        _, cfg = app_config(config, overrides)
+        if not hasattr(cfg, "eval"):
+            raise ConfigError(f"config key 'app': the {cfg.app} app has no eval section")
+    except ConfigError as e:
+        fail(str(e))
+    return importlib.import_module("apps.evaluate").main(cfg, config, model, out)
+
+
 def run_app(app: str, argv: list[str] | None = None) -> None:
     """Entry point of `python -m apps.NAME --config FILE [key=value ...]`."""
     p = argparse.ArgumentParser(prog=f"python -m apps.{app}")
@@ -75,7 +88,6 @@ def _benchmarks() -> list[str]:
 # Commands that are apps of their own (apps/NAME.py, each with `main(argv)` and its own options).
 COMMANDS = {
     "serve": ("serve", "serve a model through the OpenAI API (a gateway over generator replicas)"),
-    "eval": ("evaluate", "evaluate a model on a config's eval set: prints a table, writes JSON"),
     "make-tiny-model": ("tiny_model", "build the offline tiny model + tokenizer"),
 }
 
@@ -103,6 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.lr=1e-4")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue the run saved in RUN_DIR (e.g. runs/grpo_tiny)")
 
+    e = sub.add_parser("eval", help="evaluate a model on a config's eval set: prints a table, writes JSON")
+    e.add_argument("config", help="an app's YAML config: its `eval` section, rewards and generator settings")
+    e.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.n=8 'eval.k=[1,8]'")
+    e.add_argument("--model", required=True, help="an HF model directory, or a run directory (its exported model/)")
+    e.add_argument("--out", help="the JSON file (default: eval.json in the model directory)")
+
     for name, (_, help) in COMMANDS.items():
         sub.add_parser(name, help=help)  # listed here, parsed by the app
 
@@ -117,13 +135,17 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("name", choices=_benchmarks())
     b.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options, e.g. --quick")
 
-    a = p.parse_args(argv)
+    a, extra = p.parse_known_args(argv)
+    if extra and not (a.cmd == "eval" and all("=" in x and not x.startswith("-") for x in extra)):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     if a.cmd == "bench":
         importlib.import_module(f"benchmarks.{a.name}").main(a.args)
     elif a.cmd == "run":
         if a.config and "=" in a.config:  # `forge run --resume DIR key=value`: no config file given
             a.overrides, a.config = [a.config, *a.overrides], None
         run(a.config, a.overrides, resume=a.resume)
+    elif a.cmd == "eval":
+        evaluate(a.config, a.overrides + extra, a.model, a.out)  # key=value overrides after --model too
     elif a.cmd == "make-dataset":
         if a.task not in tasks.TASKS:
             fail(f"--task: unknown task {a.task!r}; known: {', '.join(sorted(tasks.TASKS))}")

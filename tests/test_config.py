@@ -138,8 +138,9 @@ print("LOADED", sorted(m for m in {heavy!r} if m in sys.modules))
 
 
 def test_forge_help_and_config_errors_print_before_any_heavy_library_loads(tmp_path):
-    """`forge --help` and a bad config (a key, a value, a section's check, the app's own) answer
-    without importing torch, vLLM or Monarch: in ~0.2 s of CPU, not the ~2.5 s those take."""
+    """`forge --help` and a bad config of `forge run` or `forge eval` (a key, a value, a section's
+    check, the app's own) answer without importing torch, vLLM or Monarch: in ~0.2 s of CPU, not
+    the ~2.5 s those take."""
     argvs = [
         ["--help"],
         ["run", "configs/grpo_tiny.yaml", "steps=-1"],
@@ -150,6 +151,7 @@ def test_forge_help_and_config_errors_print_before_any_heavy_library_loads(tmp_p
         ["run", "configs/grpo_tiny.yaml", "task=nope"],
         ["run", "configs/sft_tiny.yaml", "batch_size=0"],
         ["run", str(write(tmp_path, "app: serve"))],
+        ["eval", "configs/grpo_tiny.yaml", "--model", "runs/nowhere", "eval.n=0"],
     ]
     script = NO_HEAVY_IMPORTS.format(argvs=argvs, heavy=HEAVY)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -163,5 +165,6 @@ def test_forge_help_and_config_errors_print_before_any_heavy_library_loads(tmp_p
         "task",
         "batch_size",
         "app",
+        "eval.n",
     ], out.stderr
     assert "usage: forge" in out.stdout and "LOADED []" in out.stdout, out.stdout
