@@ -1,6 +1,7 @@
-"""LoRA adapters as forge's pieces exchange them: the config (`trainer.lora`) and PEFT's file
-format (`adapter_config.json` + `adapter_model.safetensors`), which the trainer exports, the
-generator hands vLLM for each policy version, and `peft` and `forge serve --lora` load.
+"""LoRA adapters as forge's pieces exchange them: the config (`trainer.lora`, a
+`forge.schema.LoRAConfig`) and PEFT's file format (`adapter_config.json` +
+`adapter_model.safetensors`), which the trainer exports, the generator hands vLLM for each
+policy version, and `peft` and `forge serve --lora` load.
 
     cfg = LoRAConfig(rank=8, alpha=16)           # rank 0: off (a full fine-tune)
     write_adapter(out_dir, tensors, cfg, base)   # tensors named by `peft_key(module, "A")`

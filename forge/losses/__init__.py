@@ -8,7 +8,8 @@ importance weight, detached, that corrects what the generator sampled for the tr
 truncated at `is_cap`; ~1 on-policy, where only numerics differ). Each batch gets one optimizer step, so
 the "old" policy of the PPO ratio is the trainer's own logprobs before the step
 (`logprobs.detach()`); the ratio is 1 in value and carries the gradient.
-To add a loss: write a function with this signature and register it in LOSSES.
+To add a loss: write a function with this signature, register it in LOSSES and add its name to
+forge.schema.LOSS_NAMES (a config is checked against the names, without importing torch).
 """
 
 from __future__ import annotations

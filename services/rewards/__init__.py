@@ -14,11 +14,11 @@ columns, prompt, completion, finish reason, the messages of a multi-turn episode
 float or a dict of named components (its reward is the dict's `reward`, else the sum of the
 rest; a `correct` key is the sample's correctness); it may be sync (run in a thread) or async,
 and may declare its values with `@forge.types.reward_range(low, high)`. `REWARDS` names the
-built-ins (services/rewards/builtin.py, judge.py, code_tests.py); any other name is a
-"package.module:function". A reward that raises, or returns a value that is not finite or
-outside its declared range, scores 0 for that sample and marks its Score failed: it never ends
-the run. One that raises `RewardUnavailable` (its infrastructure failed) also marks the Score
-`unavailable`.
+built-ins (services/rewards/builtin.py, judge.py, code_tests.py; a config is checked against
+their names, `services.schema.REWARD_NAMES`); any other name is a "package.module:function".
+A reward that raises, or returns a value that is not finite or outside its declared range,
+scores 0 for that sample and marks its Score failed: it never ends the run. One that raises
+`RewardUnavailable` (its infrastructure failed) also marks the Score `unavailable`.
 """
 
 from __future__ import annotations
