@@ -7,7 +7,9 @@ STAMP  := $(VENV)/.forge-installed
 CONFIG ?= configs/grpo_tiny.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint clean
+COOKBOOK := .venv-cookbook
+
+.PHONY: install run test lint clean cookbook
 
 $(STAMP): pyproject.toml forge/install.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -15,6 +17,14 @@ $(STAMP): pyproject.toml forge/install.py
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The tinker-cookbook's recipes, as a client of `forge tinker` (their own venv: see pyproject.toml).
+$(COOKBOOK)/.installed: pyproject.toml forge/install.py
+	test -x $(COOKBOOK)/bin/python || python3 -m venv $(COOKBOOK)
+	$(COOKBOOK)/bin/python -m forge.install --cookbook 2>&1 | grep -v "is ignored: it is neither a file nor a directory" ; test $${PIPESTATUS[0]} -eq 0
+	touch $@
+
+cookbook: $(COOKBOOK)/.installed
 
 run: $(STAMP)
 	$(PY) -m forge.cli run $(CONFIG) $(ARGS)
@@ -28,4 +38,4 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) $(COOKBOOK) .cache runs

@@ -8,7 +8,15 @@ from dataclasses import dataclass, field
 from forge import tasks
 from forge.config import ConfigError, import_object
 from forge.schema import REWARD_UNAVAILABLE, DatasetConfig, JobConfig, LossConfig, RunConfig, SFTDataConfig
-from services.schema import AgenticConfig, EvalConfig, GeneratorConfig, ModelConfig, RewardsConfig, TrainerConfig
+from services.schema import (
+    AgenticConfig,
+    EvalConfig,
+    GeneratorConfig,
+    ModelConfig,
+    RewardsConfig,
+    TinkerConfig,
+    TrainerConfig,
+)
 
 
 @dataclass
@@ -154,4 +162,31 @@ class SFTConfig(RunConfig):
                 self.rewards.check_weights(self.eval.rewards, "eval.rewards")
 
 
-APPS: dict[str, type[RunConfig]] = {"grpo": GRPOConfig, "sft": SFTConfig}
+@dataclass
+class TinkerAppConfig(RunConfig):
+    """`forge tinker`: the Tinker API over one trainer (every client's LoRA adapter on it) and a
+    generator service (every sampler's adapter on it), until Ctrl-C."""
+
+    app: str = "tinker"
+    run_name: str = "tinker"  # checkpoints: RUNS/NAME/tinker/MODEL_ID/{weights,sampler_weights}/NAME
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tinker: TinkerConfig = field(default_factory=TinkerConfig)
+    generator_replicas: int = 1
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    trainer_procs: int = 1
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # lora: set from `tinker` (rank, alpha, every linear)
+
+    def validate(self) -> None:
+        super().validate()
+        self.tinker.validate()
+        for key in ("generator_replicas", "trainer_procs"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
+        if self.trainer.lora.enabled:
+            raise ConfigError(
+                "config key 'trainer.lora': forge tinker sets each client's adapter (tinker.max_lora_rank, "
+                "tinker.lora_alpha); leave trainer.lora unset"
+            )
+
+
+APPS: dict[str, type[RunConfig]] = {"grpo": GRPOConfig, "sft": SFTConfig, "tinker": TinkerAppConfig}

@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     sub = p.add_subparsers(dest="cmd", required=True)
 
+    t = sub.add_parser("tinker", help="serve the Tinker API (the tinker SDK, the cookbook) on a config's model")
+    t.add_argument("config", help="YAML config of the tinker app, e.g. configs/tinker_tiny.yaml")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. tinker.port=8001")
+
     r = sub.add_parser("run", help="run the app named by a config file's `app` key")
     r.add_argument("config", nargs="?", help="YAML config (default with --resume: the run's saved config)")
     r.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.lr=1e-4")
@@ -144,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         if a.config and "=" in a.config:  # `forge run --resume DIR key=value`: no config file given
             a.overrides, a.config = [a.config, *a.overrides], None
         run(a.config, a.overrides, resume=a.resume)
+    elif a.cmd == "tinker":
+        run(a.config, a.overrides, app="tinker")
     elif a.cmd == "eval":
         evaluate(a.config, a.overrides + extra, a.model, a.out)  # key=value overrides after --model too
     elif a.cmd == "make-dataset":

@@ -29,7 +29,22 @@ def pip(*args: str) -> None:
     subprocess.run(cmd, check=True)
 
 
+def cookbook() -> None:
+    """The tinker-cookbook, a client of `forge tinker`, in an environment of its own (its pins
+    differ from forge's: [tool.forge.cookbook]), with the CPU torch pinned as forge's."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    torch_pin = next(d for d in project["project"]["dependencies"] if d.replace(" ", "").startswith("torch=="))
+    pip("install", torch_pin)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(torch_pin + "\n")
+    pip("install", "-c", f.name, *project["tool"]["forge"]["cookbook"]["packages"])
+    os.unlink(f.name)
+    print("forge install: the tinker-cookbook is installed")
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--cookbook"]:
+        return cookbook()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     deps: list[str] = project["project"]["dependencies"]
     spec = project["tool"]["forge"]["install"]

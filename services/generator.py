@@ -117,6 +117,11 @@ def _record(found: tuple[tuple[int, ...], bytes] | None, length: int) -> torch.T
     return record
 
 
+def _prompt_logprobs(found: list[Any] | None) -> list[dict[int, float] | None]:
+    """vLLM's prompt logprobs ({token id: Logprob} per position, None first) as plain floats."""
+    return [None if p is None else {t: lp.logprob for t, lp in p.items()} for p in found or []]
+
+
 def _preview(prompt: Any) -> str:
     text = repr(prompt)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -433,6 +438,7 @@ class Generator(ForgeActor):
             final = out
         finished = admitted if p.lora else p.version  # LoRA: every token under the admitted adapter
         prompt_ids = list(final.prompt_token_ids)
+        prompt_logprobs = _prompt_logprobs(final.prompt_logprobs) if sp.get("prompt_logprobs") is not None else None
         routing = await self._routed_experts(
             request_id, len(prompt_ids), [(c.index, len(c.token_ids)) for c in final.outputs]
         )
@@ -448,6 +454,7 @@ class Generator(ForgeActor):
                 max_policy_version=finished,
                 prompt=prompt if isinstance(prompt, str) else None,
                 routed_experts=routed,
+                prompt_logprobs=prompt_logprobs,
             )
             for c, routed in zip(final.outputs, routing)
         ]
@@ -636,6 +643,24 @@ class Generator(ForgeActor):
         if p.version < version:
             raise KeyError(f"Generator.load_version: version {version} is not in the weight store {p.store.name!r}")
         return p.version
+
+    @endpoint
+    async def add_policy(self, name: str, lora: LoRAConfig) -> None:
+        """A LoRA policy joins at run time (a Tinker sampler): its versions come by `load_weights`.
+        The engine must have started with LoRA (`lora`, or `generator.engine.max_loras`)."""
+        if not name or name in self.policies:
+            raise ValueError(f"generator: policy {name!r} exists (or has no name)")
+        if not self.engine.vllm_config.lora_config:
+            raise ValueError("generator: vLLM started without LoRA; start it with a LoRA policy")
+        self.policies[name] = _Policy(name, None, lora)
+
+    @endpoint
+    async def remove_policy(self, name: str) -> None:
+        """`name` leaves: its adapters are unloaded as soon as no request uses them."""
+        policy = self.policies.pop(name, None)
+        if policy is not None:
+            policy.version += 1  # every adapter it holds is now an old one
+            await self._drop_unused_adapters(policy)
 
     @endpoint
     async def policy_version(self, policy: str = "") -> int:

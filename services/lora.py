@@ -23,7 +23,7 @@ from forge.lora import peft_key
 from forge.schema import LoRAConfig
 
 
-def _lora_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+def lora_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
     """(fqn, module) of every linear that carries an adapter (torchtitan's LoRALinear)."""
     for name, module in model.named_modules():
         if hasattr(module, "_lora_scaling"):
@@ -70,7 +70,7 @@ def add_dropout(model: torch.nn.Module, p: float) -> None:
     linear has none, so a pre-hook on its A matrix adds it."""
     if p <= 0:
         return
-    for _, module in _lora_modules(model):
+    for _, module in lora_modules(model):
         module.lora_a.register_forward_pre_hook(
             lambda m, args: (torch.nn.functional.dropout(args[0], p, m.training), *args[1:])
         )
@@ -83,7 +83,7 @@ def is_adapter(name: str) -> bool:
 @contextlib.contextmanager
 def adapters_off(model: torch.nn.Module) -> Iterator[None]:
     """The base model's forward: each adapter scaled by 0 (base + 0 is the base, exactly)."""
-    held = [(m, m._lora_scaling) for _, m in _lora_modules(model)]
+    held = [(m, m._lora_scaling) for _, m in lora_modules(model)]
     try:
         for m, _ in held:
             m._lora_scaling = 0.0
@@ -105,7 +105,7 @@ class PeftNames:
     def __init__(self, model: torch.nn.Module, state_dict_adapter: Any):
         self.modules: dict[str, tuple[str, torch.Tensor]] = {}
         orders: dict[str, tuple[str, torch.Tensor]] = {}  # per layer-free name: layers share their order
-        for name, module in _lora_modules(model):
+        for name, module in lora_modules(model):
             abstract = re.sub(r"\d+", "{}", name, count=1)
             if abstract not in orders:
                 rows, cols = module.weight.shape
@@ -125,7 +125,7 @@ class PeftNames:
     def tensors(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The adapter in PEFT's names, whole (every rank must call this: FSDP gathers), on the CPU."""
         out = {}
-        for name, module in _lora_modules(model):
+        for name, module in lora_modules(model):
             hf_name, order = self.modules[name]
             out[peft_key(hf_name, "A")] = _full(module.lora_a.weight.detach()).cpu()
             out[peft_key(hf_name, "B")] = _full(module.lora_b.weight.detach()).cpu()[order]

@@ -435,6 +435,49 @@ class GatewayConfig:
                 raise ValueError(f"config key 'gateway.{key}' must be > 0, got {getattr(self, key)}")
 
 
+@dataclass
+class TinkerConfig:
+    """The `tinker` section of `forge tinker`: where it listens, who may call it, the LoRA adapters
+    its clients train, and the bounds on what one session may ask."""
+
+    host: str = "127.0.0.1"  # set it explicitly to listen beyond this machine (then api_keys are required)
+    port: int = 8000  # 0: any free port
+    # The keys clients send (X-API-Key; the SDK wants the `tml-` prefix). Each is an owner: its
+    # sessions' models, samplers and checkpoints are its own. Empty: none needed (loopback only).
+    api_keys: list[str] = field(default_factory=list)
+    base_model: str | None = None  # the name clients give as base_model (default: model.path, absolute)
+    max_lora_rank: int = 32  # the largest rank a client may ask for
+    lora_alpha: float = 32.0  # an adapter's output is scaled by alpha / its rank
+    session_timeout_s: float = 60.0  # a session without a heartbeat this long is closed, its adapters freed
+    poll_s: float = 25.0  # how long retrieve_future holds a request that is not done (the SDK waits 45 s)
+    max_sessions: int = 64
+    max_models: int = 16  # training clients (adapters on the trainer) on the server at once
+    max_models_per_session: int = 4
+    max_samplers_per_session: int = 8  # more: the oldest is released
+    max_inflight_per_session: int = 64  # requests submitted and not done; more get 429 (the SDK retries)
+    max_request_bytes: int = 16 << 20
+    max_datums: int = 1024  # per forward_backward request
+    max_tokens: int = 65536  # per forward_backward request, over its datums
+    max_seq_len: int = 4096  # one datum
+    max_samples: int = 64  # num_samples of one sample request
+
+    def validate(self) -> None:
+        if not _loopback(self.host) and not self.api_keys:
+            raise ConfigError(
+                f"config key 'tinker.api_keys': the server would listen on {self.host}, beyond this machine, "
+                "with no API key: give one (tml-...)"
+            )
+        bad = [k for k in self.api_keys if not (isinstance(k, str) and k.startswith("tml-") and len(k) >= 20)]
+        if bad:
+            raise ConfigError("config key 'tinker.api_keys': each key starts with 'tml-' and has 20 characters or more")
+        limits = ("max_lora_rank", "lora_alpha", "session_timeout_s", "poll_s", "max_sessions", "max_models")
+        limits += ("max_models_per_session", "max_samplers_per_session", "max_inflight_per_session")
+        limits += ("max_request_bytes", "max_datums", "max_tokens", "max_seq_len", "max_samples")
+        for key in limits:
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"config key 'tinker.{key}' must be > 0, got {getattr(self, key)}")
+
+
 ON_FAILURE = ("mask", "drop")
 
 

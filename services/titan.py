@@ -144,6 +144,17 @@ def build_sharded_model(
     return model.train()
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """A forward without backward (logprobs) leaves FSDP's root group unsharded: what is written
+    into the parameters (a checkpoint, another adapter) must land in the sharded ones, which the
+    next forward gathers again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def gradients_summed() -> bool:
     """True where FSDP sums gradients over ranks instead of averaging them (the caller divides
     its loss by the world size): gloo has no PREMUL_SUM, which FSDP's averaging uses."""
@@ -166,6 +177,14 @@ def _forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor 
     if positions is None:
         return model(ids)  # one episode per row: SDPA's own causal kernel
     return model(ids, positions=positions, attention_masks=packed_causal_mask(positions))
+
+
+def target_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(targets[:, t] | input_ids[:, :t + 1]) for every t, [rows, seq]: Tinker's alignment,
+    where a datum names the token each position predicts (usually the next input)."""
+    logits = _forward(model, input_ids).float()
+    flat = logits.reshape(-1, logits.shape[-1])
+    return -torch.nn.functional.cross_entropy(flat, targets.reshape(-1), reduction="none").view_as(targets)
 
 
 def token_logprobs(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,16 @@ from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
 from forge.lora import write_adapter
 from forge.losses import get_loss, importance_weight, k3_kl, loss_units, mismatch_metrics, mismatch_sums
+from forge.losses.tinker import TINKER_LOSSES, Datums, loss_config
 from forge.store import WeightStore
 from forge.types import Batch
 from services import models
 from services.lora import AdapterState, PeftNames, adapters_off, merged
 from services.schema import DECAYS, TrainerConfig
+from services.tenants import Tenants
+from services.titan import reshard
 
+TENANT_META = "tenant.json"  # a tenant checkpoint's LoRA rank, alpha and modules
 HF_FILES = (
     "config.json",
     "generation_config.json",
@@ -118,6 +123,7 @@ class Trainer(ForgeActor):
         self.peft = PeftNames(self.model, self.adapter) if self.cfg.lora.enabled else None
         self.optimizers, self.schedulers = build_optimizers(self.model, self.cfg)
         self.loss_fn = get_loss(self.cfg.loss.name)
+        self.tenants = Tenants(self.model, self.peft, self._tenant_optimizer) if self.peft is not None else None
 
     def _shard(self, batch: Batch) -> Batch:
         """This rank's rows; the caller sends one whole batch to every rank."""
@@ -227,6 +233,118 @@ class Trainer(ForgeActor):
                 0
             ].cpu()
 
+    # ---- tenants: several adapters on this model, one at a time (a Tinker client each) ----
+
+    def _tenant_optimizer(self) -> Any:
+        return build_optimizers(self.model, self.cfg)[0]
+
+    def _tenants(self) -> Tenants:
+        if self.tenants is None:
+            raise ValueError("trainer: tenants need LoRA (config key 'trainer.lora.rank' > 0)")
+        return self.tenants
+
+    @endpoint
+    async def add_tenant(self, name: str, rank: int, alpha: float, modules: set[str], seed: int) -> None:
+        """A new adapter of `rank` on `modules` (HF names), seeded, with an optimizer of its own."""
+        self._tenants().add(name, rank, alpha, modules, seed)
+
+    @endpoint
+    async def remove_tenant(self, name: str) -> None:
+        self._tenants().remove(name)
+
+    @endpoint
+    async def forward_backward(
+        self, name: str, datums: Datums, loss: str, config: dict[str, float] | None = None, backward: bool = True
+    ) -> tuple[list[list[float]], float]:
+        """Tenant `name`'s target logprobs of every datum (each its own length) and the summed
+        loss; with `backward`, its gradients grow by the loss's (they add up until `optim_step`)."""
+        from services.titan import gradients_summed, target_logprobs
+
+        cfg = loss_config(loss, config)
+        self._tenants().activate(name)
+        rows = datums.input_ids.shape[0]
+        per = -(-rows // self.world)
+        mine = _pad_rows(datums.rows(slice(self.rank * per, (self.rank + 1) * per)), per).to(self.device)
+        with torch.set_grad_enabled(backward):
+            lp = target_logprobs(self.model, mine.input_ids, mine.target_tokens)
+            total = TINKER_LOSSES[loss](lp, mine, cfg)
+            if backward:  # FSDP averages gradients over ranks (gloo: sums them); the loss is a sum
+                (total * (1 if gradients_summed() else self.world)).backward()
+        out = [row[:n] for row, n in zip(lp.detach().cpu().tolist(), mine.lengths)]
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, (out, float(total.detach())))
+        logprobs = [row for part, _ in gathered for row in part][:rows]
+        return logprobs, sum(part_loss for _, part_loss in gathered)
+
+    @endpoint
+    async def optim_step(self, name: str, adam: dict[str, float]) -> dict[str, float]:
+        """One AdamW step of tenant `name` on its gradients so far, with the request's `adam`
+        (learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm: 0 for none)."""
+        from torchtitan.distributed import utils as dist_utils
+
+        tenant = self._tenants().activate(name)
+        for opt in tenant.optimizer.optimizers:
+            for group in opt.param_groups:
+                group.update(
+                    lr=adam["learning_rate"],
+                    betas=(adam["beta1"], adam["beta2"]),
+                    eps=adam["eps"],
+                    weight_decay=adam["weight_decay"],
+                )
+        params = list(self.tenants.params.values())
+        norm = dist_utils.clip_grad_norm_(params, max_norm=adam["grad_clip_norm"] or math.inf, foreach=True)
+        tenant.optimizer.step()
+        tenant.optimizer.zero_grad()
+        tenant.steps += 1
+        return {"grad_norm": float(norm), "steps": tenant.steps}
+
+    @endpoint
+    async def tenant_adapter(self, name: str) -> tuple[dict[str, torch.Tensor], Any]:
+        """Tenant `name`'s adapter as PEFT tensors of its own rank, and its LoRAConfig (rank 0's answer)."""
+        return self._tenants().adapter(name)
+
+    def _tenant_state(self, name: str, optimizer: bool) -> dict[str, Any]:
+        tenant = self._tenants().activate(name)
+        state: dict[str, Any] = {"model": AdapterState(self.model), "train_state": {"steps": tenant.steps}}
+        if optimizer:
+            state["optimizer"] = tenant.optimizer
+        return state
+
+    @endpoint
+    async def save_tenant(self, name: str, path: str) -> None:
+        """DCP checkpoint of tenant `name`: its adapter (at the server's largest rank, its unused
+        part zeros), optimizer state and step count, and `tenant.json` (rank, alpha, modules)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._tenant_state(name, optimizer=True), checkpoint_id=path)
+        if self.rank == 0:
+            tenant = self.tenants.get(name)
+            meta = {"rank": tenant.rank, "alpha": tenant.alpha, "modules": sorted(tenant.modules)}
+            (Path(path) / TENANT_META).write_text(json.dumps(meta))
+
+    @endpoint
+    async def load_tenant(self, name: str, path: str, optimizer: bool) -> None:
+        """Load a `save_tenant` checkpoint into tenant `name` (of the same rank and modules): its
+        adapter, and its optimizer state and step count too with `optimizer` (else both start over)."""
+        import torch.distributed.checkpoint as dcp
+
+        tenant = self._tenants().get(name)
+        saved = json.loads((Path(path) / TENANT_META).read_text())
+        if (saved["rank"], set(saved["modules"])) != (tenant.rank, tenant.modules):
+            raise ValueError(
+                f"checkpoint {Path(path).name} has LoRA rank {saved['rank']} on {saved['modules']}; this model "
+                f"has rank {tenant.rank} on {sorted(tenant.modules)}"
+            )
+        reshard(self.model)
+        if not optimizer:
+            tenant.optimizer, tenant.steps = self._tenant_optimizer(), 0
+        state = self._tenant_state(name, optimizer)
+        dcp.load(state, checkpoint_id=path)
+        if optimizer:
+            tenant.steps = state["train_state"]["steps"]
+        for p in self.tenants.params.values():
+            p.grad = None
+
     def _full_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model with HF names (LoRA adapters merged in), on rank 0 (every rank must call this)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -330,15 +448,10 @@ class Trainer(ForgeActor):
 
     def _load(self, path: str) -> int:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.fsdp import FSDPModule
 
         if not Path(path).is_dir():
             raise FileNotFoundError(f"no trainer checkpoint at {path}")
-        # A forward without backward (logprobs) leaves FSDP's root group unsharded; the checkpoint
-        # must land in the sharded parameters, which the next forward gathers again.
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        reshard(self.model)
         state = self._state()
         dcp.load(state, checkpoint_id=path)
         self.step, self.version = state["train_state"]["step"], state["train_state"]["version"]
@@ -368,6 +481,18 @@ class Trainer(ForgeActor):
                 print(f"forge: trainer could not clear weights {self.store.name!r}: {e}", flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _pad_rows(d: Datums, rows: int) -> Datums:
+    """`d` with empty rows (mask 0) up to `rows`: every rank runs a forward, even one with no datum."""
+    short = rows - d.input_ids.shape[0]
+    if short <= 0:
+        return d
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros((short, *t.shape[1:]))])
+
+    return Datums(pad(d.input_ids), pad(d.target_tokens), pad(d.mask), {k: pad(v) for k, v in d.inputs.items()})
 
 
 def _micro_batches(b: Batch, n: int) -> list[Batch]:

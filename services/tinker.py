@@ -1,0 +1,771 @@
+"""`forge tinker`: the Tinker API over forge's trainer and generator services, so code written for
+the `tinker` SDK (and the tinker-cookbook's recipes) trains on a user's own machines.
+
+    front = TinkerFront(trainer, gen, model_dir, TinkerConfig(), run_dir, vocab_size, max_model_len)
+    server = await front.serve()          # HTTP on cfg.host:cfg.port, /api/v1/...
+    ...
+    await front.shutdown()
+
+A front door, as the gateway is: it translates the protocol into service calls and owns no
+training state. Each training client is a tenant of the trainer (its own LoRA adapter, optimizer
+state and step count; services/tenants.py) and each sampler a LoRA policy of the generators
+(`Generator.add_policy`). What it keeps is the protocol's: sessions and their owners (an API key),
+each model's requests in `seq_id` order (a retried one answered once), futures that clients
+long-poll, and where `tinker://` paths live on disk (RUN/tinker/MODEL_ID/{weights,sampler_weights}/NAME).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import hmac
+import json
+import logging
+import re
+import secrets
+import shutil
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from tinker import types
+
+from forge import console
+from forge.lora import read_adapter, write_adapter
+from services.schema import TinkerConfig
+from services.tenants import modules_of
+from services.tinker_wire import (
+    Limits,
+    UserError,
+    decode_forward_backward,
+    encode_forward_backward,
+    encode_sample,
+    parse,
+    prompt_tokens,
+    sampling_args,
+)
+
+log = logging.getLogger("forge")
+API = "/api/v1"
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+PATH = re.compile(r"tinker://([A-Za-z0-9._:-]{1,200})/(weights|sampler_weights)/([A-Za-z0-9][A-Za-z0-9._-]{0,127})")
+META = "forge_tinker.json"  # beside a checkpoint's files: its owner, kind and LoRA shape
+KINDS = {"weights": "training", "sampler_weights": "sampler"}
+
+
+class Refused(Exception):
+    """An HTTP answer other than 200 (the request itself is refused, no future is made)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Pending:
+    """A submitted request's future: the client polls `retrieve_future` until it is done."""
+
+    session: str
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    result: Any = None  # a JSON-able dict, or protobuf bytes
+    error: tuple[str, str] | None = None  # (message, category)
+    finished: float = 0.0
+
+
+@dataclass
+class Model:
+    """A training client: a trainer tenant, its requests applied in seq_id order."""
+
+    id: str
+    session: str
+    rank: int
+    modules: set[str]
+    created: asyncio.Event = field(default_factory=asyncio.Event)
+    next_seq: int = 1
+    waiting: dict[int, tuple[Pending, Callable[[], Awaitable[Any]]]] = field(default_factory=dict)
+    draining: bool = False
+
+
+@dataclass
+class Sampler:
+    id: str
+    policy: str  # the generator's LoRA policy ("": the base model)
+    model_path: str | None
+
+
+@dataclass
+class Session:
+    id: str
+    owner: str
+    seen: float
+    models: dict[str, Model] = field(default_factory=dict)
+    samplers: collections.OrderedDict[str, Sampler] = field(default_factory=collections.OrderedDict)
+
+
+def _iso(t: float | None) -> str | None:
+    return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _category(e: BaseException) -> str:
+    return "user" if isinstance(e, (UserError, ValueError, KeyError)) else "server"
+
+
+class TinkerFront:
+    """The Tinker API's server over a Trainer service (LoRA, tenants) and a Generator service."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        gen: Any,
+        model_dir: str | Path,
+        cfg: TinkerConfig,
+        run_dir: str | Path,
+        vocab_size: int,
+        max_model_len: int,
+        max_tokens: int = 32,
+    ):
+        self.trainer, self.gen, self.cfg = trainer, gen, cfg
+        self.model_dir = Path(model_dir).resolve()
+        self.base_model = cfg.base_model or str(self.model_dir)
+        self.root = Path(run_dir).resolve() / "tinker"
+        self.vocab, self.max_len, self.max_tokens = vocab_size, max_model_len, max_tokens
+        self.limits = Limits(cfg.max_datums, cfg.max_tokens, cfg.max_seq_len)
+        self.sessions: dict[str, Session] = {}
+        self.futures: dict[str, Pending] = {}
+        self.keys: dict[tuple[Any, ...], str] = {}  # a request's logical key -> its future (retries)
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, tuple[Session, Sampler]] = {}
+        self._server: Any = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- the HTTP server -----------------------------------------------------------
+
+    def app(self) -> Starlette:
+        post = {
+            "client/config": self.client_config,
+            "client/dynamic_config": self.dynamic_config,
+            "create_session": self.create_session,
+            "session_heartbeat": self.heartbeat,
+            "telemetry": self.telemetry,
+            "create_model": self.create_model,
+            "get_info": self.get_info,
+            "forward_backward": self.forward_backward,
+            "optim_step": self.optim_step,
+            "save_weights": self.save_weights,
+            "load_weights": self.load_weights,
+            "save_weights_for_sampler": self.save_for_sampler,
+            "create_sampling_session": self.create_sampling_session,
+            "asample": self.asample,
+            "retrieve_future": self.retrieve_future,
+            "cancel_future": self.cancel_future,
+            "weights_info": self.weights_info,
+        }
+        get = {
+            "healthz": self.healthz,
+            "get_server_capabilities": self.capabilities,
+            "samplers/{sampler_id}": self.get_sampler,
+            "training_runs/{run_id}/checkpoints": self.list_run_checkpoints,
+            "checkpoints": self.list_checkpoints,
+        }
+        routes = [Route(f"{API}/{p}", self._wrap(h), methods=["POST"]) for p, h in post.items()]
+        routes += [Route(f"{API}/{p}", self._wrap(h), methods=["GET"]) for p, h in get.items()]
+        routes.append(Route(f"{API}/sessions/{{session_id}}/finish", self._wrap(self.finish), methods=["POST"]))
+        return Starlette(routes=routes)
+
+    def _wrap(
+        self, handler: Callable[[Request, str, bytes], Awaitable[Any]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                owner = self._owner(request)
+                body = await self._body(request) if request.method == "POST" else b""
+                out = await handler(request, owner, body)
+            except Refused as e:
+                return JSONResponse({"detail": str(e)}, status_code=e.status)
+            except ValueError as e:  # UserError, and what the SDK's types or json refuse
+                console.report("tinker request refused", str(e))
+                return JSONResponse({"detail": str(e)}, status_code=400)
+            except Exception as e:  # a service call failed: the client may try again
+                log.warning("forge tinker: %s failed: %s", request.url.path, e)
+                return JSONResponse({"detail": f"{type(e).__name__}: {e}"}, status_code=500)
+            if isinstance(out, Response):
+                return out
+            return JSONResponse(out)
+
+        return endpoint
+
+    def _owner(self, request: Request) -> str:
+        """Who calls: the API key's owner (or "local" when the server takes none)."""
+        if request.url.path == f"{API}/healthz":
+            return ""
+        if not self.cfg.api_keys:
+            return "local"
+        given = request.headers.get("x-api-key", "")
+        for key in self.cfg.api_keys:
+            if hmac.compare_digest(given.encode(), key.encode()):
+                return hashlib.sha256(key.encode()).hexdigest()[:32]
+        raise Refused(401, "missing or unknown X-API-Key")
+
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, at most `max_request_bytes` (read no further), not compressed."""
+        if request.headers.get("content-encoding", "identity") != "identity":
+            raise Refused(415, "compressed bodies are not taken (client/config proto_compress_fwdbwd is false)")
+        limit = self.cfg.max_request_bytes
+        if int(request.headers.get("content-length") or 0) > limit:
+            raise Refused(413, f"request body over {limit} bytes (tinker.max_request_bytes)")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise Refused(413, f"request body over {limit} bytes (tinker.max_request_bytes)")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def serve(self) -> Any:
+        """Start the HTTP server (and the session reaper); returns once it listens."""
+        import uvicorn
+
+        config = uvicorn.Config(self.app(), host=self.cfg.host, port=self.cfg.port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._serving = asyncio.ensure_future(self._server.serve())
+        self._spawn(self._reap())
+        while not self._server.started:
+            if self._serving.done():  # e.g. the port is taken
+                self._serving.result()
+                raise OSError(f"forge tinker: cannot listen on {self.cfg.host}:{self.cfg.port}")
+            await asyncio.sleep(0.05)
+        return self._server
+
+    @property
+    def base_url(self) -> str:
+        sock = self._server.servers[0].sockets[0]
+        host, port = sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    async def shutdown(self) -> None:
+        for session in list(self.sessions.values()):
+            await self._close(session)
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._serving
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- sessions --------------------------------------------------------------------
+
+    async def client_config(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        return {
+            "pjwt_auth_enabled": False,
+            "proto_compress_fwdbwd": False,
+            "fwdbwd_max_chunk_len": self.cfg.max_datums,
+            # the SDK's estimate (4 bytes a token + the tensors) stays under the server's limit
+            "fwdbwd_max_chunk_bytes_count": self.cfg.max_request_bytes // 2,
+            "sample_use_retrieve_futures": False,
+            "custom_loss_server_side": False,
+            "sample_join_sampling_session": False,
+        }
+
+    async def dynamic_config(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    async def healthz(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        return {"status": "ok"}
+
+    async def telemetry(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        return {"status": "accepted"}  # dropped: nothing leaves this machine
+
+    async def capabilities(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        model = {"model_name": self.base_model, "max_context_length": self.max_len, "trainable": True}
+        return {"supported_models": [{**model, "sampleable": True}]}
+
+    async def create_session(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        parse(types.CreateSessionRequest, body)
+        if len(self.sessions) >= self.cfg.max_sessions:
+            raise Refused(429, f"the server holds {self.cfg.max_sessions} sessions (tinker.max_sessions)")
+        sid = f"sess-{secrets.token_hex(12)}"
+        self.sessions[sid] = Session(sid, owner, time.monotonic())
+        return {"session_id": sid, "type": "create_session"}
+
+    def _session(self, sid: str, owner: str) -> Session:
+        """`owner`'s open session `sid`; another owner's is as unknown as one that never was."""
+        session = self.sessions.get(sid)
+        if session is None or session.owner != owner:
+            raise UserError(
+                f"no open session {sid!r} (closed after {self.cfg.session_timeout_s:g} s without a heartbeat?)"
+            )
+        session.seen = time.monotonic()
+        return session
+
+    async def heartbeat(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        req = parse(types.SessionHeartbeatRequest, body)
+        if req.session_id not in self.sessions or self.sessions[req.session_id].owner != owner:
+            raise Refused(410, f"no open session {req.session_id!r}")
+        self._session(req.session_id, owner)
+        return {"type": "session_heartbeat"}
+
+    async def finish(self, request: Request, owner: str, body: bytes) -> Response:
+        session = self._session(request.path_params["session_id"], owner)
+        await self._close(session)
+        return Response(status_code=204)
+
+    async def _reap(self) -> None:
+        """Close the sessions whose client stopped beating: their adapters, samplers and futures go."""
+        while True:
+            await asyncio.sleep(min(5.0, self.cfg.session_timeout_s / 2))
+            await asyncio.to_thread(self._expire)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if now - session.seen > self.cfg.session_timeout_s:
+                    log.info("forge tinker: session %s timed out; its adapters are freed", session.id)
+                    await self._close(session)
+            old = [r for r, p in self.futures.items() if p.done.is_set() and now - p.finished > 600]
+            for rid in old:  # results nobody came back for (and their retries' keys)
+                self.futures.pop(rid, None)
+            if old:
+                self.keys = {k: r for k, r in self.keys.items() if r in self.futures}
+
+    async def _close(self, session: Session) -> None:
+        self.sessions.pop(session.id, None)
+        for model in session.models.values():
+            self.models.pop(model.id, None)
+            for pending, _ in model.waiting.values():
+                self._fail(pending, f"session {session.id} closed", "user")
+            await self._quietly(self.trainer.remove_tenant.route(model.id))
+        for sampler in session.samplers.values():
+            await self._release(sampler)
+        for rid in [r for r, p in self.futures.items() if p.session == session.id]:
+            self.futures.pop(rid, None)
+        self.keys = {k: r for k, r in self.keys.items() if r in self.futures}
+
+    async def _quietly(self, call: Awaitable[Any]) -> None:
+        try:
+            await call
+        except Exception as e:  # freeing what is gone already
+            log.warning("forge tinker: %s", e)
+
+    # ---- futures ---------------------------------------------------------------------
+
+    def _admit(self, session: Session, key: tuple[Any, ...]) -> tuple[str, Pending | None]:
+        """The future of `key` if it was submitted before (a retry), else a new one."""
+        if key in self.keys and self.keys[key] in self.futures:
+            return self.keys[key], None
+        busy = sum(1 for p in self.futures.values() if p.session == session.id and not p.done.is_set())
+        if busy >= self.cfg.max_inflight_per_session:
+            raise Refused(429, f"{busy} requests in flight for this session (tinker.max_inflight_per_session)")
+        rid = f"req-{uuid.uuid4().hex}"
+        pending = Pending(session.id)
+        self.futures[rid], self.keys[key] = pending, rid
+        return rid, pending
+
+    def _submit(self, session: Session, key: tuple[Any, ...], op: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
+        rid, pending = self._admit(session, key)
+        if pending is not None:
+            self._spawn(self._run(pending, op))
+        return {"request_id": rid}
+
+    async def _run(self, pending: Pending, op: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            result = await op()
+        except Exception as e:
+            self._fail(pending, str(e) or type(e).__name__, _category(e))
+        else:
+            pending.result, pending.finished = result, time.monotonic()
+            pending.done.set()
+
+    def _fail(self, pending: Pending, message: str, category: str) -> None:
+        if category == "server":
+            log.warning("forge tinker: request failed: %s", message)
+        else:
+            console.report("tinker request failed", message)
+        pending.error, pending.finished = (message, category), time.monotonic()
+        pending.done.set()
+
+    async def retrieve_future(self, request: Request, owner: str, body: bytes) -> Any:
+        req = parse(types.FutureRetrieveRequest, body)
+        pending = self.futures.get(req.request_id)
+        if pending is None or pending.session not in self.sessions or self.sessions[pending.session].owner != owner:
+            raise Refused(404, f"no request {req.request_id!r}")
+        session = self.sessions[pending.session]
+        session.seen = time.monotonic()
+        try:  # a client waiting here is alive: the wait ends well within the session's timeout
+            await asyncio.wait_for(pending.done.wait(), min(self.cfg.poll_s, self.cfg.session_timeout_s / 2))
+        except TimeoutError:
+            return {"type": "try_again", "request_id": req.request_id, "queue_state": "active"}
+        finally:
+            session.seen = time.monotonic()
+        if pending.error is not None:
+            return {"error": pending.error[0], "category": pending.error[1]}
+        if isinstance(pending.result, bytes):
+            return Response(pending.result, media_type="application/x-protobuf")
+        return pending.result
+
+    async def cancel_future(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        return {}
+
+    # ---- training --------------------------------------------------------------------
+
+    def _model(self, model_id: str, owner: str) -> Model:
+        model = self.models.get(model_id)
+        session = self.sessions.get(model.session) if model is not None else None
+        if session is None or session.owner != owner:
+            raise UserError(f"no model {model_id!r} (its session closed?)")
+        session.seen = time.monotonic()
+        return model
+
+    def _check_base(self, base_model: str | None) -> None:
+        if base_model is None or base_model == self.base_model:
+            return
+        if not Path(base_model).is_dir() or Path(base_model).resolve() != self.model_dir:
+            raise UserError(f"base_model {base_model!r} is not served here; this server serves {self.base_model!r}")
+
+    def _new_model(self, session: Session, seq: int) -> Model:
+        if len(session.models) >= self.cfg.max_models_per_session:
+            raise Refused(429, f"session holds {len(session.models)} models (tinker.max_models_per_session)")
+        if len(self.models) >= self.cfg.max_models:
+            raise Refused(429, f"the server holds {len(self.models)} models (tinker.max_models)")
+        model = Model(f"{session.id}:train:{seq}", session.id, 0, set())
+        session.models[model.id] = self.models[model.id] = model
+        return model
+
+    async def create_model(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        req = parse(types.CreateModelRequest, body)
+        session = self._session(req.session_id, owner)
+        self._check_base(req.base_model)
+        lora = req.lora_config or types.LoraConfig(rank=self.cfg.max_lora_rank)
+        if req.optimizer_config.type != "adamw":
+            raise UserError(f"optimizer_config: {req.optimizer_config.type!r} is not supported (forge: adamw)")
+        if not 0 < lora.rank <= self.cfg.max_lora_rank:
+            raise UserError(f"lora_config.rank: {lora.rank}; this server takes 1 to {self.cfg.max_lora_rank}")
+        modules = modules_of(lora.train_mlp, lora.train_attn, lora.train_unembed)
+        if not modules:
+            raise UserError("lora_config: train_mlp, train_attn and train_unembed are all false")
+        key = ("create", session.id, req.model_seq_id)
+        if key in self.keys:
+            return {"request_id": self.keys[key], "model_id": f"{session.id}:train:{req.model_seq_id}"}
+        model = self._new_model(session, req.model_seq_id)
+        model.rank, model.modules = lora.rank, modules
+        seed = lora.seed if lora.seed is not None else secrets.randbits(31)
+
+        async def create() -> dict[str, Any]:
+            try:
+                await self.trainer.add_tenant.route(model.id, lora.rank, self.cfg.lora_alpha, modules, seed)
+            except Exception:
+                self._forget(model)
+                raise
+            model.created.set()
+            return {"model_id": model.id, "type": "create_model"}
+
+        return {**self._submit(session, key, create), "model_id": model.id}
+
+    def _forget(self, model: Model) -> None:
+        self.models.pop(model.id, None)
+        if model.session in self.sessions:
+            self.sessions[model.session].models.pop(model.id, None)
+
+    async def get_info(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        req = parse(types.GetInfoRequest, body)
+        model = self._model(req.model_id, owner)
+        return {
+            "type": "get_info",
+            "model_id": model.id,
+            "model_data": {"arch": "lora", "model_name": self.base_model, "tokenizer_id": str(self.model_dir)},
+            "is_lora": True,
+            "lora_rank": model.rank,
+            "model_name": self.base_model,
+        }
+
+    def _ordered(self, model: Model, seq_id: int | None, op: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
+        """Submit `op` as `model`'s request `seq_id`: it runs once every lower one has, and once only."""
+        session = self.sessions[model.session]
+        if seq_id is None:
+            raise UserError("seq_id is required")
+        key = ("seq", model.id, seq_id)
+        if key not in self.keys and seq_id < model.next_seq:
+            raise UserError(f"seq_id {seq_id} of model {model.id} was applied already")
+        if seq_id > model.next_seq + self.cfg.max_inflight_per_session:
+            raise UserError(f"seq_id {seq_id} is far ahead of model {model.id}'s next ({model.next_seq})")
+        rid, pending = self._admit(session, key)
+        if pending is not None:
+            model.waiting[seq_id] = (pending, op)
+            if not model.draining:
+                self._spawn(self._drain(model))
+        return {"request_id": rid, "model_id": model.id}
+
+    async def _drain(self, model: Model) -> None:
+        model.draining = True
+        try:
+            await model.created.wait()
+            while model.next_seq in model.waiting and model.id in self.models:
+                pending, op = model.waiting.pop(model.next_seq)
+                await self._run(pending, op)
+                model.next_seq += 1
+        finally:
+            model.draining = False
+
+    async def forward_backward(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        fb = decode_forward_backward(body, self.vocab, self.limits)
+        model = self._model(fb.model_id, owner)
+
+        async def run() -> bytes:
+            logprobs, loss = await self.trainer.forward_backward.route(
+                model.id, fb.datums, fb.loss_fn, fb.config, not fb.forward_only
+            )
+            return encode_forward_backward(logprobs, loss)
+
+        return self._ordered(model, fb.seq_id, run)
+
+    async def optim_step(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        req = parse(types.OptimStepRequest, body)
+        model = self._model(req.model_id, owner)
+        adam = req.optim_params
+        if not isinstance(adam, types.AdamParams):
+            raise UserError(f"optim_step: optimizer {getattr(adam, 'type', '?')!r} is not supported (forge: adamw)")
+        params = adam.model_dump()
+        bad = {k: v for k, v in params.items() if not (v == v and abs(v) != float("inf"))}
+        if bad or adam.learning_rate < 0 or not (0 <= adam.beta1 < 1 and 0 <= adam.beta2 < 1) or adam.eps <= 0:
+            raise UserError(f"adam_params: {params} (finite; learning_rate >= 0, betas in [0, 1), eps > 0)")
+
+        async def run() -> dict[str, Any]:
+            metrics = await self.trainer.optim_step.route(model.id, params)
+            return {"metrics": {"grad_norm:mean": metrics["grad_norm"]}}
+
+        return self._ordered(model, req.seq_id, run)
+
+    def _checkpoint(self, model: Model, kind: str, name: str | None, overwrite: bool) -> tuple[Path, str]:
+        if name is None or not NAME.fullmatch(name) or name in (".", ".."):
+            raise UserError(f"path {name!r}: a checkpoint name is 1-128 letters, digits, '.', '_' or '-'")
+        where = self.root / model.id / kind / name
+        if where.exists() and not overwrite:
+            raise UserError(f"checkpoint tinker://{model.id}/{kind}/{name} exists (overwrite=True replaces it)")
+        return where, f"tinker://{model.id}/{kind}/{name}"
+
+    def _write_meta(self, where: Path, model: Model, owner: str, kind: str, ttl_s: int | None) -> None:
+        now = time.time()
+        meta = {"owner": owner, "kind": kind, "rank": model.rank, "modules": sorted(model.modules), "time": now}
+        meta["expires"] = now + ttl_s if ttl_s else None
+        (where / META).write_text(json.dumps({**meta, "base_model": self.base_model}))
+
+    def _expire(self) -> None:
+        """Delete the checkpoints whose ttl_seconds have passed."""
+        for meta_file in self.root.glob(f"*/*/*/{META}"):
+            try:
+                expires = json.loads(meta_file.read_text()).get("expires")
+            except (OSError, ValueError):
+                continue
+            if expires is not None and expires < time.time():
+                shutil.rmtree(meta_file.parent, ignore_errors=True)
+
+    async def save_weights(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        req = parse(types.SaveWeightsRequest, body)
+        model = self._model(req.model_id, owner)
+        where, path = self._checkpoint(model, "weights", req.path, req.overwrite)
+
+        async def run() -> dict[str, Any]:
+            shutil.rmtree(where, ignore_errors=True)
+            where.mkdir(parents=True)
+            await self.trainer.save_tenant.route(model.id, str(where))
+            self._write_meta(where, model, owner, "weights", req.ttl_seconds)
+            return {"path": path, "type": "save_weights"}
+
+        return self._ordered(model, req.seq_id, run)
+
+    async def save_for_sampler(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        req = parse(types.SaveWeightsForSamplerRequest, body)
+        model = self._model(req.model_id, owner)
+        if req.path is None:
+            if req.sampling_session_seq_id is None:
+                raise UserError("save_weights_for_sampler: give a path (a name) or a sampling_session_seq_id")
+            sampler_id = f"{model.session}:sample:{req.sampling_session_seq_id}"
+
+            async def live() -> dict[str, Any]:
+                tensors, lora = await self.trainer.tenant_adapter.route(model.id)
+                await self._add_sampler(self.sessions[model.session], sampler_id, tensors, lora, None)
+                return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+
+            return self._ordered(model, req.seq_id, live)
+        where, path = self._checkpoint(model, "sampler_weights", req.path, overwrite=True)
+
+        async def save() -> dict[str, Any]:
+            tensors, lora = await self.trainer.tenant_adapter.route(model.id)
+            shutil.rmtree(where, ignore_errors=True)
+            await asyncio.to_thread(write_adapter, where, tensors, lora, str(self.model_dir))
+            self._write_meta(where, model, owner, "sampler_weights", req.ttl_seconds)
+            return {"path": path, "type": "save_weights_for_sampler"}
+
+        return self._ordered(model, req.seq_id, save)
+
+    def _resolve(self, path: str, owner: str, kind: str) -> tuple[Path, dict[str, Any]]:
+        """The directory of `owner`'s checkpoint `path` (a tinker:// path of `kind`) and its metadata."""
+        found = PATH.fullmatch(path or "")
+        if found is None or found.group(2) != kind or found.group(3) in (".", ".."):
+            raise UserError(f"path {path!r}: expected tinker://MODEL_ID/{kind}/NAME")
+        where = self.root / found.group(1) / kind / found.group(3)
+        try:
+            meta = json.loads((where / META).read_text())
+        except (OSError, ValueError):
+            meta = None
+        expired = meta is not None and meta.get("expires") is not None and meta["expires"] < time.time()
+        if meta is None or meta.get("owner") != owner or expired:
+            raise UserError(f"no checkpoint {path!r}")
+        return where, meta
+
+    async def load_weights(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        req = parse(types.LoadWeightsRequest, body)
+        if req.model_id is not None:  # the deprecated TrainingClient.load_state: an ordered request
+            model = self._model(req.model_id, owner)
+            where, _ = self._resolve(req.path, owner, "weights")
+
+            async def load() -> dict[str, Any]:
+                await self.trainer.load_tenant.route(model.id, str(where), bool(req.optimizer))
+                return {"path": req.path, "model_id": model.id, "type": "load_weights"}
+
+            return self._ordered(model, req.seq_id, load)
+        if req.session_id is None or req.model_seq_id is None:
+            raise UserError("load_weights: give model_id and seq_id, or session_id and model_seq_id")
+        session = self._session(req.session_id, owner)
+        self._check_base(req.base_model)
+        where, meta = self._resolve(req.path, owner, "weights")
+        key = ("create", session.id, req.model_seq_id)
+        if key in self.keys:
+            return {"request_id": self.keys[key], "model_id": f"{session.id}:train:{req.model_seq_id}"}
+        model = self._new_model(session, req.model_seq_id)
+        model.rank, model.modules = meta["rank"], set(meta["modules"])
+
+        async def create_and_load() -> dict[str, Any]:
+            try:
+                await self.trainer.add_tenant.route(model.id, model.rank, self.cfg.lora_alpha, model.modules, 0)
+                await self.trainer.load_tenant.route(model.id, str(where), bool(req.optimizer))
+            except Exception:
+                self._forget(model)
+                await self._quietly(self.trainer.remove_tenant.route(model.id))
+                raise
+            model.created.set()
+            return {"path": req.path, "model_id": model.id, "type": "load_weights"}
+
+        return {**self._submit(session, key, create_and_load), "model_id": model.id}
+
+    async def weights_info(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        path = json.loads(body or b"{}").get("tinker_path")
+        kind = "sampler_weights" if "/sampler_weights/" in str(path) else "weights"
+        _, meta = self._resolve(str(path), owner, kind)
+        return {"base_model": self.base_model, "is_lora": True, "lora_rank": meta["rank"]}
+
+    # ---- sampling --------------------------------------------------------------------
+
+    async def _add_sampler(self, session: Session, sampler_id: str, tensors: Any, lora: Any, path: str | None) -> None:
+        """A sampler on the generators: its adapter as a LoRA policy of its own, loaded on every replica."""
+        if sampler_id in self.samplers:
+            return
+        sampler = Sampler(sampler_id, sampler_id if tensors is not None else "", path)
+        if tensors is not None:
+            await self.gen.add_policy.fanout(sampler.policy, lora)
+            try:
+                await self.gen.load_weights.fanout(tensors, 1, policy=sampler.policy)
+            except Exception:
+                await self._quietly(self.gen.remove_policy.fanout(sampler.policy))
+                raise
+        session.samplers[sampler_id] = sampler
+        self.samplers[sampler_id] = (session, sampler)
+        while len(session.samplers) > self.cfg.max_samplers_per_session:  # the oldest goes
+            _, oldest = session.samplers.popitem(last=False)
+            await self._release(oldest)
+
+    async def _release(self, sampler: Sampler) -> None:
+        self.samplers.pop(sampler.id, None)
+        if sampler.policy:
+            await self._quietly(self.gen.remove_policy.fanout(sampler.policy))
+
+    async def create_sampling_session(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        req = parse(types.CreateSamplingSessionRequest, body)
+        session = self._session(req.session_id, owner)
+        sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}"
+        if req.model_path:
+            where, _ = self._resolve(req.model_path, owner, "sampler_weights")
+            lora, tensors = await asyncio.to_thread(read_adapter, where)
+            await self._add_sampler(session, sampler_id, tensors, lora, req.model_path)
+        else:
+            self._check_base(req.base_model)
+            await self._add_sampler(session, sampler_id, None, None, None)
+        return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+    def _sampler(self, sampler_id: str | None, owner: str) -> tuple[Session, Sampler]:
+        found = self.samplers.get(sampler_id or "")
+        if found is None or found[0].owner != owner or found[0].id not in self.sessions:
+            raise UserError(
+                f"no sampling session {sampler_id!r} (a session keeps its {self.cfg.max_samplers_per_session} "
+                "newest samplers: create it again from its path)"
+            )
+        found[0].seen = time.monotonic()
+        return found
+
+    async def get_sampler(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        _, sampler = self._sampler(request.path_params["sampler_id"], owner)
+        return {"sampler_id": sampler.id, "base_model": self.base_model, "model_path": sampler.model_path}
+
+    async def asample(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        req = parse(types.SampleRequest, body)
+        if req.model_path is not None or req.base_model is not None:
+            raise UserError("sample: model_path and base_model are not taken; give a sampling_session_id")
+        session, sampler = self._sampler(req.sampling_session_id, owner)
+        if not 0 < req.num_samples <= self.cfg.max_samples:
+            raise UserError(f"sample: num_samples {req.num_samples}; 1 to {self.cfg.max_samples} (tinker.max_samples)")
+        tokens = prompt_tokens(req, self.vocab, self.max_len)
+        args = sampling_args(req, self.max_len - len(tokens), self.max_tokens)
+        topk = req.topk_prompt_logprobs
+
+        async def run() -> bytes:
+            out = await self.gen.generate.route(tokens, n=req.num_samples, sampling=args, policy=sampler.policy)
+            return encode_sample(out, bool(req.prompt_logprobs), topk)
+
+        handle = self._submit(session, ("sample", sampler.id, req.seq_id), run)
+        return {**handle, "sample_sequence_ids": [f"{handle['request_id']}:{i}" for i in range(req.num_samples)]}
+
+    # ---- checkpoints -----------------------------------------------------------------
+
+    def _checkpoints(self, owner: str, run_id: str | None = None) -> list[dict[str, Any]]:
+        out = []
+        for meta_file in sorted(self.root.glob(f"{run_id or '*'}/*/*/{META}")):
+            meta = json.loads(meta_file.read_text())
+            if meta.get("owner") != owner:
+                continue
+            where = meta_file.parent
+            kind, model_id = where.parent.name, where.parent.parent.name
+            out.append(
+                {
+                    "checkpoint_id": f"{kind}/{where.name}",
+                    "checkpoint_type": KINDS[kind],
+                    "time": _iso(meta["time"]),
+                    "tinker_path": f"tinker://{model_id}/{kind}/{where.name}",
+                    "size_bytes": sum(f.stat().st_size for f in where.rglob("*") if f.is_file()),
+                    "public": False,
+                    "expires_at": _iso(meta.get("expires")),
+                }
+            )
+        return out
+
+    async def list_run_checkpoints(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        run_id = request.path_params["run_id"]
+        if not re.fullmatch(r"[A-Za-z0-9._:-]{1,200}", run_id) or run_id in (".", ".."):
+            raise UserError(f"no training run {run_id!r}")
+        return {"checkpoints": self._checkpoints(owner, run_id), "cursor": None}
+
+    async def list_checkpoints(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        found = self._checkpoints(owner)
+        limit, offset = int(request.query_params.get("limit", 100)), int(request.query_params.get("offset", 0))
+        page = found[offset : offset + limit]
+        return {"checkpoints": page, "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
