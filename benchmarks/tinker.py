@@ -81,7 +81,7 @@ async def measure(quick: bool) -> dict:
         "weight_decay": 0.0,
         "grad_clip_norm": 0.0,
     }
-    rounds = 2 if quick else 5
+    rounds = 2 if quick else 3
     try:
         # The SDK's first call opens its session synchronously: in a thread, while this loop serves it.
         sc = tinker.ServiceClient(base_url=front.base_url, api_key="tml-bench")

@@ -117,11 +117,6 @@ def _record(found: tuple[tuple[int, ...], bytes] | None, length: int) -> torch.T
     return record
 
 
-def _prompt_logprobs(found: list[Any] | None) -> list[dict[int, float] | None]:
-    """vLLM's prompt logprobs ({token id: Logprob} per position, None first) as plain floats."""
-    return [None if p is None else {t: lp.logprob for t, lp in p.items()} for p in found or []]
-
-
 def _preview(prompt: Any) -> str:
     text = repr(prompt)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -157,10 +152,11 @@ class _Policy:
 
 class Generator(ForgeActor):
     """vLLM generation service. Endpoints: generate, stream, abort, add_lora, load_weights,
-    load_version, policy_version, last_swaps, engine_pids.
+    load_version, add_policy, remove_policy, policy_version, last_swaps, engine_pids.
 
     With `tenants`, several runs share it, each training its own LoRA adapter: a call's
-    `policy=NAME` picks the run whose adapter and version it samples with and reports."""
+    `policy=NAME` picks the run whose adapter and version it samples with and reports. LoRA
+    policies also join and leave at run time (`add_policy`, `remove_policy`: Tinker's samplers)."""
 
     @classmethod
     def check_args(
@@ -438,7 +434,6 @@ class Generator(ForgeActor):
             final = out
         finished = admitted if p.lora else p.version  # LoRA: every token under the admitted adapter
         prompt_ids = list(final.prompt_token_ids)
-        prompt_logprobs = _prompt_logprobs(final.prompt_logprobs) if sp.get("prompt_logprobs") is not None else None
         routing = await self._routed_experts(
             request_id, len(prompt_ids), [(c.index, len(c.token_ids)) for c in final.outputs]
         )
@@ -454,7 +449,6 @@ class Generator(ForgeActor):
                 max_policy_version=finished,
                 prompt=prompt if isinstance(prompt, str) else None,
                 routed_experts=routed,
-                prompt_logprobs=prompt_logprobs,
             )
             for c, routed in zip(final.outputs, routing)
         ]

@@ -458,6 +458,8 @@ class TinkerConfig:
     max_request_bytes: int = 16 << 20
     max_datums: int = 1024  # per forward_backward request
     max_tokens: int = 65536  # per forward_backward request, over its datums
+    # The trainer's passes over a request hold at most this many tokens (their logits: x vocab size).
+    tokens_per_pass: int = 8192
     max_seq_len: int = 4096  # one datum
     max_samples: int = 64  # num_samples of one sample request
 
@@ -472,7 +474,7 @@ class TinkerConfig:
             raise ConfigError("config key 'tinker.api_keys': each key starts with 'tml-' and has 20 characters or more")
         limits = ("max_lora_rank", "lora_alpha", "session_timeout_s", "poll_s", "max_sessions", "max_models")
         limits += ("max_models_per_session", "max_samplers_per_session", "max_inflight_per_session")
-        limits += ("max_request_bytes", "max_datums", "max_tokens", "max_seq_len", "max_samples")
+        limits += ("max_request_bytes", "max_datums", "max_tokens", "tokens_per_pass", "max_seq_len", "max_samples")
         for key in limits:
             if getattr(self, key) <= 0:
                 raise ConfigError(f"config key 'tinker.{key}' must be > 0, got {getattr(self, key)}")

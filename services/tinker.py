@@ -439,6 +439,8 @@ class TinkerFront:
         if len(self.models) >= self.cfg.max_models:
             raise Refused(429, f"the server holds {len(self.models)} models (tinker.max_models)")
         model = Model(f"{session.id}:train:{seq}", session.id, 0, set())
+        if model.id in self.models:
+            raise UserError(f"model {model.id} exists (model_seq_id {seq} was used)")
         session.models[model.id] = self.models[model.id] = model
         return model
 
@@ -523,7 +525,7 @@ class TinkerFront:
 
         async def run() -> bytes:
             logprobs, loss = await self.trainer.forward_backward.route(
-                model.id, fb.datums, fb.loss_fn, fb.config, not fb.forward_only
+                model.id, fb.datums, fb.loss_fn, fb.config, not fb.forward_only, self.cfg.tokens_per_pass
             )
             return encode_forward_backward(logprobs, loss)
 
@@ -726,13 +728,13 @@ class TinkerFront:
             raise UserError(f"sample: num_samples {req.num_samples}; 1 to {self.cfg.max_samples} (tinker.max_samples)")
         tokens = prompt_tokens(req, self.vocab, self.max_len)
         args = sampling_args(req, self.max_len - len(tokens), self.max_tokens)
-        topk = req.topk_prompt_logprobs
 
         async def run() -> bytes:
             out = await self.gen.generate.route(tokens, n=req.num_samples, sampling=args, policy=sampler.policy)
-            return encode_sample(out, bool(req.prompt_logprobs), topk)
+            return encode_sample(out)
 
-        handle = self._submit(session, ("sample", sampler.id, req.seq_id), run)
+        key = ("sample", sampler.id, req.seq_id if req.seq_id is not None else uuid.uuid4().hex)
+        handle = self._submit(session, key, run)
         return {**handle, "sample_sequence_ids": [f"{handle['request_id']}:{i}" for i in range(req.num_samples)]}
 
     # ---- checkpoints -----------------------------------------------------------------

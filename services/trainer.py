@@ -79,7 +79,9 @@ def build_optimizers(model: torch.nn.Module, c: TrainerConfig) -> tuple[Any, Any
 
 class Trainer(ForgeActor):
     """Policy trainer. Endpoints (a service call reaches every rank of the replica): train_step,
-    logprobs, push_weights, policy_version, save, load, export_hf."""
+    logprobs, push_weights, policy_version, save, load, export_hf; and with LoRA, tenants (a Tinker
+    client each: its own adapter, optimizer and gradients; services/tenants.py): add_tenant,
+    remove_tenant, forward_backward, optim_step, tenant_adapter, save_tenant, load_tenant."""
 
     distributed = True  # torch.distributed env is set up on the mesh before spawn
     stateful = True  # weights and optimizer: restored from the restore point, never reset
@@ -254,10 +256,18 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def forward_backward(
-        self, name: str, datums: Datums, loss: str, config: dict[str, float] | None = None, backward: bool = True
+        self,
+        name: str,
+        datums: Datums,
+        loss: str,
+        config: dict[str, float] | None = None,
+        backward: bool = True,
+        tokens_per_pass: int = 8192,
     ) -> tuple[list[list[float]], float]:
         """Tenant `name`'s target logprobs of every datum (each its own length) and the summed
-        loss; with `backward`, its gradients grow by the loss's (they add up until `optim_step`)."""
+        loss; with `backward`, its gradients grow by the loss's (they add up until `optim_step`).
+        Each forward holds at most `tokens_per_pass` tokens (rows x the longest): the logits of
+        a request, whatever its size, fit in memory; the loss is a sum, so passes add up to it."""
         from services.titan import gradients_summed, target_logprobs
 
         cfg = loss_config(loss, config)
@@ -265,14 +275,19 @@ class Trainer(ForgeActor):
         rows = datums.input_ids.shape[0]
         per = -(-rows // self.world)
         mine = _pad_rows(datums.rows(slice(self.rank * per, (self.rank + 1) * per)), per).to(self.device)
-        with torch.set_grad_enabled(backward):
-            lp = target_logprobs(self.model, mine.input_ids, mine.target_tokens)
-            total = TINKER_LOSSES[loss](lp, mine, cfg)
-            if backward:  # FSDP averages gradients over ranks (gloo: sums them); the loss is a sum
-                (total * (1 if gradients_summed() else self.world)).backward()
-        out = [row[:n] for row, n in zip(lp.detach().cpu().tolist(), mine.lengths)]
+        step = max(1, tokens_per_pass // mine.input_ids.shape[1])  # the same on every rank: FSDP's passes match
+        lps, total = [], 0.0
+        for start in range(0, per, step):
+            part = mine.rows(slice(start, start + step))
+            with torch.set_grad_enabled(backward):
+                lp = target_logprobs(self.model, part.input_ids, part.target_tokens)
+                part_loss = TINKER_LOSSES[loss](lp, part, cfg)
+                if backward:  # FSDP averages gradients over ranks (gloo: sums them); the loss is a sum
+                    (part_loss * (1 if gradients_summed() else self.world)).backward()
+            lps += [row[:n] for row, n in zip(lp.detach().cpu().tolist(), part.lengths)]
+            total += float(part_loss.detach())
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, (out, float(total.detach())))
+        dist.all_gather_object(gathered, (lps, total))
         logprobs = [row for part, _ in gathered for row in part][:rows]
         return logprobs, sum(part_loss for _, part_loss in gathered)
 

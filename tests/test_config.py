@@ -152,6 +152,7 @@ def test_forge_help_and_config_errors_print_before_any_heavy_library_loads(tmp_p
         ["run", "configs/sft_tiny.yaml", "batch_size=0"],
         ["run", str(write(tmp_path, "app: serve"))],
         ["eval", "configs/grpo_tiny.yaml", "--model", "runs/nowhere", "eval.n=0"],
+        ["tinker", "configs/tinker_tiny.yaml", "tinker.host=0.0.0.0"],
     ]
     script = NO_HEAVY_IMPORTS.format(argvs=argvs, heavy=HEAVY)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -166,5 +167,6 @@ def test_forge_help_and_config_errors_print_before_any_heavy_library_loads(tmp_p
         "batch_size",
         "app",
         "eval.n",
+        "tinker.api_keys",
     ], out.stderr
     assert "usage: forge" in out.stdout and "LOADED []" in out.stdout, out.stdout

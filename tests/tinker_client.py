@@ -65,10 +65,12 @@ def rl_step(tc, sampler, tokenizer, prompt: list[int], good: set[int], group: in
 
 
 def train_on_letters(url: str, key: str, letters: str, steps: int) -> dict:
-    """A training client of its own that learns to write `letters`; then its sampler's logprobs
-    of a fixed sequence and its own (forward) of the same."""
+    """A training client of its own that learns to write `letters`; then the logprobs of what its
+    sampler draws, as the sampler and as its trainer (forward) give them, and the trainer's of a probe."""
     sc = tinker.ServiceClient(base_url=url, api_key=key)
-    base = sc.get_server_capabilities().supported_models[0].model_name
+    base = (
+        tinker.RestClient(base_url=url, api_key=key).get_server_capabilities().result().supported_models[0].model_name
+    )
     tc = sc.create_lora_training_client(base_model=base, rank=4, seed=1)
     tok = tc.get_tokenizer()
     prompt = tok.encode("x=", add_special_tokens=False)
@@ -76,15 +78,29 @@ def train_on_letters(url: str, key: str, letters: str, steps: int) -> dict:
         rl_step(tc, tc.save_weights_and_get_sampling_client(), tok, prompt, letter_ids(tok, letters))
         for _ in range(steps)
     ]
-    probe = prompt + tok.encode("abcabc", add_special_tokens=False)
+    # What its sampler draws, and its trainer's logprobs of those very tokens (temperature 1: the same
+    # distribution); and its trainer's logprobs of a fixed probe.
     sampler = tc.save_weights_and_get_sampling_client()
-    sampled = sampler.compute_logprobs(types.ModelInput.from_ints(probe)).result()
+    drawn = sampler.sample(
+        types.ModelInput.from_ints(prompt), num_samples=4, sampling_params=types.SamplingParams(max_tokens=6)
+    ).result()
+    sampled, trained = [], []
+    for s in drawn.sequences:
+        full = prompt + s.tokens
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(full[:-1]),
+            loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)},
+        )
+        out = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        sampled += list(s.logprobs)
+        trained += out[len(prompt) - 1 :]
+    probe = prompt + tok.encode("abcabc", add_special_tokens=False)
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(probe[:-1]),
         loss_fn_inputs={"target_tokens": probe[1:], "weights": [1.0] * (len(probe) - 1)},
     )
-    trained = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
-    return {"rewards": rewards, "sampler": sampled[1:], "trainer": trained}
+    probed = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    return {"rewards": rewards, "sampler": sampled, "trainer": trained, "probe": probed}
 
 
 if __name__ == "__main__":
