@@ -56,7 +56,9 @@ from services.tinker_wire import (
 log = logging.getLogger("forge")
 API = "/api/v1"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-PATH = re.compile(r"tinker://([A-Za-z0-9._:-]{1,200})/(weights|sampler_weights)/([A-Za-z0-9][A-Za-z0-9._-]{0,127})")
+PATH = re.compile(
+    r"tinker://([A-Za-z0-9][A-Za-z0-9._:-]{0,199})/(weights|sampler_weights)/([A-Za-z0-9][A-Za-z0-9._-]{0,127})"
+)
 META = "forge_tinker.json"  # beside a checkpoint's files: its owner, kind and LoRA shape
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 
@@ -549,7 +551,7 @@ class TinkerFront:
         return self._ordered(model, req.seq_id, run)
 
     def _checkpoint(self, model: Model, kind: str, name: str | None, overwrite: bool) -> tuple[Path, str]:
-        if name is None or not NAME.fullmatch(name) or name in (".", ".."):
+        if name is None or not NAME.fullmatch(name):
             raise UserError(f"path {name!r}: a checkpoint name is 1-128 letters, digits, '.', '_' or '-'")
         where = self.root / model.id / kind / name
         if where.exists() and not overwrite:
@@ -614,7 +616,7 @@ class TinkerFront:
     def _resolve(self, path: str, owner: str, kind: str) -> tuple[Path, dict[str, Any]]:
         """The directory of `owner`'s checkpoint `path` (a tinker:// path of `kind`) and its metadata."""
         found = PATH.fullmatch(path or "")
-        if found is None or found.group(2) != kind or found.group(3) in (".", ".."):
+        if found is None or found.group(2) != kind:
             raise UserError(f"path {path!r}: expected tinker://MODEL_ID/{kind}/NAME")
         where = self.root / found.group(1) / kind / found.group(3)
         try:
@@ -762,7 +764,7 @@ class TinkerFront:
 
     async def list_run_checkpoints(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
         run_id = request.path_params["run_id"]
-        if not re.fullmatch(r"[A-Za-z0-9._:-]{1,200}", run_id) or run_id in (".", ".."):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}", run_id):
             raise UserError(f"no training run {run_id!r}")
         return {"checkpoints": self._checkpoints(owner, run_id), "cursor": None}
 

@@ -241,6 +241,9 @@ def test_a_key_is_required_and_only_its_owner_reaches_a_session(server):
     load = {"session_id": b_sid, "model_seq_id": 0, "path": saved["path"], "optimizer": True}
     r = b.post("/load_weights", json=load)
     assert r.status_code == 400 and "no checkpoint" in r.json()["detail"]
+    for path in ("tinker://../weights/mine", f"tinker://{model}/weights/..", "../../etc/passwd"):  # no way out of runs/
+        r = a.post("/load_weights", json={**load, "session_id": sid, "path": path})
+        assert r.status_code == 400 and "expected tinker://MODEL_ID/weights/NAME" in r.json()["detail"], path
     prompt = {"chunks": [{"tokens": [1, 2], "type": "encoded_text"}]}
     sample = {
         "sampling_session_id": sampler["sampling_session_id"],
