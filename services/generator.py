@@ -641,7 +641,7 @@ class Generator(ForgeActor):
     @endpoint
     async def add_policy(self, name: str, lora: LoRAConfig) -> None:
         """A LoRA policy joins at run time (a Tinker sampler): its versions come by `load_weights`.
-        The engine must have started with LoRA (`lora`, or `generator.engine.max_loras`)."""
+        The engine must have started with LoRA (a LoRA policy: `lora` or `tenants`)."""
         if not name or name in self.policies:
             raise ValueError(f"generator: policy {name!r} exists (or has no name)")
         if not self.engine.vllm_config.lora_config:

@@ -37,7 +37,7 @@ from services import models
 from services.lora import AdapterState, PeftNames, adapters_off, merged
 from services.schema import DECAYS, TrainerConfig
 from services.tenants import Tenants
-from services.titan import reshard
+from services.titan import gradients_summed, reshard, target_logprobs
 
 TENANT_META = "tenant.json"  # a tenant checkpoint's LoRA rank, alpha and modules
 HF_FILES = (
@@ -268,8 +268,6 @@ class Trainer(ForgeActor):
         loss; with `backward`, its gradients grow by the loss's (they add up until `optim_step`).
         Each forward holds at most `tokens_per_pass` tokens (rows x the longest): the logits of
         a request, whatever its size, fit in memory; the loss is a sum, so passes add up to it."""
-        from services.titan import gradients_summed, target_logprobs
-
         cfg = loss_config(loss, config)
         self._tenants().activate(name)
         rows = datums.input_ids.shape[0]
