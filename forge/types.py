@@ -34,6 +34,9 @@ class Completion:
     # MoE with routing replay: the experts each layer routed each token to, [prompt + completion
     # tokens, layers, top_k] int16, -1 where the generator computed none (the trainer routes those).
     routed_experts: torch.Tensor | None = None
+    # Asked for (sampling `prompt_logprobs: k`): each prompt position's logprob of its token and of
+    # the k likeliest, {token id: logprob}; None at position 0, which nothing predicts.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.token_ids):

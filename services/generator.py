@@ -117,6 +117,11 @@ def _record(found: tuple[tuple[int, ...], bytes] | None, length: int) -> torch.T
     return record
 
 
+def _prompt_logprobs(found: list[Any] | None) -> list[dict[int, float] | None]:
+    """vLLM's prompt logprobs ({token id: Logprob} per position, None first) as plain floats."""
+    return [None if p is None else {t: lp.logprob for t, lp in p.items()} for p in found or []]
+
+
 def _preview(prompt: Any) -> str:
     text = repr(prompt)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -434,6 +439,7 @@ class Generator(ForgeActor):
             final = out
         finished = admitted if p.lora else p.version  # LoRA: every token under the admitted adapter
         prompt_ids = list(final.prompt_token_ids)
+        prompt_logprobs = _prompt_logprobs(final.prompt_logprobs) if sp.get("prompt_logprobs") is not None else None
         routing = await self._routed_experts(
             request_id, len(prompt_ids), [(c.index, len(c.token_ids)) for c in final.outputs]
         )
@@ -449,6 +455,7 @@ class Generator(ForgeActor):
                 max_policy_version=finished,
                 prompt=prompt if isinstance(prompt, str) else None,
                 routed_experts=routed,
+                prompt_logprobs=prompt_logprobs,
             )
             for c, routed in zip(final.outputs, routing)
         ]
@@ -642,11 +649,23 @@ class Generator(ForgeActor):
     async def add_policy(self, name: str, lora: LoRAConfig) -> None:
         """A LoRA policy joins at run time (a Tinker sampler): its versions come by `load_weights`.
         The engine must have started with LoRA (a LoRA policy: `lora` or `tenants`)."""
+        self._add_policy(name, lora)
+
+    def _add_policy(self, name: str, lora: LoRAConfig) -> _Policy:
         if not name or name in self.policies:
             raise ValueError(f"generator: policy {name!r} exists (or has no name)")
         if not self.engine.vllm_config.lora_config:
             raise ValueError("generator: vLLM started without LoRA; start it with a LoRA policy")
         self.policies[name] = _Policy(name, None, lora)
+        return self.policies[name]
+
+    @endpoint
+    async def on_respawn(self, restore_point: Any = None) -> None:
+        """A new replica after a crash; it loaded the latest weights in `setup`. The policies that
+        joined at run time are the service's restore point, {name: (LoRAConfig, adapter tensors)}
+        (its owner keeps it current): each joins again with its adapter."""
+        for name, (lora, tensors) in dict(restore_point or {}).items():
+            await self._add_adapter(self._add_policy(name, lora), tensors, 1)
 
     @endpoint
     async def remove_policy(self, name: str) -> None:

@@ -462,6 +462,9 @@ class TinkerConfig:
     tokens_per_pass: int = 8192
     max_seq_len: int = 4096  # one datum
     max_samples: int = 64  # num_samples of one sample request
+    # Sample requests that bring no seed draw one from this seeded stream (a run's samples are
+    # then the seed's); null: vLLM's own randomness.
+    seed: int | None = None
 
     def validate(self) -> None:
         if not _loopback(self.host) and not self.api_keys:

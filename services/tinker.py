@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import json
 import logging
+import random
 import re
 import secrets
 import shutil
@@ -145,6 +146,10 @@ class TinkerFront:
         self.keys: dict[tuple[Any, ...], str] = {}  # a request's logical key -> its future (retries)
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, tuple[Session, Sampler]] = {}
+        self.sample_seeds = random.Random(cfg.seed) if cfg.seed is not None else None
+        # Every live sampler's adapter: a respawned generator replica loads them again (its restore point).
+        self.adapters: dict[str, tuple[Any, Any]] = {}
+        gen.set_restore_point(self.adapters)
         self._server: Any = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -683,6 +688,7 @@ class TinkerFront:
             except Exception:
                 await self._quietly(self.gen.remove_policy.fanout(sampler.policy))
                 raise
+            self.adapters[sampler.policy] = (lora, tensors)
         session.samplers[sampler_id] = sampler
         self.samplers[sampler_id] = (session, sampler)
         while len(session.samplers) > self.cfg.max_samplers_per_session:  # the oldest goes
@@ -691,6 +697,7 @@ class TinkerFront:
 
     async def _release(self, sampler: Sampler) -> None:
         self.samplers.pop(sampler.id, None)
+        self.adapters.pop(sampler.policy, None)
         if sampler.policy:
             await self._quietly(self.gen.remove_policy.fanout(sampler.policy))
 
@@ -730,10 +737,12 @@ class TinkerFront:
             raise UserError(f"sample: num_samples {req.num_samples}; 1 to {self.cfg.max_samples} (tinker.max_samples)")
         tokens = prompt_tokens(req, self.vocab, self.max_len)
         args = sampling_args(req, self.max_len - len(tokens), self.max_tokens)
+        if args["seed"] is None and self.sample_seeds is not None:
+            args["seed"] = self.sample_seeds.getrandbits(31)
 
         async def run() -> bytes:
             out = await self.gen.generate.route(tokens, n=req.num_samples, sampling=args, policy=sampler.policy)
-            return encode_sample(out)
+            return encode_sample(out, req)
 
         key = ("sample", sampler.id, req.seq_id if req.seq_id is not None else uuid.uuid4().hex)
         handle = self._submit(session, key, run)

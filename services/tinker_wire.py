@@ -6,11 +6,12 @@ here, and whatever is wrong is a `UserError` naming the field.
     req = parse(types.OptimStepRequest, body)              # JSON -> the SDK's request type
     fb = decode_forward_backward(body, vocab, limits)      # protobuf -> Datums + the loss
     encode_forward_backward(logprobs, loss)                # -> protobuf bytes
-    encode_sample(completions)                             # -> protobuf bytes
+    encode_sample(completions, req)                        # -> protobuf bytes
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,6 +28,8 @@ from forge.types import Completion
 
 T = TypeVar("T", bound=pydantic.BaseModel)
 DTYPES = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8")}
+NO_LOGPROB = -99999.0  # a top-k cell the SDK reads as empty
+MAX_TOPK = 20  # vLLM's max_logprobs
 
 
 class UserError(ValueError):
@@ -191,11 +194,6 @@ def sampling_args(req: types.SampleRequest, max_len: int, default_max_tokens: in
         "topk_sample_logprobs": req.topk_sample_logprobs,
         "target_prompt_logprobs": req.target_prompt_logprobs,
         "prompt_alt_tokens_k": req.prompt_alt_tokens_k,
-        "prompt_logprobs_last_n": req.prompt_logprobs_last_n,
-        # vLLM computes prompt logits with the LoRA adapters of the batch's sampled tokens, not the
-        # prompt's own: wrong values, or (several adapters, CPU) a dead engine.
-        "prompt_logprobs (include_prompt_logprobs, compute_logprobs)": req.prompt_logprobs,
-        "topk_prompt_logprobs": req.topk_prompt_logprobs,
         "record_stability_info": req.record_stability_info,
     }
     for name, value in unsupported.items():
@@ -218,6 +216,10 @@ def sampling_args(req: types.SampleRequest, max_len: int, default_max_tokens: in
         out["stop_token_ids"] = list(p.stop)
     elif p.stop:
         out["stop"] = list(p.stop)
+    if not 0 <= req.topk_prompt_logprobs <= MAX_TOPK:
+        raise UserError(f"sample: topk_prompt_logprobs {req.topk_prompt_logprobs}; 0 to {MAX_TOPK}")
+    if req.prompt_logprobs or req.topk_prompt_logprobs:
+        out["prompt_logprobs"] = req.topk_prompt_logprobs
     if not 0 < out["max_tokens"] <= max_len:
         raise UserError(f"sampling_params.max_tokens: {out['max_tokens']}; 1 to {max_len}")
     return out
@@ -234,11 +236,15 @@ def prompt_tokens(req: types.SampleRequest, vocab: int, max_len: int) -> list[in
         raise UserError(f"sample: a prompt of {len(tokens)} tokens; 1 to {max_len}")
     if not all(0 <= t < vocab for t in tokens):
         raise UserError(f"sample: prompt token ids outside the vocabulary [0, {vocab})")
+    last_n = req.prompt_logprobs_last_n
+    if last_n is not None and not 1 <= last_n < len(tokens):
+        raise UserError(f"sample: prompt_logprobs_last_n {last_n}; 1 to {len(tokens) - 1} (the prompt's tokens - 1)")
     return tokens
 
 
-def encode_sample(completions: list[Completion]) -> bytes:
-    """The result of `sample`: each sequence's tokens, logprobs and stop reason."""
+def encode_sample(completions: list[Completion], req: types.SampleRequest) -> bytes:
+    """The result of `sample`: each sequence's tokens, logprobs and stop reason, and the prompt's
+    logprobs (NaN where none was asked for, and at position 0) and top-k when asked."""
     out = pb.SampleResponse()
     for c in completions:
         out.sequences.append(
@@ -247,5 +253,22 @@ def encode_sample(completions: list[Completion]) -> bytes:
                 tokens=np.asarray(c.token_ids, dtype="<i4").tobytes(),
                 logprobs=np.asarray(c.logprobs, dtype="<f4").tobytes(),
             )
+        )
+    found = completions[0].prompt_logprobs if completions else None
+    topk = req.topk_prompt_logprobs
+    if found is not None and req.prompt_logprobs:
+        ids = completions[0].prompt_ids
+        row = np.asarray([math.nan if p is None else p.get(t, math.nan) for p, t in zip(found, ids)], dtype="<f4")
+        if req.prompt_logprobs_last_n is not None:
+            row[: -req.prompt_logprobs_last_n] = math.nan
+        out.prompt_logprobs = row.tobytes()
+    if found is not None and topk > 0:
+        ids, lps = np.zeros((len(found), topk), dtype="<i4"), np.full((len(found), topk), NO_LOGPROB, dtype="<f4")
+        for i, p in enumerate(found):
+            best = sorted((p or {}).items(), key=lambda kv: -kv[1])[:topk]
+            for j, (token, lp) in enumerate(best):
+                ids[i, j], lps[i, j] = token, lp
+        out.topk_prompt_logprobs.CopyFrom(
+            pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=topk, length=len(found))
         )
     return out.SerializeToString()

@@ -15,11 +15,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from forge.shm import forget_mapping, read_safetensors
-from services import vllm_lora
+from services import vllm_lora, vllm_seeds
 from services.vllm_routing import RoutingRecorder
 from services.vllm_staging import commit, stage
 
 vllm_lora.install()  # in the process that runs the model: vLLM imports this module there
+vllm_seeds.install()
 
 
 def _alive(pid: int) -> bool:

@@ -10,29 +10,11 @@ import time
 from pathlib import Path
 
 import psutil
+from roles import role
 
 from forge import shm
 
 CONFIG = "configs/grpo_tiny.yaml"
-
-
-def role(parent: psutil.Process, title: str, timeout: float = 180) -> psutil.Process:
-    """The child process of `parent` that runs the forge role `title` (its process title),
-    once there is one: a role being respawned has no process, or one not yet titled."""
-    deadline = time.time() + timeout
-    while True:
-        found, seen = [], []
-        for p in parent.children(recursive=True):
-            try:
-                seen.append(p.cmdline()[:1])
-            except psutil.Error:  # exited meanwhile
-                continue
-            if seen[-1] == [f"forge:{title}"]:
-                found.append(p)
-        if len(found) == 1:
-            return found[0]
-        assert time.time() < deadline, seen
-        time.sleep(0.2)
 
 
 class Run:

@@ -11,12 +11,16 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 import tinker
+from roles import role
+from test_gateway import forge_serve
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker_client import letter_ids, rl_step, supervised_data
@@ -59,7 +63,7 @@ def server(tiny_model_dir, tmp_path_factory):
     limits = ["tinker.max_request_bytes=2000000", "tinker.max_seq_len=200", "tinker.max_samples=16"]
     keys = f"tinker.api_keys=[{KEY_A},{KEY_B}]"
     proc, url, log = forge_tinker(tiny_model_dir, runs, keys, "tinker.session_timeout_s=20", *limits)
-    yield url, runs, log
+    yield url, runs, log, proc
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=60)
@@ -74,7 +78,7 @@ def client(url: str, key: str = KEY_A):
 
 
 def test_supervised_loop_lowers_the_loss_and_forward_is_forward_backward_without_a_step(server):
-    url, _, _ = server
+    url, *_ = server
     sc, base = client(url)
     tc = sc.create_lora_training_client(base_model=base, rank=8, seed=0)
     data = supervised_data(tc.get_tokenizer())
@@ -98,7 +102,7 @@ def test_supervised_loop_lowers_the_loss_and_forward_is_forward_backward_without
 def test_rl_loop_raises_the_reward(server):
     """sample -> reward -> forward_backward(importance_sampling) -> optim_step ->
     save_weights_and_get_sampling_client: the share of lowercase letters a random model writes rises."""
-    url, _, _ = server
+    url, *_ = server
     sc, base = client(url)
     tc = sc.create_lora_training_client(base_model=base, rank=8, seed=0)
     tok = tc.get_tokenizer()
@@ -108,7 +112,7 @@ def test_rl_loop_raises_the_reward(server):
 
 
 def test_save_then_resume_in_a_new_process_continues_where_it_stopped(server, tmp_path):
-    url, runs, _ = server
+    url, runs, *_ = server
     sc, base = client(url)
     tc = sc.create_lora_training_client(base_model=base, rank=8, seed=3)
     tok = tc.get_tokenizer()
@@ -150,7 +154,7 @@ def test_save_then_resume_in_a_new_process_continues_where_it_stopped(server, tm
 def test_two_clients_in_two_processes_each_sample_with_their_own_adapter(server):
     """Two processes train at once (one toward 'abc', one toward 'xyz'): what each one's sampler
     draws has its own trainer's logprobs, and the two trainers' differ."""
-    url, _, _ = server
+    url, *_ = server
     procs = [
         subprocess.Popen(
             [sys.executable, str(TESTS / "tinker_client.py"), url, key, letters, "6"],
@@ -168,6 +172,57 @@ def test_two_clients_in_two_processes_each_sample_with_their_own_adapter(server)
     for out in outs:
         assert np.allclose(out["sampler"], out["trainer"], atol=2e-3), (out["sampler"], out["trainer"])
     assert np.abs(np.subtract(outs[0]["probe"], outs[1]["probe"])).max() > 0.05
+
+
+def test_prompt_logprobs_are_each_samplers_own_in_a_batch_of_several_adapters(server):
+    """Two samplers of two differently trained adapters, and a long generation of a third policy, in
+    the generators' batches at once: each sampler's prompt logprobs (`compute_logprobs`) are its
+    trainer's. vLLM alone takes the batch's adapters for prompt logits: wrong values, a dead engine."""
+    url, *_ = server
+    sc, base = client(url)
+    trained = []
+    for offset in (0, 40):
+        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=offset)
+        data = supervised_data(tc.get_tokenizer(), offset=offset)
+        for _ in range(3):
+            tc.forward_backward(data, "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+        trained.append((tc, tc.save_weights_and_get_sampling_client()))
+    tok = trained[0][0].get_tokenizer()
+    probes = [tok.encode(f"{i}+{i}={2 * i}", add_special_tokens=False) for i in (3, 41)]
+    busy = trained[1][1].sample(
+        types.ModelInput.from_ints(probes[0]), num_samples=8, sampling_params=types.SamplingParams(max_tokens=60)
+    )
+    asked = [(tc, p, s.compute_logprobs(types.ModelInput.from_ints(p))) for tc, s in trained for p in probes]
+    got = [(tc, p, f.result()) for tc, p, f in asked]
+    busy.result()
+    for tc, probe, prompt_lps in got:
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(probe[:-1]),
+            loss_fn_inputs={"target_tokens": probe[1:], "weights": [1.0] * (len(probe) - 1)},
+        )
+        own = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert prompt_lps[0] is None and np.allclose(prompt_lps[1:], own, atol=2e-3), (prompt_lps, own)
+    # The two adapters differ where it is checked.
+    assert np.abs(np.subtract(got[0][2][1:], got[2][2][1:])).max() > 0.05
+    last = trained[0][1].compute_logprobs(types.ModelInput.from_ints(probes[0]), prompt_logprobs_last_n=2).result()
+    assert all(lp is None for lp in last[:-2]) and np.allclose(last[-2:], got[0][2][-2:], atol=1e-4)
+
+
+def test_a_seed_on_a_prompt_prefilled_in_chunks_costs_nothing(server):
+    """16 seeded samples of 150-token prompts at once, more than vLLM prefills in one step (2048
+    tokens): some prompts are prefilled in chunks, where vLLM rewinds a seeded generator by an
+    offset only CUDA generators have (on CPU the engine died, with every request in it). All
+    answer, and the seed gives the same tokens alone."""
+    url, *_ = server
+    sc, base = client(url)
+    sampler = sc.create_sampling_client(base_model=base)
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(150)] for i in range(16)]
+    params = types.SamplingParams(max_tokens=4, seed=11, temperature=1.0)
+    asked = [sampler.sample(types.ModelInput.from_ints(p), 1, params) for p in prompts]
+    first = [f.result().sequences[0].tokens for f in asked]
+    alone = sampler.sample(types.ModelInput.from_ints(prompts[-1]), 1, params).result().sequences[0].tokens
+    assert all(first) and alone == first[-1], (first, alone)
 
 
 # ---- bad input and hostile clients (raw HTTP, as they send it) ------------------------
@@ -217,7 +272,7 @@ PROTO = {"content-type": "application/x-protobuf"}
 
 
 def test_a_key_is_required_and_only_its_owner_reaches_a_session(server):
-    url, _, _ = server
+    url, *_ = server
     assert api(url, None).post("/create_session", json={}).status_code == 401
     assert api(url, "tml-" + "c" * 28).post("/create_session", json={}).status_code == 401
     assert api(url, None).get("/healthz").json() == {"status": "ok"}
@@ -258,7 +313,7 @@ def test_a_key_is_required_and_only_its_owner_reaches_a_session(server):
 
 
 def test_bad_requests_are_named_and_cost_nothing_else(server):
-    url, _, _ = server
+    url, *_ = server
     a = api(url)
     sid, model = session_and_model(a)
 
@@ -331,9 +386,8 @@ def test_bad_requests_are_named_and_cost_nothing_else(server):
     refused("/asample", 400, "tinker.max_samples", json={**sample, "num_samples": 17})
     refused("/asample", 400, "sampling_params.max_tokens", json={**sample, "sampling_params": {"max_tokens": 100000}})
     refused("/asample", 400, "topk_sample_logprobs is not supported", json={**sample, "topk_sample_logprobs": 2})
-    refused(
-        "/asample", 400, "option prompt_logprobs (include_prompt_logprobs", json={**sample, "prompt_logprobs": True}
-    )
+    refused("/asample", 400, "topk_prompt_logprobs 21; 0 to 20", json={**sample, "topk_prompt_logprobs": 21})
+    refused("/asample", 400, "prompt_logprobs_last_n 9", json={**sample, "prompt_logprobs_last_n": 9})
     # A loss or loss input forge does not serve fails the request (its future), naming it.
     msg = pb.ForwardBackwardRequest.FromString(fwdbwd(model, 2, [1, 2], **good_inputs(2)))
     msg.loss_fn = "dro"
@@ -351,7 +405,7 @@ def test_bad_requests_are_named_and_cost_nothing_else(server):
 
 
 def test_requests_apply_in_seq_id_order_and_once(server):
-    url, _, _ = server
+    url, *_ = server
     a = api(url)
     _, model = session_and_model(a)
     # seq 2 arrives before seq 1 (the SDK sends a forward_backward's first chunk last): it waits.
@@ -371,13 +425,72 @@ def test_requests_apply_in_seq_id_order_and_once(server):
 
 
 def test_a_session_without_heartbeats_is_closed_and_its_adapter_freed(server):
-    url, _, log = server
+    url, _, log, _ = server
     a = api(url)
     sid, model = session_and_model(a)
     time.sleep(30)  # session_timeout_s=20, no heartbeat
     r = a.post("/forward_backward", content=fwdbwd(model, 1, [1, 2], **good_inputs(2)), headers=PROTO)
     assert r.status_code == 400 and "no model" in r.json()["detail"]
     assert a.post("/session_heartbeat", json={"session_id": sid}).status_code == 410
+
+
+def test_a_respawned_generator_serves_the_samplers_it_had(server):
+    """SIGKILL the generator's process: its replacement loads every live sampler's adapter again
+    (the server keeps them as the generator service's restore point), so a sampler made before
+    the crash samples as it did; without that, its policy is unknown to the new replica."""
+    url, _, _, proc = server
+    sc, base = client(url)
+    tc = sc.create_lora_training_client(base_model=base, rank=4, seed=3)
+    tok = tc.get_tokenizer()
+    data = supervised_data(tok)
+    for _ in range(3):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client()
+    probe = types.ModelInput.from_ints(tok.encode("7+7=14", add_special_tokens=False))
+    before = sampler.compute_logprobs(probe).result()
+    role(psutil.Process(proc.pid), "generator").kill()
+    after = sampler.compute_logprobs(probe).result()
+    assert np.allclose(before[1:], after[1:], atol=1e-4), (before, after)
+
+
+@pytest.mark.slow  # 60 s: a `forge serve` process and its engine
+def test_forge_serve_serves_a_sampler_checkpoint(server):
+    """`forge serve BASE --lora NAME=DIR` of a `save_weights_for_sampler` directory: the OpenAI API
+    answers with that adapter as the Tinker sampler does (prompt logprobs, with requests of the
+    base model in the same batches)."""
+    import openai
+
+    url, runs, *_ = server
+    sc, base = client(url)
+    tc = sc.create_lora_training_client(base_model=base, rank=4, seed=5)
+    tok = tc.get_tokenizer()
+    for _ in range(3):
+        tc.forward_backward(supervised_data(tok), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+    path = tc.save_weights_for_sampler("served").result().path
+    where = (
+        runs / "tinker_tiny" / "tinker" / path.removeprefix("tinker://").split("/")[0] / "sampler_weights" / "served"
+    )
+    probe = tok.encode("7+7=14", add_special_tokens=False)
+    want = sc.create_sampling_client(model_path=path).compute_logprobs(types.ModelInput.from_ints(probe)).result()
+    proc, port, _ = forge_serve(base, "--lora", f"mine={where}")
+    try:
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        names = ["mine", Path(base).name] * 2
+        with ThreadPoolExecutor(len(names)) as pool:
+            asked = [
+                pool.submit(api.completions.create, model=m, prompt=probe, max_tokens=1, echo=True, logprobs=0)
+                for m in names
+            ]
+            got = [f.result().choices[0].logprobs.token_logprobs[1 : len(probe)] for f in asked]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out[-2000:]
+    for lps in got[::2]:
+        assert np.allclose(lps, want[1:], atol=1e-4), (lps, want)
+    assert np.abs(np.subtract(got[1], want[1:])).max() > 1e-2  # the base model answers otherwise
 
 
 def test_beyond_loopback_a_key_is_required():
@@ -402,7 +515,7 @@ def test_the_cookbook_recipes_train_unmodified(server, tmp_path):
     """`make cookbook`, then its supervised recipe on its own example conversations (the loss
     falls) and its RL recipe on arithmetic (it runs: sampling with a stop token, importance
     sampling, checkpoints with a ttl) against the server, on the tiny model."""
-    url, _, _ = server
+    url, *_ = server
     subprocess.run(["make", "cookbook"], cwd=TESTS.parent, check=True, capture_output=True, timeout=1200)
     model = tinker.RestClient(base_url=url, api_key=KEY_A).get_server_capabilities().result()
     common = [f"base_url={url}", f"model_name={model.supported_models[0].model_name}", "renderer_name=qwen3_instruct"]
