@@ -113,6 +113,10 @@ def test_shipped_configs_load():
 
     cfg = load_config("configs/sft_tiny.yaml", ["run_name=x"], Config)
     assert cfg.model.tiny.task == cfg.task and cfg.model.path.endswith(cfg.task)
+    # The cookbook's arithmetic start: 300 steps of a 1000-step cosine schedule (README)
+    cfg = load_config("configs/sft_arithmetic.yaml", [], Config)
+    assert (cfg.steps, cfg.trainer.total_steps, cfg.trainer.lr_decay) == (300, 1000, "cosine")
+    assert cfg.eval.dataset.messages_key == "prompt" and cfg.model.tiny is None
 
 
 def test_the_trainer_section_raises_config_errors_like_every_other():

@@ -434,6 +434,7 @@ def test_a_session_without_heartbeats_is_closed_and_its_adapter_freed(server):
     assert a.post("/session_heartbeat", json={"session_id": sid}).status_code == 410
 
 
+@pytest.mark.slow  # 60 s: a generator's respawn
 def test_a_respawned_generator_serves_the_samplers_it_had(server):
     """SIGKILL the generator's process: its replacement loads every live sampler's adapter again
     (the server keeps them as the generator service's restore point), so a sampler made before
