@@ -85,7 +85,9 @@ async def measure(quick: bool) -> dict:
     try:
         # The SDK's first call opens its session synchronously: in a thread, while this loop serves it.
         sc = tinker.ServiceClient(base_url=front.base_url, api_key="tml-bench")
-        tc = await asyncio.to_thread(sc.create_lora_training_client, base_model=front.base_model, rank=8, seed=0)
+        tc = await (
+            await asyncio.to_thread(sc.create_lora_training_client, base_model=front.base_model, rank=8, seed=0)
+        )
         await trainer.add_tenant.route("direct", 8, cfg.tinker.lora_alpha, set(lora.targets), 0)
 
         async def sdk_step() -> None:
@@ -106,7 +108,7 @@ async def measure(quick: bool) -> dict:
                 if i:  # the first of each: warm-up
                     steps[name].append(time.perf_counter() - start)
 
-        sampler = await asyncio.to_thread(sc.create_sampling_client, base_model=front.base_model)
+        sampler = await (await asyncio.to_thread(sc.create_sampling_client, base_model=front.base_model))
         rng = np.random.default_rng(1)
         prompts = [rng.integers(3, vocab, 16).tolist() for _ in range(PROMPTS)]
         params = types.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, stop=[])

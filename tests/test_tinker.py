@@ -62,7 +62,7 @@ def server(tiny_model_dir, tmp_path_factory):
     runs = tmp_path_factory.mktemp("tinker")
     limits = ["tinker.max_request_bytes=2000000", "tinker.max_seq_len=200", "tinker.max_samples=16"]
     keys = f"tinker.api_keys=[{KEY_A},{KEY_B}]"
-    proc, url, log = forge_tinker(tiny_model_dir, runs, keys, "tinker.session_timeout_s=20", *limits)
+    proc, url, log = forge_tinker(tiny_model_dir, runs, keys, "tinker.session_timeout_s=20", "tinker.seed=7", *limits)
     yield url, runs, log, proc
     proc.send_signal(signal.SIGINT)
     try:
@@ -80,7 +80,7 @@ def client(url: str, key: str = KEY_A):
 def test_supervised_loop_lowers_the_loss_and_forward_is_forward_backward_without_a_step(server):
     url, *_ = server
     sc, base = client(url)
-    tc = sc.create_lora_training_client(base_model=base, rank=8, seed=0)
+    tc = sc.create_lora_training_client(base_model=base, rank=8, seed=0).result()
     data = supervised_data(tc.get_tokenizer())
     before = tc.forward(data, "cross_entropy").result()
     losses = []
@@ -104,17 +104,17 @@ def test_rl_loop_raises_the_reward(server):
     save_weights_and_get_sampling_client: the share of lowercase letters a random model writes rises."""
     url, *_ = server
     sc, base = client(url)
-    tc = sc.create_lora_training_client(base_model=base, rank=8, seed=0)
+    tc = sc.create_lora_training_client(base_model=base, rank=8, seed=0).result()
     tok = tc.get_tokenizer()
     prompt, good = tok.encode("x=", add_special_tokens=False), letter_ids(tok)
-    rewards = [rl_step(tc, tc.save_weights_and_get_sampling_client(), tok, prompt, good) for _ in range(12)]
+    rewards = [rl_step(tc, tc.save_weights_and_get_sampling_client().result(), tok, prompt, good) for _ in range(12)]
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.3, rewards
 
 
 def test_save_then_resume_in_a_new_process_continues_where_it_stopped(server, tmp_path):
     url, runs, *_ = server
     sc, base = client(url)
-    tc = sc.create_lora_training_client(base_model=base, rank=8, seed=3)
+    tc = sc.create_lora_training_client(base_model=base, rank=8, seed=3).result()
     tok = tc.get_tokenizer()
     first, second, probe = supervised_data(tok, 4), supervised_data(tok, 4, offset=4), supervised_data(tok, 4, offset=8)
     for _ in range(3):
@@ -182,12 +182,12 @@ def test_prompt_logprobs_are_each_samplers_own_in_a_batch_of_several_adapters(se
     sc, base = client(url)
     trained = []
     for offset in (0, 40):
-        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=offset)
+        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=offset).result()
         data = supervised_data(tc.get_tokenizer(), offset=offset)
         for _ in range(3):
             tc.forward_backward(data, "cross_entropy").result()
             tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
-        trained.append((tc, tc.save_weights_and_get_sampling_client()))
+        trained.append((tc, tc.save_weights_and_get_sampling_client().result()))
     tok = trained[0][0].get_tokenizer()
     probes = [tok.encode(f"{i}+{i}={2 * i}", add_special_tokens=False) for i in (3, 41)]
     busy = trained[1][1].sample(
@@ -216,13 +216,17 @@ def test_a_seed_on_a_prompt_prefilled_in_chunks_costs_nothing(server):
     answer, and the seed gives the same tokens alone."""
     url, *_ = server
     sc, base = client(url)
-    sampler = sc.create_sampling_client(base_model=base)
+    sampler = sc.create_sampling_client(base_model=base).result()
     prompts = [[(7 * i + j) % 90 + 3 for j in range(150)] for i in range(16)]
     params = types.SamplingParams(max_tokens=4, seed=11, temperature=1.0)
     asked = [sampler.sample(types.ModelInput.from_ints(p), 1, params) for p in prompts]
     first = [f.result().sequences[0].tokens for f in asked]
     alone = sampler.sample(types.ModelInput.from_ints(prompts[-1]), 1, params).result().sequences[0].tokens
     assert all(first) and alone == first[-1], (first, alone)
+    # Without a seed, each request draws the next of the server's (tinker.seed): not one for all.
+    params = types.SamplingParams(max_tokens=8, temperature=1.0)
+    drawn = [sampler.sample(types.ModelInput.from_ints(prompts[0]), 4, params).result() for _ in range(2)]
+    assert [s.tokens for s in drawn[0].sequences] != [s.tokens for s in drawn[1].sequences]
 
 
 # ---- bad input and hostile clients (raw HTTP, as they send it) ------------------------
@@ -441,13 +445,13 @@ def test_a_respawned_generator_serves_the_samplers_it_had(server):
     the crash samples as it did; without that, its policy is unknown to the new replica."""
     url, _, _, proc = server
     sc, base = client(url)
-    tc = sc.create_lora_training_client(base_model=base, rank=4, seed=3)
+    tc = sc.create_lora_training_client(base_model=base, rank=4, seed=3).result()
     tok = tc.get_tokenizer()
     data = supervised_data(tok)
     for _ in range(3):
         tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
-    sampler = tc.save_weights_and_get_sampling_client()
+    sampler = tc.save_weights_and_get_sampling_client().result()
     probe = types.ModelInput.from_ints(tok.encode("7+7=14", add_special_tokens=False))
     before = sampler.compute_logprobs(probe).result()
     role(psutil.Process(proc.pid), "generator").kill()
@@ -464,7 +468,7 @@ def test_forge_serve_serves_a_sampler_checkpoint(server):
 
     url, runs, *_ = server
     sc, base = client(url)
-    tc = sc.create_lora_training_client(base_model=base, rank=4, seed=5)
+    tc = sc.create_lora_training_client(base_model=base, rank=4, seed=5).result()
     tok = tc.get_tokenizer()
     for _ in range(3):
         tc.forward_backward(supervised_data(tok), "cross_entropy").result()
@@ -474,7 +478,9 @@ def test_forge_serve_serves_a_sampler_checkpoint(server):
         runs / "tinker_tiny" / "tinker" / path.removeprefix("tinker://").split("/")[0] / "sampler_weights" / "served"
     )
     probe = tok.encode("7+7=14", add_special_tokens=False)
-    want = sc.create_sampling_client(model_path=path).compute_logprobs(types.ModelInput.from_ints(probe)).result()
+    want = (
+        sc.create_sampling_client(model_path=path).result().compute_logprobs(types.ModelInput.from_ints(probe)).result()
+    )
     proc, port, _ = forge_serve(base, "--lora", f"mine={where}")
     try:
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)

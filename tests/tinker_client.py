@@ -71,16 +71,16 @@ def train_on_letters(url: str, key: str, letters: str, steps: int) -> dict:
     base = (
         tinker.RestClient(base_url=url, api_key=key).get_server_capabilities().result().supported_models[0].model_name
     )
-    tc = sc.create_lora_training_client(base_model=base, rank=4, seed=1)
+    tc = sc.create_lora_training_client(base_model=base, rank=4, seed=1).result()
     tok = tc.get_tokenizer()
     prompt = tok.encode("x=", add_special_tokens=False)
     rewards = [
-        rl_step(tc, tc.save_weights_and_get_sampling_client(), tok, prompt, letter_ids(tok, letters))
+        rl_step(tc, tc.save_weights_and_get_sampling_client().result(), tok, prompt, letter_ids(tok, letters))
         for _ in range(steps)
     ]
     # What its sampler draws, and its trainer's logprobs of those very tokens (temperature 1: the same
     # distribution); and its trainer's logprobs of a fixed probe.
-    sampler = tc.save_weights_and_get_sampling_client()
+    sampler = tc.save_weights_and_get_sampling_client().result()
     drawn = sampler.sample(
         types.ModelInput.from_ints(prompt), num_samples=4, sampling_params=types.SamplingParams(max_tokens=6)
     ).result()
