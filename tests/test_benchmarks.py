@@ -98,6 +98,7 @@ def test_async_vs_sync_quick_through_forge_bench(tmp_path):
             assert variant["modes"][mode]["generator_busy_frac"] > 0 and variant["modes"][mode]["trainer_busy_frac"] > 0
 
 
+@pytest.mark.slow  # 50 s
 def test_scale_quick_runs_the_loop_over_simulated_replicas(tmp_path):
     """The real GRPO loop over 8 simulated generators: on-policy generates exactly what it trains,
     every mode keeps its staleness bound, and async beats sync on the heavy-tailed workload."""

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from roles import role
 
 from forge import shm
@@ -57,6 +58,7 @@ def mean(xs) -> float:
     return sum(xs) / len(xs)
 
 
+@pytest.mark.slow  # 4 min: a GRPO run through three generator deaths, a trainer's and its controller's
 def test_kill_generator_trainer_controller(tmp_path):
     run_dir = tmp_path / "chaos"
     args = [

@@ -108,13 +108,16 @@ def test_model_family_is_checked_at_load(tmp_path, tiny_model_dir):
         )
 
 
-def test_shipped_configs_load():
+def test_shipped_configs_load(tmp_path):
     from apps.sft import Config
 
     cfg = load_config("configs/sft_tiny.yaml", ["run_name=x"], Config)
     assert cfg.model.tiny.task == cfg.task and cfg.model.path.endswith(cfg.task)
-    # The cookbook's arithmetic start: 300 steps of a 1000-step cosine schedule (README)
-    cfg = load_config("configs/sft_arithmetic.yaml", [], Config)
+    # The cookbook's arithmetic start: 300 steps of a 1000-step cosine schedule (README); its rows
+    # are the README's to write.
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("{}\n")
+    cfg = load_config("configs/sft_arithmetic.yaml", [f"data.path={rows}", f"eval.dataset.path={rows}"], Config)
     assert (cfg.steps, cfg.trainer.total_steps, cfg.trainer.lr_decay) == (300, 1000, "cosine")
     assert cfg.eval.dataset.messages_key == "prompt" and cfg.model.tiny is None
 
