@@ -24,11 +24,12 @@ from apps.sft import warm_start
 from forge.buffer import ReplayBuffer
 from forge.config import import_object
 from forge.data import FilePrompts, TaskPrompts
+from forge.losses import teacher_advantages
 from forge.metrics import Reduce, metrics_scope, record_metric
 from forge.rollout import RolloutLoops, Rollouts, SingleTurn
 from forge.run import ActorState, Run
 from forge.service import ReplicaRestored
-from forge.types import collate
+from forge.types import Batch, collate
 from services.agentic import AgenticRollouts
 from services.evals import BackgroundEvals, held_out
 from services.roles import Roles, Shared
@@ -65,13 +66,19 @@ async def run_together(cfgs: list[Config]) -> list[dict[str, float]]:
 
 
 BAR = {"reward": ("reward_mean", ".3f"), "acc": ("accuracy", ".2f"), "tok_s": ("tokens_per_s", ".0f")}
+RKL = {"rkl": ("distill/reverse_kl", ".3f")}  # how far the student is from its teachers
+# Distillation alone has no reward: its bar and curves show the teachers' distance and the evals.
+DISTILL_BAR = {**RKL, "eval_acc": ("eval/accuracy", ".2f"), "tok_s": BAR["tok_s"]}
 
 
 async def train(cfg: Config, s: Roles, resume_from: Path | None = None) -> dict[str, float]:
     """The GRPO loop on running roles; returns the last metrics row. Raises RunStopped when
     the run cannot go on (the trainer could not be restored, rollouts keep failing, no batch
     comes), naming the checkpoint to resume from."""
-    run = Run("grpo", cfg, resume_from, show=BAR)
+    if cfg.algorithm == "distill":
+        run = Run("grpo", cfg, resume_from, show=DISTILL_BAR, plot_keys=("distill/reverse_kl", "eval/accuracy"))
+    else:
+        run = Run("grpo", cfg, resume_from, show={**BAR, **RKL} if cfg.distill.enabled else BAR)
     prompts = FilePrompts(cfg.dataset, cfg.seed) if cfg.dataset.path else TaskPrompts(cfg.task, cfg.seed)
     if "judge" in cfg.rewards.weights and cfg.dataset.path:  # the rubric's fields, now that the columns are known
         cfg.rewards.check_judge(prompts.rows.column_names)
@@ -120,6 +127,8 @@ async def step(cfg: Config, s: Roles, run: Run, loops: RolloutLoops, buffer: Any
     batch = collate(episodes, pad_id=0, rows_multiple_of=cfg.trainer_procs * cfg.trainer.grad_accum)
     if s.ref is not None:
         batch.ref_logprobs = await s.ref.logprobs.route(batch)
+    if s.teachers:
+        await distill(cfg, s, batch)
     t2 = time.perf_counter()
     version, metrics = await s.trainer.train_step.route(batch)
     t3 = time.perf_counter()
@@ -131,6 +140,16 @@ async def step(cfg: Config, s: Roles, run: Run, loops: RolloutLoops, buffer: Any
     for name, seconds in (("wait_s", t1 - t0), ("ref_s", t2 - t1), ("train_s", t3 - t2), ("push_s", wall - (t3 - t0))):
         record_metric(f"time/{name}", seconds)
     await run.end_step(version)
+
+
+async def distill(cfg: Config, s: Roles, batch: Batch) -> None:
+    """The teachers' per-token advantages, instead of the rewards' (algorithm `distill`) or added
+    to them. Scored here, at train time, on the tokens as sampled, whatever their staleness."""
+    teacher_logprobs = await asyncio.gather(*(t.logprobs.route(batch) for t in s.teachers))
+    weights = [t.weight for t in cfg.distill.teachers]
+    advantages, reverse_kl = teacher_advantages(batch, list(teacher_logprobs), weights, cfg.distill.coef)
+    batch.advantages = advantages if cfg.algorithm == "distill" else batch.advantages + advantages
+    record_metric("distill/reverse_kl", float(reverse_kl.sum() / batch.loss_mask.sum().clamp(min=1)))
 
 
 def record_batch(episodes: list, trained_on: int, metrics: dict[str, float]) -> None:

@@ -7,9 +7,19 @@ from dataclasses import dataclass, field
 
 from forge import tasks
 from forge.config import ConfigError, import_object
-from forge.schema import REWARD_UNAVAILABLE, DatasetConfig, JobConfig, LossConfig, RunConfig, SFTDataConfig
+from forge.schema import (
+    PREFERENCE_LOSSES,
+    REWARD_UNAVAILABLE,
+    DatasetConfig,
+    JobConfig,
+    LossConfig,
+    PreferenceDataConfig,
+    RunConfig,
+    SFTDataConfig,
+)
 from services.schema import (
     AgenticConfig,
+    DistillConfig,
     EvalConfig,
     GeneratorConfig,
     ModelConfig,
@@ -17,6 +27,10 @@ from services.schema import (
     TinkerConfig,
     TrainerConfig,
 )
+
+# What a batch's advantages come from: `grpo`, each group's rewards (plus the teachers', with
+# `distill.teachers`); `distill`, the teachers' alone (no reward in the run).
+ALGORITHMS = ("grpo", "distill")
 
 
 @dataclass
@@ -29,6 +43,8 @@ class GRPOConfig(RunConfig):
     group_size: int = 8
     groups_per_step: int = 8  # batch = group_size x groups_per_step episodes
     max_staleness: int = 1
+    algorithm: str = "grpo"  # ALGORITHMS
+    distill: DistillConfig = field(default_factory=DistillConfig)  # teachers: on-policy distillation
     rollout_tasks: int = 4  # concurrent rollout loops
     rollout: str = "forge.rollout:generate_and_score"  # one prompt -> (completions, scores)
     agentic: AgenticConfig = field(default_factory=AgenticConfig)  # multi-turn agents or environments
@@ -88,6 +104,7 @@ class GRPOConfig(RunConfig):
                 raise ConfigError(f"config key 'task': {e} (or give a file in 'dataset.path')") from None
         self._validate_rewards()
         self._validate_eval()
+        self._validate_algorithm()
         import_object("rollout", self.rollout)  # last: importing it loads torch (the default's module)
 
     def _validate_rewards(self) -> None:
@@ -99,6 +116,17 @@ class GRPOConfig(RunConfig):
             self.rewards.check_weights(self.eval.rewards, "eval.rewards")
         if "judge" in self.rewards.weights and not self.dataset.path:  # a dataset file's columns: checked once read
             self.rewards.check_judge(columns=())
+
+    def _validate_algorithm(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"config key 'algorithm': {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        if self.algorithm == "distill" and not self.distill.enabled:
+            raise ConfigError("config key 'distill.teachers': algorithm 'distill' learns from teachers; name one")
+        if self.algorithm == "distill" and self.dynamic_sampling:
+            raise ConfigError(
+                "config key 'dynamic_sampling': it drops groups whose rewards are equal, and algorithm "
+                "'distill' has no reward (every group's are)"
+            )
 
     def _validate_eval(self) -> None:
         if self.eval.enabled and self.dataset.path and not self.eval.dataset.path:
@@ -118,18 +146,17 @@ class GRPOConfig(RunConfig):
 
 
 @dataclass
-class SFTConfig(RunConfig):
-    app: str = "sft"
-    run_name: str = "sft_tiny"
+class SupervisedConfig(RunConfig):
+    """What the supervised apps (SFT, preference training) share: a trainer on a model, and
+    held-out evals of a toy task or a file through a generator."""
+
     steps: int = 300
     checkpoint_every: int = 100
     metrics: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
     task: str = "add"  # the toy task: the examples when `data.path` is empty, and the eval's rewards
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    batch_size: int = 64  # examples per step (rows, unless data.pack_to packs them)
+    batch_size: int = 64  # examples (preference pairs) per step
     trainer_procs: int = 1
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=3e-3, loss=LossConfig(name="sft")))
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evals (through a generator)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)  # the eval's
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # the eval's sampler
@@ -141,16 +168,6 @@ class SFTConfig(RunConfig):
         for key in ("batch_size", "trainer_procs"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
-        if self.trainer.loss.name != "sft":
-            raise ConfigError(
-                f"config key 'trainer.loss.name': the SFT app trains with 'sft', got {self.trainer.loss.name!r}"
-            )
-        shards = self.trainer_procs * self.trainer.grad_accum
-        if self.batch_size % shards and not self.data.pack_to:  # packed: empty rows make up the count
-            raise ConfigError(
-                f"config key 'batch_size': {self.batch_size} rows do not split over trainer_procs x "
-                f"trainer.grad_accum = {shards}"
-            )
         if self.trainer.total_steps is None:
             self.trainer.total_steps = self.steps
         if self.eval.enabled:
@@ -160,6 +177,54 @@ class SFTConfig(RunConfig):
                 )
             if self.eval.rewards:
                 self.rewards.check_weights(self.eval.rewards, "eval.rewards")
+
+    def check_rows(self, packed: bool) -> None:
+        shards = self.trainer_procs * self.trainer.grad_accum
+        if self.batch_size % shards and not packed:  # packed: empty rows make up the count
+            raise ConfigError(
+                f"config key 'batch_size': {self.batch_size} rows do not split over trainer_procs x "
+                f"trainer.grad_accum = {shards}"
+            )
+
+
+@dataclass
+class SFTConfig(SupervisedConfig):
+    app: str = "sft"
+    run_name: str = "sft_tiny"
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=3e-3, loss=LossConfig(name="sft")))
+
+    def validate(self) -> None:
+        super().validate()
+        if self.trainer.loss.name != "sft":
+            raise ConfigError(
+                f"config key 'trainer.loss.name': the SFT app trains with 'sft', got {self.trainer.loss.name!r}"
+            )
+        self.check_rows(packed=bool(self.data.pack_to))
+
+
+@dataclass
+class DPOConfig(SupervisedConfig):
+    """Preference training (DPO, IPO) on pairs: the reference is the starting policy, frozen
+    (with LoRA: the trainer's own model with its adapters off)."""
+
+    app: str = "dpo"
+    run_name: str = "dpo_tiny"
+    task: str = "reverse"
+    batch_size: int = 32  # pairs per step: one row each (chosen and rejected packed together)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    trainer: TrainerConfig = field(
+        default_factory=lambda: TrainerConfig(lr=1e-5, loss=LossConfig(name="dpo", beta=0.1))
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.trainer.loss.name not in PREFERENCE_LOSSES:
+            raise ConfigError(
+                f"config key 'trainer.loss.name': the DPO app trains with one of {', '.join(sorted(PREFERENCE_LOSSES))}, "
+                f"got {self.trainer.loss.name!r}"
+            )
+        self.check_rows(packed=False)
 
 
 @dataclass
@@ -189,4 +254,9 @@ class TinkerAppConfig(RunConfig):
             )
 
 
-APPS: dict[str, type[RunConfig]] = {"grpo": GRPOConfig, "sft": SFTConfig, "tinker": TinkerAppConfig}
+APPS: dict[str, type[RunConfig]] = {
+    "grpo": GRPOConfig,
+    "sft": SFTConfig,
+    "dpo": DPOConfig,
+    "tinker": TinkerAppConfig,
+}

@@ -10,13 +10,17 @@ row (`data.pack_to`); held-out evals beside the loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from apps.schema import SFTConfig as Config
+from apps.schema import SupervisedConfig
 from forge.data import SFTExamples
 from forge.metrics import record_metric
 from forge.run import Run
@@ -26,6 +30,7 @@ from forge.types import Episode, collate
 from forge.weight_sync import WeightSync
 from services.evals import BackgroundEvals, held_out
 from services.generator import Generator
+from services.reference import Reference
 from services.rewards import Rewards
 from services.schema import EvalConfig, ModelConfig, TinyModelSpec, TrainerConfig
 from services.tiny_model import resolve_model
@@ -42,46 +47,60 @@ async def run(cfg: Config) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(model)
     # A bad file stops here, before any spawn.
     examples = SFTExamples(cfg.data, tokenizer, cfg.task, cfg.seed)
+    async with supervised_roles(cfg, str(model)) as roles:
+        return await train(cfg, examples, tokenizer.pad_token_id or 0, roles, last)
+
+
+@dataclass
+class SupervisedRoles:
+    """What a supervised app (SFT, DPO) talks to: its trainer; for evals, a generator, the
+    WeightSync from the trainer to it and the eval's rewards; the frozen reference, if asked for."""
+
+    trainer: Any
+    gen: Any = None
+    weights: WeightSync | None = None
+    rewards: Any = None
+    ref: Any = None
+
+
+@contextlib.asynccontextmanager
+async def supervised_roles(
+    cfg: SupervisedConfig, model: str, reference: bool = False
+) -> AsyncIterator[SupervisedRoles]:
+    """The roles `cfg` asks for (a generator and rewards when it evaluates; a Reference of
+    `model` with `reference`), stopped on the way out."""
     store = await start_store()
     weights = WeightStore(cfg.trainer.weights, transport=cfg.trainer.transport)
-    roles: list[Any] = []
-    gen = rewards = sync = None
+    spawned: list[Any] = []
+    roles: SupervisedRoles | None = None
     try:
-        trainer = await Trainer.options(procs=cfg.trainer_procs).as_service(str(model), cfg.trainer, weights)
-        roles.append(trainer)
+        roles = SupervisedRoles(await Trainer.options(procs=cfg.trainer_procs).as_service(model, cfg.trainer, weights))
+        spawned.append(roles.trainer)
+        if reference:
+            roles.ref = await Reference.options().as_service(model)
+            spawned.append(roles.ref)
         if cfg.eval.enabled:
-            gen = await Generator.options().as_service(str(model), cfg.generator, weights, cfg.trainer.lora)
-            roles.append(gen)
-            sync = WeightSync(trainer, gen)
-            await sync.start()
-            rewards = await Rewards.options().as_service(cfg.rewards.with_weights(cfg.eval.rewards))
-            roles.append(rewards)
-        return await train(cfg, examples, tokenizer.pad_token_id or 0, trainer, gen, sync, rewards, last)
+            roles.gen = await Generator.options().as_service(model, cfg.generator, weights, cfg.trainer.lora)
+            spawned.append(roles.gen)
+            roles.weights = WeightSync(roles.trainer, roles.gen)
+            await roles.weights.start()
+            roles.rewards = await Rewards.options().as_service(cfg.rewards.with_weights(cfg.eval.rewards))
+            spawned.append(roles.rewards)
+        yield roles
     finally:
-        if sync is not None:
-            await sync.stop()
-        await asyncio.shield(asyncio.gather(*(r.shutdown() for r in roles), return_exceptions=True))
+        if roles is not None and roles.weights is not None:
+            await roles.weights.stop()
+        await asyncio.shield(asyncio.gather(*(r.shutdown() for r in spawned), return_exceptions=True))
         await stop_store(store)
 
 
 async def train(
-    cfg: Config,
-    examples: SFTExamples,
-    pad_id: int,
-    trainer: Any,
-    gen: Any,
-    weights: WeightSync | None,
-    rewards: Any,
-    resume_from: Path | None,
+    cfg: Config, examples: SFTExamples, pad_id: int, roles: SupervisedRoles, resume_from: Path | None
 ) -> dict[str, float]:
-    """The SFT loop on running services (`gen`, `weights` and `rewards` for evals, else None);
-    returns the last metrics row."""
+    """The SFT loop on running roles; returns the last metrics row."""
     run = Run("sft", cfg, resume_from, show={"loss": ("loss", ".3f")}, plot_keys=EVAL_PLOT, pushes_every_step=False)
     examples.reset()
-    evals = BackgroundEvals(
-        cfg.eval, held_out(cfg.eval, cfg.task) if cfg.eval.enabled else [], gen, rewards, weights, run.writer, "sft"
-    )
-    await run.start(trainer, weights, evals, examples=examples)
+    await run.start(roles.trainer, roles.weights, evals(cfg, roles, run), examples=examples)
     async with run:
         while run.step < cfg.steps:
             start = time.perf_counter()
@@ -92,13 +111,19 @@ async def train(
                 pack_to=cfg.data.pack_to,
                 rows_multiple_of=cfg.trainer_procs * cfg.trainer.grad_accum,
             )
-            _, metrics = await trainer.train_step.route(batch)
+            _, metrics = await roles.trainer.train_step.route(batch)
             for key in ("loss", "entropy", "grad_norm", "lr", "trained_tokens"):
                 record_metric(key, metrics[key])
             record_metric("tokens_per_s", metrics["trained_tokens"] / (time.perf_counter() - start))
             await run.end_step()
         await run.finish()
     return run.row
+
+
+def evals(cfg: SupervisedConfig, roles: SupervisedRoles, run: Run) -> BackgroundEvals:
+    """Held-out evals of the trained policy beside the loop (none when `cfg.eval` is off)."""
+    samples = held_out(cfg.eval, cfg.task) if cfg.eval.enabled else []
+    return BackgroundEvals(cfg.eval, samples, roles.gen, roles.rewards, roles.weights, run.writer, cfg.app)
 
 
 def warm_start(model_dir: Path, spec: TinyModelSpec) -> float:

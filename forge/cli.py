@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("-n", type=int, default=10_000)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--system", help="write chat prompts: this system turn, then the task as the user's")
+    d.add_argument(
+        "--preferences", action="store_true", help="add chosen (the answer) and rejected (a near miss) columns"
+    )
 
     b = sub.add_parser("bench", help="run a benchmark: prints a table, writes benchmarks/results/NAME.json")
     b.add_argument("name", choices=_benchmarks())
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     elif a.cmd == "make-dataset":
         if a.task not in tasks.TASKS:
             fail(f"--task: unknown task {a.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
-        print(tasks.write_dataset(a.out, a.task, a.n, a.seed, a.system))
+        print(tasks.write_dataset(a.out, a.task, a.n, a.seed, a.system, a.preferences))
 
 
 if __name__ == "__main__":

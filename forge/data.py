@@ -13,8 +13,8 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from forge.config import ConfigError
-from forge.schema import FORMATS, DatasetConfig, SFTDataConfig
-from forge.tasks import Sample, chat_tokens, end_of_turn, get_task
+from forge.schema import FORMATS, DatasetConfig, PreferenceDataConfig, SFTDataConfig
+from forge.tasks import Sample, chat_tokens, end_of_turn, get_task, preference_pair
 
 
 class IndexedPrompts(BaseNode[Sample]):
@@ -185,11 +185,91 @@ class SFTExamples(IndexedPrompts):
         return self._pair(str(row[self.cfg.prompt_key]), str(row[self.cfg.completion_key]), where)
 
     def _pair(self, prompt: str, completion: str, where: str) -> tuple[list[int], list[int]]:
-        p = self.tokenizer(prompt)["input_ids"]
-        c = self.tokenizer(completion, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        if not prompt and not c:
+        if not prompt and not completion:
             raise ValueError(f"{where}: empty")
-        return self._cut(p + c, [0] * len(p) + [1] * len(c))
+        return self._cut(*text_tokens(self.tokenizer, prompt, completion))
 
     def _cut(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
         return ids[: self.cfg.max_tokens], mask[: self.cfg.max_tokens]
+
+
+def text_tokens(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """A raw-text prompt and its completion as (token ids, loss mask): the completion and EOS."""
+    p = tokenizer(prompt)["input_ids"]
+    c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return p + c, [0] * len(p) + [1] * len(c)
+
+
+Tokens = tuple[list[int], list[int]]  # token ids, loss mask
+
+
+class PreferencePairs(IndexedPrompts):
+    """An endless stream of preference pairs as ((chosen ids, mask), (rejected ids, mask)), the
+    loss on each completion: the file's rows, reshuffled each epoch from the seed, or pairs of
+    the toy task (its answer, a near miss). A row's prompt is text (then its completions are) or
+    chat messages (then each completion is the assistant's messages, or its text). A file's
+    rows are all checked when it loads: a missing column or an empty completion names its row."""
+
+    def __init__(self, cfg: PreferenceDataConfig, tokenizer: Any, task: str, seed: int = 0):
+        super().__init__(seed)
+        self.cfg, self.tokenizer, self.task = cfg, tokenizer, get_task(task)
+        self.end_of_turn = end_of_turn(tokenizer)
+        self.rows = None
+        if cfg.path:
+            import datasets
+
+            cfg.validate()
+            self.rows = datasets.load_dataset(FORMATS[Path(cfg.path).suffix], data_files=cfg.path, split="train")
+            keys = (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
+            missing = [k for k in keys if k not in self.rows.column_names]
+            if missing or not len(self.rows):
+                raise ConfigError(
+                    f"config key 'data': {cfg.path} has {len(self.rows)} rows and columns {self.rows.column_names}; "
+                    f"missing {missing} (data.prompt_key, data.chosen_key, data.rejected_key)"
+                )
+            for i, row in enumerate(self.rows.select_columns(list(keys))):
+                _check_pair(row, keys, f"config key 'data.path': {cfg.path} row {i}")
+
+    def sample(self, i: int) -> tuple[Tokens, Tokens]:
+        if self.rows is None:
+            rng = random.Random(f"{self.seed}:{i}")
+            s = self.task.sample(rng)
+            chosen, rejected = preference_pair(self.task, s, rng)
+            if self.cfg.system is None:
+                return self._tokens(s.prompt, chosen), self._tokens(s.prompt, rejected)
+            prompt = [{"role": "system", "content": self.cfg.system}, {"role": "user", "content": s.prompt}]
+            return self._tokens(prompt, chosen), self._tokens(prompt, rejected)
+        row = self.rows[self.shuffled(i, len(self.rows))]
+        prompt = row[self.cfg.prompt_key]
+        return self._tokens(prompt, row[self.cfg.chosen_key]), self._tokens(prompt, row[self.cfg.rejected_key])
+
+    def _tokens(self, prompt: str | list[dict[str, Any]], completion: str | list[dict[str, Any]]) -> Tokens:
+        if isinstance(prompt, str):
+            ids, mask = text_tokens(self.tokenizer, prompt, str(completion))
+        else:
+            turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+            messages = [{k: v for k, v in m.items() if v is not None} for m in [*prompt, *turns]]
+            ids, labels = chat_tokens(self.tokenizer, messages, self.end_of_turn)
+            mask = [int(label != -100) for label in labels]
+        return ids[: self.cfg.max_tokens], mask[: self.cfg.max_tokens]
+
+
+def _check_pair(row: dict[str, Any], keys: tuple[str, str, str], where: str) -> None:
+    for key in keys:
+        if not _filled(row[key]):
+            raise ConfigError(f"{where}: column '{key}' is empty")
+    if isinstance(row[keys[0]], str) and not all(isinstance(row[k], str) for k in keys[1:]):
+        raise ConfigError(f"{where}: the prompt is text, so '{keys[1]}' and '{keys[2]}' must be too, not messages")
+
+
+def _filled(value: Any) -> bool:
+    """A completion or prompt with something in it: text, or messages with some content."""
+    if isinstance(value, str):
+        return bool(value.strip())
+    if isinstance(value, list):
+        return (
+            bool(value)
+            and all(isinstance(m, dict) and "role" in m for m in value)
+            and any(str(m.get("content") or "").strip() for m in value)
+        )
+    return False

@@ -43,9 +43,11 @@ class Rollouts(Protocol):
 
 async def generate_and_score(sample: Sample, gen: Any, rewards: Any, cfg: Any) -> tuple[list[Completion], list[Score]]:
     """`cfg.group_size` completions of `sample.prompt` from the generator service, scored by
-    the reward service. A custom rollout has this signature (`cfg` is the app's config) and
-    returns Scores, or dicts of a Score's fields."""
+    the reward service (None: a run without rewards, each scores 0). A custom rollout has this
+    signature (`cfg` is the app's config) and returns Scores, or dicts of a Score's fields."""
     group = await gen.generate.route(sample.prompt, n=cfg.group_size, tools=sample.tools)
+    if rewards is None:
+        return group, [Score(0.0) for _ in group]
     scores = await rewards.score.route([RewardInput(sample.row(), c.text, c.finish_reason) for c in group])
     return group, scores
 

@@ -118,15 +118,39 @@ class SFTDataConfig:
             raise ConfigError(f"config key 'data.pack_to' must be >= 0, got {self.pack_to}")
 
 
+@dataclass
+class PreferenceDataConfig:
+    """A preference app's `data` section: rows of a local file with a prompt and a chosen and a
+    rejected completion (plain text, or chat messages as TRL's conversational preference
+    datasets have them), or, with no file, pairs of the app's toy task (chosen: the answer,
+    rejected: a near miss)."""
+
+    path: str = ""  # .jsonl/.json/.parquet/.csv; empty: the toy `task`
+    prompt_key: str = "prompt"  # text, or chat messages (then chosen and rejected are the assistant's)
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    max_tokens: int = 1024  # a longer prompt + completion is cut to this
+    system: str | None = None  # toy task only: chat pairs (this system turn, the task as the user's); None: raw text
+
+    def validate(self) -> None:
+        if self.path and Path(self.path).suffix not in FORMATS:
+            raise ConfigError(f"config key 'data.path': {self.path} is not one of {', '.join(FORMATS)}")
+        if self.path and not Path(self.path).is_file():
+            raise ConfigError(f"config key 'data.path': file not found: {self.path}")
+        if self.max_tokens < 2:
+            raise ConfigError(f"config key 'data.max_tokens' must be >= 2, got {self.max_tokens}")
+
+
 # The names of forge.losses' LOSSES and IS_CORRECTIONS (tests/test_losses.py checks they agree).
-LOSS_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "reinforce", "sft")
+LOSS_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "reinforce", "sft", "dpo", "ipo")
+PREFERENCE_LOSSES = {"dpo", "ipo"}  # on pairs of episodes (chosen, rejected), against the reference
 IS_CORRECTION_NAMES = ("token_truncate", "sequence_truncate", "token_mask", "sequence_mask")
 NO_STD_NORMALIZE = {"dr_grpo"}  # Dr.GRPO: the std division biases towards easy and hard groups
 
 
 @dataclass
 class LossConfig:
-    name: str = "grpo"  # grpo | dr_grpo | dapo | gspo | cispo | reinforce | sft
+    name: str = "grpo"  # grpo | dr_grpo | dapo | gspo | cispo | reinforce | sft | dpo | ipo
     clip_low: float = 0.2
     clip_high: float = 0.2  # DAPO's clip-higher uses 0.28
     kl_coef: float = 0.0  # k3 KL to the reference model (needs ref_logprobs)
@@ -138,6 +162,7 @@ class LossConfig:
     # Divide group advantages by the group's reward std; null: the loss's own choice (Dr.GRPO
     # drops it, the others keep it).
     std_normalize: bool | None = None
+    beta: float = 0.1  # dpo, ipo: how far from the reference the policy may move (larger: less)
 
     def validate(self) -> None:
         if self.name not in LOSS_NAMES:
@@ -148,6 +173,8 @@ class LossConfig:
             )
         if self.is_cap < 1:
             raise ConfigError(f"config key 'loss.is_cap' must be >= 1, got {self.is_cap}")
+        if self.beta <= 0:
+            raise ConfigError(f"config key 'loss.beta' must be > 0, got {self.beta}")
 
     @property
     def normalize_std(self) -> bool:
@@ -191,7 +218,7 @@ KINDS = {
     "slurm": "monarch.job:SlurmJob",
     "kubernetes": "monarch.job.kubernetes:KubernetesJob",
 }
-ROLES = ("trainer", "generator", "reference", "rewards", "store", "envs")
+ROLES = ("trainer", "generator", "reference", "teacher", "rewards", "store", "envs")
 
 
 def job_class(kind: str) -> type:

@@ -62,6 +62,17 @@ class Task:
         """A noisy demonstration of `answer` (the SFT warm start's)."""
         return corrupt(answer, noise, rng)
 
+    def near_miss(self, answer: str, rng: random.Random) -> str:
+        """A plausible wrong answer (a preference pair's rejected one): two neighbouring
+        characters swapped, or one replaced by another of its kind."""
+        swaps = [i for i in range(len(answer) - 1) if answer[i] != answer[i + 1]]
+        if swaps and rng.random() < 0.5:
+            i = rng.choice(swaps)
+            return answer[:i] + answer[i + 1] + answer[i] + answer[i + 2 :]
+        i = rng.randrange(len(answer))
+        kind = string.digits if answer[i].isdigit() else LETTERS
+        return answer[:i] + rng.choice([c for c in kind if c != answer[i]]) + answer[i + 1 :]
+
     def score(self, response: str, answer: str) -> float:
         """1.0 for an exact answer; otherwise half the positional overlap (so that a
         near miss still gives a learning signal but never looks like a solve)."""
@@ -283,19 +294,38 @@ def generate(task: str, n: int, seed: int = 0) -> list[Sample]:
     return [t.sample(rng) for _ in range(n)]
 
 
-def write_dataset(path: str | Path, task: str, n: int = 10_000, seed: int = 0, system: str | None = None) -> Path:
+def preference_pair(task: Task, sample: Sample, rng: random.Random) -> tuple[str, str]:
+    """(chosen, rejected) for `sample`: its answer, and a near miss of it."""
+    return sample.answer, task.near_miss(sample.answer, rng)
+
+
+def write_dataset(
+    path: str | Path,
+    task: str,
+    n: int = 10_000,
+    seed: int = 0,
+    system: str | None = None,
+    preferences: bool = False,
+) -> Path:
     """Write `n` samples as JSON lines (prompt, answer, task): loadable with
     `datasets.load_dataset("json", data_files=path)` (and `dataset.path` of an app). With
     `system`, each prompt is chat messages: that system turn and the task as the user's
-    (`dataset.messages_key: prompt`)."""
+    (`dataset.messages_key: prompt`). With `preferences`, each row also has `chosen` (the
+    answer) and `rejected` (a near miss), chat messages of the assistant with `system`, as
+    TRL's conversational preference datasets."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
+    t, rng = get_task(task), random.Random(f"{task}:{seed}:preferences")
     with tmp.open("w") as f:
         for s in generate(task, n, seed):
             row = s.row()
+            if preferences:
+                row["chosen"], row["rejected"] = preference_pair(t, s, rng)
             if system is not None:
                 row["prompt"] = [{"role": "system", "content": system}, {"role": "user", "content": s.prompt}]
+                for key in ("chosen", "rejected") if preferences else ():
+                    row[key] = [{"role": "assistant", "content": row[key]}]
             f.write(json.dumps(row) + "\n")
     tmp.replace(path)
     return path

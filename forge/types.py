@@ -228,26 +228,21 @@ class Batch:
         return Batch(**moved)
 
 
-def collate(episodes: Sequence[Episode], pad_id: int, pack_to: int = 0, rows_multiple_of: int = 1) -> Batch:
+def collate(
+    episodes: Sequence[Episode], pad_id: int, pack_to: int = 0, rows_multiple_of: int = 1, keep_together: int = 1
+) -> Batch:
     """One episode per row, padded to the longest; or, with `pack_to`, episodes packed into
     rows of up to `pack_to` tokens (first fit, longest first; a longer episode gets a row of its
-    own), each attending only within itself (`positions`). Empty rows make the row count a
+    own), each attending only within itself (`positions`). `keep_together` consecutive episodes
+    (a preference pair: 2) always share a row, in order. Empty rows make the row count a
     multiple of `rows_multiple_of` (the trainer's ranks x micro-batches: a batch of whole groups
     holds any number of episodes). Episode i is doc i and policy_versions[i]."""
     if not episodes:
         raise ValueError("collate() got no episodes")
-    rows: list[list[int]] = [[i] for i in range(len(episodes))]
-    if pack_to:
-        rows, used = [], []
-        for i in sorted(range(len(episodes)), key=lambda i: -len(episodes[i].tokens)):
-            n = len(episodes[i].tokens)
-            fit = next((r for r, u in enumerate(used) if u + n <= pack_to), None)
-            if fit is None:
-                rows.append([i])
-                used.append(n)
-            else:
-                rows[fit].append(i)
-                used[fit] += n
+    if len(episodes) % keep_together:
+        raise ValueError(f"collate(): {len(episodes)} episodes are not units of keep_together={keep_together}")
+    units = [list(range(i, i + keep_together)) for i in range(0, len(episodes), keep_together)]
+    rows = _pack(units, [sum(len(episodes[i].tokens) for i in u) for u in units], pack_to)
     rows += [[] for _ in range(-len(rows) % rows_multiple_of)]
     width = max(sum(len(episodes[i].tokens) for i in row) for row in rows)
     shape = (len(rows), width)
@@ -278,9 +273,26 @@ def collate(episodes: Sequence[Episode], pad_id: int, pack_to: int = 0, rows_mul
         **b,
         ref_logprobs=None,
         policy_versions=versions,
-        positions=positions if pack_to else None,
+        positions=positions if pack_to or keep_together > 1 else None,
         routed_experts=routed,
     )
+
+
+def _pack(units: list[list[int]], lengths: list[int], pack_to: int) -> list[list[int]]:
+    """The units' episodes by row: a unit a row, or with `pack_to` first fit, longest first."""
+    if not pack_to:
+        return [list(u) for u in units]
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for k in sorted(range(len(units)), key=lambda k: -lengths[k]):
+        fit = next((r for r, u in enumerate(used) if u + lengths[k] <= pack_to), None)
+        if fit is None:
+            rows.append(list(units[k]))
+            used.append(lengths[k])
+        else:
+            rows[fit] += units[k]
+            used[fit] += lengths[k]
+    return rows
 
 
 def _routed_experts(episodes: Sequence[Episode], rows: list[list[int]], width: int) -> torch.Tensor | None:

@@ -1,5 +1,6 @@
 """The roles of a GRPO run: the weight store, trainer, generators and the WeightSync between
-them, rewards, the reference, and for agentic runs the gateway and the environment pool.
+them, rewards, the reference, the teachers (on-policy distillation), and for agentic runs the
+gateway and the environment pool.
 
     roles = await Roles.start(cfg)    # cfg: apps/grpo.py's Config
     ...
@@ -12,10 +13,11 @@ run's requests then name its adapter.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from forge.config import ConfigError
+from forge.config import ConfigError, require_file
 from forge.job import Job
 from forge.store import start_store, stop_store
 from forge.weight_sync import WeightSync
@@ -37,13 +39,14 @@ class Roles:
     trainer: Any
     gen: Any
     weights: WeightSync  # the policy version the generators serve
-    rewards: Any
+    rewards: Any | None  # None: no reward in the run (algorithm `distill`)
     ref: Any | None
     gateway: Gateway | None = None  # the OpenAI API over `gen`, for agents and environments
     envs: Any | None = None  # the environment pool
     eval_rewards: Any | None = None  # the eval's own rewards, when `eval.rewards` differs from the run's
     job: Job | None = None  # the Monarch job whose hosts run the roles
     shared: Shared | None = None  # the store and generator this run shares with others
+    teachers: list[Any] = field(default_factory=list)  # cfg.distill.teachers' services, in order
 
     @classmethod
     async def start(cls, cfg: Any, warm_start: WarmStart | None = None, shared: Shared | None = None) -> Roles:
@@ -68,14 +71,21 @@ class Roles:
             )
             sync = WeightSync(trainer, gen)
             await sync.start()
-            rewards = await Rewards.options(hosts=hosts("rewards")).as_service(cfg.rewards)
+            rewards = (
+                await Rewards.options(hosts=hosts("rewards")).as_service(cfg.rewards)
+                if cfg.algorithm != "distill"
+                else None
+            )
             ref = (
                 await Reference.options(hosts=hosts("reference")).as_service(model)
                 if cfg.trainer.loss.kl_coef > 0 and not cfg.trainer.lora.enabled  # LoRA: the trainer's, adapters off
                 else None
             )
             s = cls(store, trainer, gen, sync, rewards, ref, job=job, shared=shared)
-            if cfg.eval.enabled and cfg.eval.rewards:
+            for i, teacher in enumerate(cfg.distill.teachers):
+                check_teacher(model, teacher.path, f"distill.teachers[{i}].path")
+                s.teachers.append(await Reference.options(hosts=hosts("teacher")).as_service(teacher.path))
+            if cfg.eval.enabled and (cfg.eval.rewards or rewards is None):
                 s.eval_rewards = await Rewards.options().as_service(cfg.rewards.with_weights(cfg.eval.rewards))
             if cfg.agentic.enabled:
                 s.gateway = await Gateway.start(gen, model, cfg.agentic.gateway, cfg.generator)
@@ -94,13 +104,25 @@ class Roles:
         await self.weights.stop()
         if self.gateway is not None:
             await self.gateway.shutdown()
-        own = (self.envs, self.trainer, self.rewards, self.ref, self.eval_rewards)
+        own = (self.envs, self.trainer, self.rewards, self.ref, self.eval_rewards, *self.teachers)
         roles = own if self.shared is not None else (*own, self.gen)
         await asyncio.gather(*(r.shutdown() for r in roles if r is not None), return_exceptions=True)
         if self.shared is None:
             await stop_store(self.store)
             if self.job is not None:
                 self.job.stop()
+
+
+def check_teacher(model: str, teacher: str, key: str) -> None:
+    """A teacher scores the policy's tokens: it must read them as the policy does (the same
+    tokenizer file), else its logprobs are of other strings."""
+    require_file(key, Path(teacher) / "config.json")
+    mine, theirs = Path(model) / "tokenizer.json", Path(teacher) / "tokenizer.json"
+    if mine.is_file() and (not theirs.is_file() or theirs.read_bytes() != mine.read_bytes()):
+        raise ConfigError(
+            f"config key '{key}': {teacher} does not have the policy's tokenizer ({mine}); "
+            "a teacher scores the policy's own tokens"
+        )
 
 
 @dataclass

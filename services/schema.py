@@ -4,7 +4,7 @@ in `validate()`; the services import their sections from here.
 
     ModelConfig (model)   GeneratorConfig (generator)   TrainerConfig (trainer)
     RewardsConfig (rewards: judge, code_tests)   EvalConfig (eval)   AgenticConfig (agentic: gateway)
-    SandboxConfig (sandbox)
+    SandboxConfig (sandbox)   DistillConfig (distill: teachers)
 """
 
 from __future__ import annotations
@@ -349,6 +349,39 @@ def user_reward(name: str) -> Callable[..., Any]:
     if not callable(fn):
         raise ConfigError(f"config key 'rewards.weights.{name}': {type(fn).__name__} is not a function")
     return fn
+
+
+@dataclass
+class TeacherConfig:
+    """One teacher of on-policy distillation: a model of the policy's tokenizer that scores the
+    policy's samples."""
+
+    path: str = ""  # an HF checkpoint directory (e.g. another run's `model/`)
+    weight: float = 1.0  # its share of the teachers' mixed logprob
+
+
+@dataclass
+class DistillConfig:
+    """The `distill` section: on-policy distillation. Each sampled token's advantage gains
+    `coef` x (log p_teacher - log p_student): the per-token reverse KL, dense where a verifier
+    gives one number per episode. Several teachers mix their logprobs by weight."""
+
+    teachers: list[TeacherConfig] = field(default_factory=list)
+    coef: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teachers)
+
+    def validate(self) -> None:
+        self.teachers = [t if isinstance(t, TeacherConfig) else TeacherConfig(**t) for t in self.teachers]
+        for i, t in enumerate(self.teachers):
+            if not t.path:
+                raise ConfigError(f"config key 'distill.teachers[{i}].path': a teacher needs a model directory")
+            if t.weight <= 0:
+                raise ConfigError(f"config key 'distill.teachers[{i}].weight' must be > 0, got {t.weight}")
+        if self.coef <= 0:
+            raise ConfigError(f"config key 'distill.coef' must be > 0, got {self.coef}")
 
 
 @dataclass

@@ -29,8 +29,17 @@ from monarch.actor import endpoint
 from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
 from forge.lora import write_adapter
-from forge.losses import get_loss, importance_weight, k3_kl, loss_units, mismatch_metrics, mismatch_sums
+from forge.losses import (
+    get_loss,
+    importance_weight,
+    k3_kl,
+    loss_units,
+    mismatch_metrics,
+    mismatch_sums,
+    preference_metric_sums,
+)
 from forge.losses.tinker import TINKER_LOSSES, Datums, loss_config
+from forge.schema import PREFERENCE_LOSSES, LossConfig
 from forge.store import WeightStore
 from forge.types import Batch
 from services import models
@@ -161,8 +170,9 @@ class Trainer(ForgeActor):
         # device, copied to the host once; the largest |delta logprob| reduces by max.
         sums = torch.zeros(10, dtype=torch.float64, device=self.device)
         peak = torch.zeros(1, dtype=torch.float64, device=self.device)
+        own: dict[str, torch.Tensor] = {}  # the loss's own metrics (preference losses: implicit rewards), summed
         for mb, share in zip(micro, shares):
-            self._reference_for_free(mb, loss_cfg.kl_coef)
+            self._reference_for_free(mb, loss_cfg)
             lp, ent = token_logprobs(
                 self.model, mb.input_ids, with_entropy=True, positions=mb.positions, routed_experts=mb.routed_experts
             )
@@ -172,6 +182,9 @@ class Trainer(ForgeActor):
                 step_sums = self._step_sums(mb, lp, ent, loss)
                 sums += step_sums[:-1]
                 peak = torch.maximum(peak, step_sums[-1:])
+                if loss_cfg.name in PREFERENCE_LOSSES:
+                    for key, value in preference_metric_sums(lp, mb, loss_cfg).items():
+                        own[key] = own.get(key, 0) + value
         grad_norm = dist_utils.clip_grad_norm_(
             list(self.model.parameters()),
             max_norm=self.cfg.max_norm,
@@ -199,14 +212,16 @@ class Trainer(ForgeActor):
             "trained_tokens": tokens,
             # Over the tokens sampled on the weights this step starts from (none: 0).
             **{f"mismatch/{k}": v for k, v in mismatch_metrics(mm_kl, mm_abs, mm_out, fresh, mm_max).items()},
+            **_means(own, total),
         }
 
-    def _reference_for_free(self, mb: Batch, kl_coef: float) -> None:
-        """With LoRA, the reference logprobs are this model's with its adapters off (no
-        reference service, no second copy of the model)."""
+    def _reference_for_free(self, mb: Batch, loss: LossConfig) -> None:
+        """With LoRA, the reference logprobs (of the KL term, of a preference loss) are this
+        model's with its adapters off (no reference service, no second copy of the model)."""
         from services.titan import token_logprobs
 
-        if self.peft is None or not kl_coef or mb.ref_logprobs is not None:
+        wanted = loss.kl_coef or loss.name in PREFERENCE_LOSSES
+        if self.peft is None or not wanted or mb.ref_logprobs is not None:
             return
         with torch.no_grad(), adapters_off(self.model):
             mb.ref_logprobs = token_logprobs(self.model, mb.input_ids, positions=mb.positions)[0]
@@ -494,6 +509,15 @@ class Trainer(ForgeActor):
                 print(f"forge: trainer could not clear weights {self.store.name!r}: {e}", flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _means(sums: dict[str, torch.Tensor], units: torch.Tensor) -> dict[str, float]:
+    """Sums of every rank's micro-batches, as means over the step's loss units (all ranks')."""
+    if not sums:
+        return {}
+    reduced = torch.stack([v.double() for v in sums.values()])
+    dist.all_reduce(reduced)
+    return {key: value / max(float(units), 1.0) for key, value in zip(sums, reduced.tolist())}
 
 
 def _pad_rows(d: Datums, rows: int) -> Datums:

@@ -126,6 +126,10 @@ def test_grpo_steps_then_resume(tmp_path):
         ("rollout=nowhere:rollout", "config key 'rollout': cannot import 'nowhere:rollout'"),
         ("rollout=forge.rollout", "config key 'rollout': expected 'package.module:name'"),
         ("task=gsm9k", "config key 'task': unknown task 'gsm9k'"),
+        ("algorithm=ppo9", "config key 'algorithm': 'ppo9' is not one of grpo, distill"),
+        ("algorithm=distill", "config key 'distill.teachers': algorithm 'distill' learns from teachers"),
+        ("distill.teachers=[{path: m, weight: 0}]", "config key 'distill.teachers[0].weight' must be > 0"),
+        ("distill.teachers=[{weight: 1}]", "config key 'distill.teachers[0].path': a teacher needs a model"),
     ],
 )
 def test_bad_config_fails_before_spawning(override, message):
@@ -276,10 +280,11 @@ def test_ctrl_c_saves_and_leaves_no_processes(tmp_path):
 def services(loop, tmp_path_factory):
     """One set of GRPO services for the tests that run `train` on them: the partial-credit
     reward and `grpo_rollouts:sandboxed`, whose sandbox crashes for half the prompts."""
+    from apps.sft import warm_start
     from services.roles import Roles
 
     cfg = load_config(CONFIG, small(tmp_path_factory.mktemp("grpo"), **{"rewards.weights": SANDBOXED}), Config)
-    s = loop.run_until_complete(Roles.start(cfg))
+    s = loop.run_until_complete(Roles.start(cfg, warm_start))
     yield s
     loop.run_until_complete(s.shutdown())
 
@@ -365,6 +370,38 @@ def test_unavailable_rewards_mask_their_group_or_score_zero(tmp_path, loop, serv
         assert sum(x.get("reward_failures/sandbox", 0) for x in r) > 0
     assert sum(x.get("groups_masked", 0) for x in masked) > 0 and all(x["reward_mean"] >= 1.0 for x in masked)
     assert sum(x.get("groups_masked", 0) for x in zero) == 0
+
+
+def test_distillation_alone_scores_the_sampled_tokens_with_the_teacher(tmp_path, loop, services, tiny_model_dir):
+    """Algorithm `distill` with the starting policy as its teacher, on-policy: the first step's
+    reverse KL is the generator's numerics only (a teacher scoring other tokens, or shifted by
+    one, is off by nats); no reward is computed. A teacher of another tokenizer is named."""
+    import dataclasses
+    import shutil
+
+    from apps.grpo import train
+    from services.reference import Reference
+    from services.roles import check_teacher
+
+    over = small(tmp_path, steps=2, checkpoint_every=0, max_staleness=0, algorithm="distill")
+    cfg = load_config(CONFIG, [*over, f"distill.teachers=[{{path: {MODEL}}}]"], Config)
+    teacher = loop.run_until_complete(Reference.options().as_service(str(MODEL)))
+    try:
+        loop.run_until_complete(train(cfg, dataclasses.replace(services, rewards=None, teachers=[teacher])))
+    finally:
+        loop.run_until_complete(teacher.shutdown())
+    steps = rows(tmp_path / "e2e")
+    assert [r["step"] for r in steps] == [1, 2]
+    assert abs(steps[0]["distill/reverse_kl"]) < 1e-3, steps[0]
+    assert all("accuracy" not in r and r["reward_mean"] == 0 for r in steps)
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    (other / "tokenizer.json").write_text("{}")
+    with pytest.raises(
+        ConfigError, match=r"config key 'distill.teachers\[1\].path': .* not have the policy's tokenizer"
+    ):
+        check_teacher(str(MODEL), str(other), "distill.teachers[1].path")
 
 
 def test_code_configs_are_valid(tmp_path, tiny_model_dir):

@@ -297,3 +297,46 @@ def test_forge_eval_of_an_adapter_is_the_merged_model_s(tiny_model_dir, tmp_path
     base = asyncio.run(evaluate_model(cfg, str(tiny_model_dir)))
     assert got["adapter"]["eval/reward_mean"] == got["merged"]["eval/reward_mean"]
     assert got["adapter"]["eval/reward_mean"] != base["eval/reward_mean"]
+
+
+def test_dpo_reference_with_lora_is_the_adapter_off_policy(tiny_model_dir):
+    """DPO with LoRA and no reference in the batch: the trainer's reference is its own model with
+    the adapters off. After two steps (the adapter moved the policy), a step's implicit rewards
+    beta x (log pi - log pi_ref) equal those computed with the base checkpoint's logprobs as the
+    reference (1e-5), and differ from 0 (the adapter-on policy as its own reference)."""
+    from forge.losses import preference_metric_sums
+
+    lora = LoRAConfig(rank=8, alpha=16)
+    loss = LossConfig(name="dpo", beta=0.5)
+    cfg = TrainerConfig(lr=1e-2, loss=loss, lora=lora)
+    g = torch.Generator().manual_seed(0)
+
+    def pairs() -> object:
+        eps = [
+            Episode(torch.randint(6, 100, (n,), generator=g).tolist(), [0] * 3 + [1] * (n - 3), [0.0] * n)
+            for n in (9, 7, 10, 6)
+        ]
+        return collate(eps, pad_id=0, keep_together=2)
+
+    async def main():
+        store = await start_store()
+        trainer = await Trainer.options(procs=1).as_service(str(tiny_model_dir), cfg, WeightStore("dpo_lora"))
+        try:
+            for _ in range(2):
+                await trainer.train_step.route(pairs())
+            batch = pairs()
+            policy = await trainer.logprobs.route(batch)
+            _, metrics = await trainer.train_step.route(batch)
+        finally:
+            await trainer.shutdown()
+            await stop_store(store)
+        return batch, policy, metrics
+
+    batch, policy, metrics = asyncio.run(main())
+    base = load_hf_model(tiny_model_dir)
+    with torch.no_grad():
+        batch.ref_logprobs = token_logprobs(base, batch.input_ids, positions=batch.positions)[0]
+    expected = {k: v.item() / 2 for k, v in preference_metric_sums(policy, batch, loss).items()}  # two pairs
+    assert abs(expected["rewards/margin"]) > 1e-3  # the adapter moved the policy from the base
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margin"):
+        assert metrics[key] == pytest.approx(expected[key], abs=1e-5), key

@@ -180,3 +180,78 @@ def test_multi_turn_mask_trains_only_sampled_tokens(name):
     grad = lp.grad[0]
     assert all(grad[t] == 0 for t, m in enumerate(mask) if not m)
     assert all(grad[t] != 0 for t, m in enumerate(mask) if m)
+
+
+def test_teacher_advantages_are_the_mixed_teachers_reverse_kl_on_model_tokens():
+    """Two teachers weighted 3:1; the second episode has an environment token (mask 0) between
+    its model tokens: it and the prompts get no advantage."""
+    from forge.losses import teacher_advantages
+
+    eps = [
+        Episode(tokens=[1, 5, 6], loss_mask=[0, 1, 1], gen_logprobs=[0, -0.5, -1.0]),
+        Episode(tokens=[1, 8, 2, 9], loss_mask=[0, 1, 0, 1], gen_logprobs=[0, -1.0, 0, -0.2]),
+    ]
+    batch = collate(eps, pad_id=0)
+    a = torch.tensor([[-9.0, -0.1, -0.3, 0.0], [-9.0, -2.0, -9.0, -0.2]])
+    b = torch.tensor([[-9.0, -0.5, -1.0, 0.0], [-9.0, -1.0, -9.0, -1.0]])
+    adv, rkl = teacher_advantages(batch, [a, b], [3.0, 1.0], coef=2.0)
+    teacher = [[-0.2, -0.475], [-1.75, -0.4]]  # 0.75 a + 0.25 b on the model tokens
+    expect_rkl = [
+        [0, -0.5 - teacher[0][0], -1.0 - teacher[0][1], 0],
+        [0, -1.0 - teacher[1][0], 0, -0.2 - teacher[1][1]],
+    ]
+    torch.testing.assert_close(rkl, torch.tensor(expect_rkl))
+    torch.testing.assert_close(adv, -2.0 * torch.tensor(expect_rkl))
+
+
+# A preference pair: chosen (2 completion tokens), rejected (1), one row, with the reference's logprobs.
+PAIR = [
+    Episode(tokens=[1, 5, 6], loss_mask=[0, 1, 1], gen_logprobs=[0.0] * 3),
+    Episode(tokens=[1, 8], loss_mask=[0, 1], gen_logprobs=[0.0] * 2),
+]
+PAIR_LP, PAIR_REF = [[0.0, -0.5, -1.0], [0.0, -2.0]], [[0.0, -1.0, -1.0], [0.0, -1.0]]
+
+
+def pair_batch(pairs=1):
+    batch = collate(PAIR * pairs, pad_id=0, keep_together=2)
+    lp = torch.zeros(batch.input_ids.shape)
+    for i in range(2 * pairs):
+        lp[batch.doc_ids == i] = torch.tensor(PAIR_LP[i % 2])
+    return with_ref(batch, PAIR_REF * pairs), lp
+
+
+@pytest.mark.parametrize("name, expected", [("dpo", math.log1p(math.exp(-0.15))), ("ipo", (1.25 - 5.0) ** 2)])
+def test_preference_losses_by_hand(name, expected):
+    """log-ratios: chosen -0.5 + 0 = 0.5 (mean 0.25), rejected -1.0; beta 0.1. DPO: -log
+    sigmoid(0.1 x 1.5); IPO: (1.25 - 1 / 0.2)^2 on the per-token means."""
+    batch, lp = pair_batch()
+    assert batch.input_ids.shape[0] == 1 and batch.positions[0].tolist() == [0, 1, 2, 0, 1]
+    loss = LOSSES[name](lp.requires_grad_(), batch, torch.ones_like(lp), LossConfig(name=name, beta=0.1))
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_preference_metrics_and_pairs_across_micro_batches():
+    """The implicit rewards by hand; and the trainer's split of a batch into micro-batches keeps
+    each pair whole: their share-weighted losses add up to the whole batch's."""
+    from forge.losses import loss_units, preference_metric_sums
+    from services.trainer import _rows
+
+    batch, lp = pair_batch()
+    sums = preference_metric_sums(lp, batch, LossConfig(name="dpo", beta=0.1))
+    assert {k: round(v.item(), 6) for k, v in sums.items()} == {
+        "rewards/chosen": 0.05,
+        "rewards/rejected": -0.1,
+        "rewards/margin": 0.15,
+        "rewards/accuracy": 1.0,
+    }
+    batch, lp = pair_batch(pairs=4)
+    lp[batch.doc_ids == 2] -= 1.0  # pair 1's chosen is now the less likely
+    cfg = LossConfig(name="dpo", beta=0.1)
+    whole = LOSSES["dpo"](lp, batch, torch.ones_like(lp), cfg)
+    total = loss_units("dpo", batch)
+    rows = torch.arange(batch.input_ids.shape[0])
+    parts = []
+    for mb_rows in (rows[:1], rows[1:]):
+        mb = _rows(batch, mb_rows)
+        parts.append(LOSSES["dpo"](lp[mb_rows], mb, torch.ones_like(lp[mb_rows]), cfg) * loss_units("dpo", mb) / total)
+    assert total.item() == 4 and sum(parts).item() == pytest.approx(whole.item(), rel=1e-6)

@@ -18,8 +18,9 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
-from forge.schema import LossConfig
+from forge.schema import PREFERENCE_LOSSES, LossConfig
 from forge.types import Batch
 
 
@@ -118,6 +119,45 @@ def sft(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: Loss
     return -_token_mean(logprobs, batch)
 
 
+def _pair_log_ratios(logprobs: torch.Tensor, batch: Batch, mean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's chosen and rejected log(pi / pi_ref), summed over its completion tokens (or
+    their mean), [pairs] each. A preference batch holds pair k as episodes 2k (chosen) and 2k+1
+    (rejected), in one row (collate's `keep_together=2`), so every split of rows keeps pairs whole."""
+    if batch.ref_logprobs is None:
+        raise ValueError("a preference loss needs the reference's logprobs in the batch")
+    ratio = _per_doc(logprobs - batch.ref_logprobs, batch)
+    if mean:
+        ratio = ratio / _per_doc(torch.ones_like(logprobs), batch).clamp(min=1)
+    pairs = batch.num_episodes // 2
+    return ratio[0 : 2 * pairs : 2], ratio[1 : 2 * pairs : 2]
+
+
+def dpo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """DPO: -log sigmoid(beta x (chosen's log-ratio - rejected's)), mean over pairs."""
+    chosen, rejected = _pair_log_ratios(logprobs, batch)
+    return -F.logsigmoid(cfg.beta * (chosen - rejected)).sum() / max(len(chosen), 1)
+
+
+def ipo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """IPO: (margin - 1 / (2 beta))^2 of the per-token mean log-ratios (as TRL), mean over pairs;
+    a squared loss that stops pushing once the margin is reached."""
+    chosen, rejected = _pair_log_ratios(logprobs, batch, mean=True)
+    return ((chosen - rejected - 1 / (2 * cfg.beta)) ** 2).sum() / max(len(chosen), 1)
+
+
+def preference_metric_sums(logprobs: torch.Tensor, batch: Batch, cfg: LossConfig) -> dict[str, torch.Tensor]:
+    """The implicit rewards beta x log(pi / pi_ref) of a preference batch, summed over its
+    pairs (the trainer divides by all ranks' pairs): chosen, rejected, their margin, and how
+    often the chosen's is larger (`accuracy`)."""
+    chosen, rejected = (cfg.beta * r.detach() for r in _pair_log_ratios(logprobs, batch))
+    return {
+        "rewards/chosen": chosen.sum(),
+        "rewards/rejected": rejected.sum(),
+        "rewards/margin": (chosen - rejected).sum(),
+        "rewards/accuracy": (chosen > rejected).to(chosen.dtype).sum(),
+    }
+
+
 LossFn = Callable[[torch.Tensor, Batch, torch.Tensor, LossConfig], torch.Tensor]
 LOSSES: dict[str, LossFn] = {
     "grpo": grpo,
@@ -127,8 +167,10 @@ LOSSES: dict[str, LossFn] = {
     "cispo": cispo,
     "reinforce": reinforce,
     "sft": sft,
+    "dpo": dpo,
+    "ipo": ipo,
 }
-TOKEN_MEANS = {"dapo", "cispo", "reinforce", "sft"}  # the rest average over episodes
+TOKEN_MEANS = {"dapo", "cispo", "reinforce", "sft"}  # the rest average over episodes (preferences: pairs)
 
 
 def loss_units(name: str, batch: Batch) -> torch.Tensor:
@@ -140,6 +182,8 @@ def loss_units(name: str, batch: Batch) -> torch.Tensor:
         return batch.loss_mask.sum()
     if name == "dr_grpo":
         return batch.loss_mask.new_tensor(float(batch.num_episodes))
+    if name in PREFERENCE_LOSSES:
+        return batch.loss_mask.new_tensor(float(batch.num_episodes // 2))
     return (_per_doc(torch.ones_like(batch.loss_mask), batch) > 0).sum().to(batch.loss_mask.dtype)
 
 
@@ -232,3 +276,17 @@ def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: flo
     unless Dr.GRPO's std_normalize=False)."""
     adv = rewards - rewards.mean()
     return adv / (rewards.std(unbiased=False) + eps) if std_normalize else adv
+
+
+def teacher_advantages(
+    batch: Batch, teacher_logprobs: list[torch.Tensor], weights: list[float], coef: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation: each sampled token's advantage `coef` x (log p_teacher - log
+    p_student), the per-token reverse KL's negative, where p_student is the policy that sampled
+    the token (`gen_logprobs`: right under any staleness) and p_teacher mixes the teachers'
+    logprobs by `weights`. Returns (advantages, reverse KL) [rows, seq], 0 off the loss tokens
+    (prompts, and an agentic episode's environment tokens)."""
+    total = sum(weights)
+    teacher = sum(w / total * lp.to(batch.gen_logprobs) for w, lp in zip(weights, teacher_logprobs))
+    reverse_kl = (batch.gen_logprobs - teacher) * batch.loss_mask
+    return -coef * reverse_kl, reverse_kl

@@ -1,0 +1,133 @@
+"""Preference pairs (toy, text and chat files, broken rows) and the DPO app through the
+Trainer and Reference services."""
+
+import json
+import random
+
+import pytest
+from test_sft import write_jsonl
+from transformers import AutoTokenizer
+
+from apps.dpo import Config, main, pair_batch
+from forge import tasks
+from forge.config import ConfigError, load_config
+from forge.data import PreferencePairs
+from forge.schema import PreferenceDataConfig
+
+CONFIG = "configs/dpo_tiny.yaml"
+
+
+def completion(tok, ids_mask) -> str:
+    ids, mask = ids_mask
+    return tok.decode([t for t, m in zip(ids, mask) if m])
+
+
+def test_toy_pairs_are_the_answer_and_a_near_miss(tiny_model_dir, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rng = random.Random(0)
+    task = tasks.get_task("reverse")
+    for _ in range(50):
+        answer = task.sample(rng).answer
+        wrong = task.near_miss(answer, rng)
+        assert wrong != answer and len(wrong) == len(answer) and task.score(wrong, answer) < 1
+    pairs = PreferencePairs(PreferenceDataConfig(), tok, "reverse", seed=3)
+    chosen, rejected = pairs.sample(0)
+    prompt_len = chosen[1].index(1)
+    assert chosen[0][:prompt_len] == rejected[0][:prompt_len]  # one prompt
+    c, r = completion(tok, chosen), completion(tok, rejected)
+    assert c.endswith("<|eos|>") and r.endswith("<|eos|>") and c != r
+    prompt = tok.decode(chosen[0][:prompt_len])
+    assert c.removesuffix("<|eos|>") == prompt.split()[-1].rstrip("=")[::-1]  # `rev abc=` -> `cba`
+    # As a file, chat format (TRL's conversational preference rows): the same pairs load from it.
+    path = tasks.write_dataset(tmp_path / "p.jsonl", "reverse", n=4, system="Reverse.", preferences=True)
+    row = json.loads(path.read_text().splitlines()[0])
+    assert row["chosen"] == [{"role": "assistant", "content": row["answer"]}] and row["rejected"] != row["chosen"]
+    chat = PreferencePairs(PreferenceDataConfig(path=str(path)), tok, "reverse")
+    chosen, rejected = chat.sample(0)
+    assert {completion(tok, chosen), completion(tok, rejected)} <= {
+        json.loads(line)[k][0]["content"] + "<|im_end|>"
+        for line in path.read_text().splitlines()
+        for k in ("chosen", "rejected")
+    }
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"prompt": "a=", "chosen": "b"}], r"missing \['rejected'\]"),
+        (
+            [{"prompt": "a=", "chosen": "b", "rejected": "c"}, {"prompt": "x=", "chosen": "y", "rejected": " "}],
+            r"row 1: column 'rejected' is empty",
+        ),
+        (
+            [{"prompt": "a=", "chosen": "b", "rejected": "c"}, {"prompt": "x=", "chosen": None, "rejected": "c"}],
+            r"row 1: column 'chosen' is empty",
+        ),
+        (
+            [
+                {
+                    "prompt": [{"role": "user", "content": "a"}],
+                    "chosen": [{"role": "assistant", "content": ""}],
+                    "rejected": "c",
+                }
+            ],
+            r"row 0: column 'chosen' is empty",
+        ),
+        (
+            [
+                {
+                    "prompt": "a=",
+                    "chosen": [{"role": "assistant", "content": "b"}],
+                    "rejected": [{"role": "assistant", "content": "c"}],
+                }
+            ],
+            r"row 0: the prompt is text, so 'chosen' and 'rejected' must be too",
+        ),
+    ],
+)
+def test_a_broken_preference_row_is_named(tmp_path, tiny_model_dir, rows, message):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(ConfigError, match=rf"config key 'data(.path)?': {path}.*{message}"):
+        PreferencePairs(PreferenceDataConfig(path=path), tok, "reverse")
+
+
+def test_dpo_config_errors():
+    with pytest.raises(ConfigError, match="the DPO app trains with one of dpo, ipo, got 'grpo'"):
+        load_config(CONFIG, ["trainer.loss.name=grpo"], Config)
+    with pytest.raises(ConfigError, match="config key 'trainer.loss.beta' must be > 0"):
+        load_config(CONFIG, ["trainer.loss.beta=0"], Config)
+
+
+def test_dpo_through_the_trainer_and_reference_services(tmp_path, tiny_model_dir):
+    """Three steps on a pair file: the first step's policy is its reference (loss log 2, no
+    margin); then the chosen completions' implicit reward rises above the rejected's."""
+    data = tasks.write_dataset(tmp_path / "pairs.jsonl", "reverse", n=16, preferences=True)
+    over = [
+        f"runs_dir={tmp_path}",
+        "run_name=dpo",
+        "model.tiny=null",
+        f"model.path={tiny_model_dir}",
+        f"data.path={data}",
+        "steps=3",
+        "batch_size=8",
+        "trainer.lr=1e-3",
+        "trainer.warmup_steps=0",
+        "checkpoint_every=0",
+        "eval.every=0",
+        "eval.before_train=false",
+        "metrics=[jsonl]",
+    ]
+    main(load_config(CONFIG, over, Config))
+    rows = [json.loads(line) for line in (tmp_path / "dpo/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["loss"] == pytest.approx(0.693147, abs=1e-4) and abs(rows[0]["rewards/margin"]) < 1e-5
+    assert rows[-1]["rewards/margin"] > 0 and rows[-1]["rewards/accuracy"] > 0.5
+    assert rows[-1]["rewards/chosen"] > rows[-1]["rewards/rejected"]
+
+
+def test_pair_batch_keeps_each_pair_in_one_row():
+    pairs = [(([1, 2, 3], [0, 1, 1]), ([1, 4], [0, 1])), (([1, 5], [0, 1]), ([1, 6, 7, 8], [0, 1, 1, 1]))]
+    b = pair_batch(pairs, pad_id=0, rows_multiple_of=1)
+    assert b.doc_ids.tolist() == [[0, 0, 0, 1, 1, -1], [2, 2, 3, 3, 3, 3]]
+    assert b.positions.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]]
