@@ -163,6 +163,7 @@ class LossConfig:
     # drops it, the others keep it).
     std_normalize: bool | None = None
     beta: float = 0.1  # dpo, ipo: how far from the reference the policy may move (larger: less)
+    rpo_alpha: float = 0.0  # dpo, ipo: + this x the chosen completions' NLL (RPO; TRL's rpo_alpha)
 
     def validate(self) -> None:
         if self.name not in LOSS_NAMES:
@@ -175,6 +176,8 @@ class LossConfig:
             raise ConfigError(f"config key 'loss.is_cap' must be >= 1, got {self.is_cap}")
         if self.beta <= 0:
             raise ConfigError(f"config key 'loss.beta' must be > 0, got {self.beta}")
+        if self.rpo_alpha < 0:
+            raise ConfigError(f"config key 'loss.rpo_alpha' must be >= 0, got {self.rpo_alpha}")
 
     @property
     def normalize_std(self) -> bool:

@@ -95,8 +95,9 @@ def test_a_broken_preference_row_is_named(tmp_path, tiny_model_dir, rows, messag
 def test_dpo_config_errors():
     with pytest.raises(ConfigError, match="the DPO app trains with one of dpo, ipo, got 'grpo'"):
         load_config(CONFIG, ["trainer.loss.name=grpo"], Config)
-    with pytest.raises(ConfigError, match="config key 'trainer.loss.beta' must be > 0"):
-        load_config(CONFIG, ["trainer.loss.beta=0"], Config)
+    for key in ("beta=0", "rpo_alpha=-1"):
+        with pytest.raises(ConfigError, match=f"config key 'trainer.loss.{key.split('=')[0]}' must be"):
+            load_config(CONFIG, [f"trainer.loss.{key}"], Config)
 
 
 def test_dpo_through_the_trainer_and_reference_services(tmp_path, tiny_model_dir):

@@ -220,13 +220,22 @@ def pair_batch(pairs=1):
     return with_ref(batch, PAIR_REF * pairs), lp
 
 
-@pytest.mark.parametrize("name, expected", [("dpo", math.log1p(math.exp(-0.15))), ("ipo", (1.25 - 5.0) ** 2)])
-def test_preference_losses_by_hand(name, expected):
+@pytest.mark.parametrize(
+    "name, rpo_alpha, expected",
+    [
+        ("dpo", 0.0, math.log1p(math.exp(-0.15))),
+        ("ipo", 0.0, (1.25 - 5.0) ** 2),
+        ("dpo", 2.0, math.log1p(math.exp(-0.15)) + 2.0 * 0.75),
+    ],
+)
+def test_preference_losses_by_hand(name, rpo_alpha, expected):
     """log-ratios: chosen -0.5 + 0 = 0.5 (mean 0.25), rejected -1.0; beta 0.1. DPO: -log
-    sigmoid(0.1 x 1.5); IPO: (1.25 - 1 / 0.2)^2 on the per-token means."""
+    sigmoid(0.1 x 1.5); IPO: (1.25 - 1 / 0.2)^2 on the per-token means; RPO adds alpha x the
+    chosen's per-token NLL, (0.5 + 1.0) / 2."""
     batch, lp = pair_batch()
     assert batch.input_ids.shape[0] == 1 and batch.positions[0].tolist() == [0, 1, 2, 0, 1]
-    loss = LOSSES[name](lp.requires_grad_(), batch, torch.ones_like(lp), LossConfig(name=name, beta=0.1))
+    cfg = LossConfig(name=name, beta=0.1, rpo_alpha=rpo_alpha)
+    loss = LOSSES[name](lp.requires_grad_(), batch, torch.ones_like(lp), cfg)
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 

@@ -132,17 +132,29 @@ def _pair_log_ratios(logprobs: torch.Tensor, batch: Batch, mean: bool = False) -
     return ratio[0 : 2 * pairs : 2], ratio[1 : 2 * pairs : 2]
 
 
+def _chosen_nll(logprobs: torch.Tensor, batch: Batch, cfg: LossConfig) -> torch.Tensor:
+    """`rpo_alpha` x each chosen completion's per-token negative log-likelihood, summed over
+    pairs (RPO, TRL's `rpo_alpha`): it keeps the chosen answers likely while the margin grows."""
+    if not cfg.rpo_alpha:
+        return logprobs.new_zeros(())
+    pairs = batch.num_episodes // 2
+    nll = -_per_doc(logprobs, batch) / _per_doc(torch.ones_like(logprobs), batch).clamp(min=1)
+    return cfg.rpo_alpha * nll[0 : 2 * pairs : 2].sum()
+
+
 def dpo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    """DPO: -log sigmoid(beta x (chosen's log-ratio - rejected's)), mean over pairs."""
+    """DPO: -log sigmoid(beta x (chosen's log-ratio - rejected's)) (+ RPO's NLL), mean over pairs."""
     chosen, rejected = _pair_log_ratios(logprobs, batch)
-    return -F.logsigmoid(cfg.beta * (chosen - rejected)).sum() / max(len(chosen), 1)
+    loss = -F.logsigmoid(cfg.beta * (chosen - rejected)).sum() + _chosen_nll(logprobs, batch, cfg)
+    return loss / max(len(chosen), 1)
 
 
 def ipo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    """IPO: (margin - 1 / (2 beta))^2 of the per-token mean log-ratios (as TRL), mean over pairs;
-    a squared loss that stops pushing once the margin is reached."""
+    """IPO: (margin - 1 / (2 beta))^2 of the per-token mean log-ratios (as TRL) (+ RPO's NLL),
+    mean over pairs; a squared loss that stops pushing once the margin is reached."""
     chosen, rejected = _pair_log_ratios(logprobs, batch, mean=True)
-    return ((chosen - rejected - 1 / (2 * cfg.beta)) ** 2).sum() / max(len(chosen), 1)
+    loss = ((chosen - rejected - 1 / (2 * cfg.beta)) ** 2).sum() + _chosen_nll(logprobs, batch, cfg)
+    return loss / max(len(chosen), 1)
 
 
 def preference_metric_sums(logprobs: torch.Tensor, batch: Batch, cfg: LossConfig) -> dict[str, torch.Tensor]:
