@@ -3,6 +3,7 @@ imported): `APPS` maps each app's name (a config's `app:` key, apps/NAME.py) to 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from forge import tasks
@@ -228,6 +229,32 @@ class DPOConfig(SupervisedConfig):
 
 
 @dataclass
+class RMConfig(SupervisedConfig):
+    """A reward model: a score head on the model, trained on preference pairs with the
+    Bradley-Terry loss; its evals rank held-out pairs (the toy task's from `eval.seed`, or the
+    file `eval.dataset.path`, with the `data` section's columns)."""
+
+    app: str = "rm"
+    run_name: str = "rm_tiny"
+    task: str = "reverse"
+    batch_size: int = 32  # pairs per step
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    trainer: TrainerConfig = field(
+        default_factory=lambda: TrainerConfig(lr=1e-4, head="score", loss=LossConfig(name="bradley_terry"))
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.trainer.head != "score":
+            raise ConfigError(f"config key 'trainer.head': a reward model has a score head, got {self.trainer.head!r}")
+        self.check_rows(packed=False)
+
+    @property
+    def held_out(self) -> PreferenceDataConfig:
+        return dataclasses.replace(self.data, path=self.eval.dataset.path)
+
+
+@dataclass
 class TinkerAppConfig(RunConfig):
     """`forge tinker`: the Tinker API over one trainer (every client's LoRA adapter on it) and a
     generator service (every sampler's adapter on it), until Ctrl-C."""
@@ -258,5 +285,6 @@ APPS: dict[str, type[RunConfig]] = {
     "grpo": GRPOConfig,
     "sft": SFTConfig,
     "dpo": DPOConfig,
+    "rm": RMConfig,
     "tinker": TinkerAppConfig,
 }

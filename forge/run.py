@@ -120,7 +120,7 @@ class Run:
             await self.trainer.load.route(str(ckpt / "trainer"))
         for name, part in self.parts.items():
             await _result(part.load_state_dict(saved[name]))
-        if self.pushes_every_step and not trainer_restored:
+        if self.pushes_every_step and not trainer_restored and self.weights is not None:
             await self.weights.push()  # generators resume on the trained policy
         self.step = saved["step"]
         self.version = await self.trainer.policy_version.route()
@@ -202,7 +202,9 @@ class Run:
         return bool(every) and self.step % every == 0
 
     async def _eval_version(self) -> int:
-        return self.version if self.pushes_every_step else await self.weights.push()
+        if self.pushes_every_step or self.weights is None:  # nothing to publish: the evals ask the trainer
+            return self.version
+        return await self.weights.push()
 
     def _plot(self) -> None:
         if (self.dir / "metrics.jsonl").exists():

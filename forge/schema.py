@@ -144,13 +144,14 @@ class PreferenceDataConfig:
 # The names of forge.losses' LOSSES and IS_CORRECTIONS (tests/test_losses.py checks they agree).
 LOSS_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "reinforce", "sft", "dpo", "ipo")
 PREFERENCE_LOSSES = {"dpo", "ipo"}  # on pairs of episodes (chosen, rejected), against the reference
+SCORE_LOSS_NAMES = ("bradley_terry",)  # a score head's (trainer.head: score), on pairs of sequences
 IS_CORRECTION_NAMES = ("token_truncate", "sequence_truncate", "token_mask", "sequence_mask")
 NO_STD_NORMALIZE = {"dr_grpo"}  # Dr.GRPO: the std division biases towards easy and hard groups
 
 
 @dataclass
 class LossConfig:
-    name: str = "grpo"  # grpo | dr_grpo | dapo | gspo | cispo | reinforce | sft | dpo | ipo
+    name: str = "grpo"  # grpo | dr_grpo | dapo | gspo | cispo | reinforce | sft | dpo | ipo | bradley_terry
     clip_low: float = 0.2
     clip_high: float = 0.2  # DAPO's clip-higher uses 0.28
     kl_coef: float = 0.0  # k3 KL to the reference model (needs ref_logprobs)
@@ -166,8 +167,10 @@ class LossConfig:
     rpo_alpha: float = 0.0  # dpo, ipo: + this x the chosen completions' NLL (RPO; TRL's rpo_alpha)
 
     def validate(self) -> None:
-        if self.name not in LOSS_NAMES:
-            raise ConfigError(f"unknown loss {self.name!r} (config key 'loss.name'); known: {', '.join(LOSS_NAMES)}")
+        if self.name not in LOSS_NAMES + SCORE_LOSS_NAMES:
+            raise ConfigError(
+                f"unknown loss {self.name!r} (config key 'loss.name'); known: {', '.join(LOSS_NAMES + SCORE_LOSS_NAMES)}"
+            )
         if self.is_correction not in IS_CORRECTION_NAMES:
             raise ConfigError(
                 f"config key 'loss.is_correction': {self.is_correction!r} is not one of {', '.join(IS_CORRECTION_NAMES)}"

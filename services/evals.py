@@ -1,6 +1,7 @@
 """Evaluation on a held-out set: the generator samples it, the reward service scores it.
 During training (GRPO's `eval` section) it runs beside the loop on a pinned policy version;
-alone it is `forge eval CONFIG --model DIR`.
+alone it is `forge eval CONFIG --model DIR`. A reward model's evals rank held-out pairs
+(`PairwiseEvals`).
 
     eval:
       every: 20           # steps; each eval's row is written at the step it evaluated
@@ -19,7 +20,7 @@ from typing import Any
 
 from forge.data import FilePrompts, TaskPrompts
 from forge.tasks import Sample
-from forge.types import Completion, RewardInput, Score
+from forge.types import Batch, Completion, RewardInput, Score
 from services.schema import EvalConfig
 
 log = logging.getLogger("forge")
@@ -126,12 +127,15 @@ class BackgroundEvals:
     async def run(self, step: int, version: int) -> None:
         """Evaluate policy `version` (the weights of `step`) now."""
         try:
-            result = await evaluate_pinned(self.cfg, self.samples, self.gen, self.rewards, self.weights, version)
+            result = await self._evaluate(version)
         except Exception as e:  # noqa: BLE001
             log.warning("%s: the eval at step %d failed: %s: %s", self.app, step, type(e).__name__, e)
             return
         self.writer.write(step, result)
         self.accuracy = result.get("eval/accuracy", float("nan"))
+
+    async def _evaluate(self, version: int) -> dict[str, float]:
+        return await evaluate_pinned(self.cfg, self.samples, self.gen, self.rewards, self.weights, version)
 
     def start(self, step: int, version: int) -> None:
         """`run` beside the loop, unless the one before still runs (then this step has none)."""
@@ -148,3 +152,24 @@ class BackgroundEvals:
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
+
+
+class PairwiseEvals(BackgroundEvals):
+    """A reward model's evals beside its loop: how often its score ranks a held-out pair's
+    chosen completion above the rejected one (`eval/accuracy`), and the mean margin. `pairs`
+    holds pair k as episodes 2k and 2k+1; the trainer scores them as they are now."""
+
+    def __init__(self, cfg: EvalConfig, pairs: Batch, trainer: Any, writer: Any, app: str):
+        super().__init__(cfg, [], None, None, None, writer, app)
+        self.pairs, self.trainer = pairs, trainer
+
+    async def _evaluate(self, version: int) -> dict[str, float]:
+        scores = await self.trainer.scores.route(self.pairs)
+        n = scores.numel() // 2
+        margin = scores[0 : 2 * n : 2] - scores[1 : 2 * n : 2]
+        return {
+            "eval/accuracy": float((margin > 0).float().mean()),
+            "eval/margin": float(margin.mean()),
+            "eval/pairs": float(n),
+            "eval/version": float(version),
+        }

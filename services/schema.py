@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from forge.config import ConfigError, import_object, require_file
-from forge.schema import ADAPTER_CONFIG, DatasetConfig, LoRAConfig, LossConfig
+from forge.schema import ADAPTER_CONFIG, SCORE_LOSS_NAMES, DatasetConfig, LoRAConfig, LossConfig
 from services import models
 
 log = logging.getLogger("forge")
@@ -144,6 +144,9 @@ class GeneratorConfig:
 DECAYS = {"none": "linear", "linear": "linear", "cosine": "cosine", "sqrt": "sqrt"}  # ours -> torchtitan's
 
 
+HEADS = ("lm", "score")
+
+
 @dataclass
 class TrainerConfig:
     lr: float = 1e-5
@@ -169,9 +172,19 @@ class TrainerConfig:
     # Low-rank adapters (rank > 0): only they train, checkpoint and travel to the generators; the
     # reference model is this one with them off.
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # What the model outputs: "lm", next-token logits (a policy); "score", one scalar per token
+    # (a reward model: its sequence's score is its last token's; loss `bradley_terry`).
+    head: str = "lm"
 
     def validate(self) -> None:
         self.lora.validate()
+        if self.head not in HEADS:
+            raise ConfigError(f"config key 'trainer.head': {self.head!r} is not one of {', '.join(HEADS)}")
+        if (self.head == "score") != (self.loss.name in SCORE_LOSS_NAMES):
+            raise ConfigError(
+                f"config keys 'trainer.head' and 'trainer.loss.name': a score head trains with "
+                f"{', '.join(SCORE_LOSS_NAMES)}, an lm head with a policy's loss; got {self.head!r}, {self.loss.name!r}"
+            )
         if self.lr_decay not in DECAYS:
             raise ConfigError(f"config key 'trainer.lr_decay': {self.lr_decay!r} is not one of {', '.join(DECAYS)}")
         if self.grad_accum < 1:

@@ -31,13 +31,22 @@ def packed_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
 
 
+SCORE_HEAD = "score.weight"  # HF's *ForSequenceClassification head: Linear(hidden, num_labels, bias=False)
+
+
 def load_hf_model(
-    model_dir: str | Path, device: str | torch.device = "cpu", parallelism: Any = None, lora: LoRAConfig | None = None
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    parallelism: Any = None,
+    lora: LoRAConfig | None = None,
+    head: str = "lm",
 ) -> torch.nn.Module:
     """The torchtitan model of `model_dir`'s family with its HF safetensors weights, fp32; with a
     torchtitan ParallelismConfig, its modules carry the sharding that config asks for (EP), for
     their family's parallelize to apply. With `lora` enabled, the target linears carry fresh
-    adapters (B = 0: the model's outputs are the checkpoint's) and only they train."""
+    adapters (B = 0: the model's outputs are the checkpoint's) and only they train. With `head`
+    "score", one scalar per token instead of logits (a reward model's or a critic's): the
+    checkpoint's `score.weight` (a sequence-classification checkpoint), else a fresh one."""
     device = torch.device(device)
     hf = models.hf_config(model_dir)
     family = models.of(hf)
@@ -62,13 +71,44 @@ def load_hf_model(
     hf_state = {}
     for f in files:
         hf_state.update(load_file(str(f), device=str(device)))
+    score = hf_state.pop(SCORE_HEAD, None)
     missing, unexpected = model.load_state_dict(family.adapter(cfg).from_hf(hf_state), strict=False)
-    missing = [k for k in missing if not is_adapter(k)]  # adapters keep their init
+    # adapters keep their init; a sequence-classification checkpoint has no LM head
+    missing = [k for k in missing if not is_adapter(k) and not (score is not None and k.startswith("lm_head."))]
     if missing or unexpected:
         raise ValueError(f"{model_dir}: weights missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if head == "score":
+        score_head(model, score)
+    elif score is not None:
+        raise ValueError(f"{model_dir} is a sequence-classification checkpoint (score.weight): it has no LM head")
     if lora is not None:
         add_dropout(model, lora.dropout)
     return model.float()
+
+
+def score_head(model: torch.nn.Module, weight: torch.Tensor | None) -> None:
+    """`model`'s LM head replaced by one scalar per token, `weight` ([1, hidden]) or a fresh
+    one (N(0, 1 / hidden): a score of order 1 from the start). The embeddings keep the weights
+    a tied head shared with them."""
+    hidden = model.lm_head.in_features
+    if weight is None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            weight = torch.randn(1, hidden) / hidden**0.5
+    if tuple(weight.shape) != (1, hidden):
+        raise ValueError(f"score.weight is {tuple(weight.shape)}, not (1, {hidden}): one score per sequence")
+    head = torch.nn.Linear(hidden, 1, bias=False, device=model.lm_head.weight.device)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    model.lm_head = head
+    model.enable_weight_tying = False
+
+
+def token_scores(
+    model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A score-head model's scalar at every token, [rows, seq] (a sequence's score: its last token's)."""
+    return _forward(model, input_ids, positions)[..., 0].float()
 
 
 def default_device() -> torch.device:
@@ -100,6 +140,7 @@ def build_sharded_model(
     param_dtype: str = "float32",
     expert_parallel: int = 1,
     lora: LoRAConfig | None = None,
+    head: str = "lm",
 ) -> torch.nn.Module:
     """The HF model of `model_dir` in torchtitan, FSDP2-sharded (its family's parallelize) over
     every rank of the default process group (`init_distributed` first), in training mode; a MoE's
@@ -129,7 +170,7 @@ def build_sharded_model(
         data_parallel_shard_degree=world, expert_parallel_degree=expert_parallel, spmd_backend=backend
     )
     model = family.parallelize(
-        load_hf_model(model_dir, device, parallelism if expert_parallel > 1 else None, lora),
+        load_hf_model(model_dir, device, parallelism if expert_parallel > 1 else None, lora, head),
         parallel_dims=dims,
         training=TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce="float32"),
         parallelism=parallelism,

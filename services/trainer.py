@@ -30,6 +30,7 @@ from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
 from forge.lora import write_adapter
 from forge.losses import (
+    bradley_terry,
     get_loss,
     importance_weight,
     k3_kl,
@@ -37,6 +38,8 @@ from forge.losses import (
     mismatch_metrics,
     mismatch_sums,
     preference_metric_sums,
+    score_metric_sums,
+    sequence_scores,
 )
 from forge.losses.tinker import TINKER_LOSSES, Datums, loss_config
 from forge.schema import PREFERENCE_LOSSES, LossConfig
@@ -46,7 +49,7 @@ from services import models
 from services.lora import AdapterState, PeftNames, adapters_off, merged
 from services.schema import DECAYS, TrainerConfig
 from services.tenants import Tenants
-from services.titan import gradients_summed, reshard, target_logprobs
+from services.titan import SCORE_HEAD, gradients_summed, reshard, target_logprobs
 
 TENANT_META = "tenant.json"  # a tenant checkpoint's LoRA rank, alpha and modules
 HF_FILES = (
@@ -129,11 +132,11 @@ class Trainer(ForgeActor):
         family = models.of(self.hf_config)
         self.adapter = family.adapter(family.titan_config(self.hf_config, self.device.type))  # for HF exports
         self.model = build_sharded_model(
-            self.model_dir, self.device, self.cfg.param_dtype, self.cfg.expert_parallel, self.cfg.lora
+            self.model_dir, self.device, self.cfg.param_dtype, self.cfg.expert_parallel, self.cfg.lora, self.cfg.head
         )
         self.peft = PeftNames(self.model, self.adapter) if self.cfg.lora.enabled else None
         self.optimizers, self.schedulers = build_optimizers(self.model, self.cfg)
-        self.loss_fn = get_loss(self.cfg.loss.name)
+        self.loss_fn = get_loss(self.cfg.loss.name) if self.cfg.head == "lm" else None
         self.tenants = Tenants(self.model, self.peft, self._tenant_optimizer) if self.peft is not None else None
 
     def _shard(self, batch: Batch) -> Batch:
@@ -150,10 +153,10 @@ class Trainer(ForgeActor):
     async def train_step(self, batch: Batch) -> tuple[int, dict[str, float]]:
         """One optimizer step on `batch`: returns the new policy version and metrics averaged
         over ranks."""
-        from torchtitan.distributed import utils as dist_utils
-
         from services.titan import gradients_summed, token_logprobs
 
+        if self.cfg.head == "score":
+            return self._score_step(batch)
         mine = self._shard(batch).to(self.device)
         # Dr.GRPO's default normalizer is the batch's row length, whatever the micro-batches are cut to.
         loss_cfg = dataclasses.replace(self.cfg.loss, norm_tokens=self.cfg.loss.norm_tokens or mine.input_ids.shape[1])
@@ -185,16 +188,7 @@ class Trainer(ForgeActor):
                 if loss_cfg.name in PREFERENCE_LOSSES:
                     for key, value in preference_metric_sums(lp, mb, loss_cfg).items():
                         own[key] = own.get(key, 0) + value
-        grad_norm = dist_utils.clip_grad_norm_(
-            list(self.model.parameters()),
-            max_norm=self.cfg.max_norm,
-            foreach=True,
-            ep_enabled=self.cfg.expert_parallel > 1,  # expert grads live on their own mesh
-        )
-        self.optimizers.step()
-        self.schedulers.step()
-        self.step += 1
-        self.version += 1
+        grad_norm = self._optimizer_step()
         dist.all_reduce(sums)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         loss, kl, ent, ratio, capped, tokens, mm_kl, mm_abs, mm_out, fresh, mm_max, norm = torch.cat(
@@ -214,6 +208,57 @@ class Trainer(ForgeActor):
             **{f"mismatch/{k}": v for k, v in mismatch_metrics(mm_kl, mm_abs, mm_out, fresh, mm_max).items()},
             **_means(own, total),
         }
+
+    def _optimizer_step(self) -> torch.Tensor:
+        """Clip the gradients, step the optimizer and the LR schedule: the next version. Returns
+        the gradients' norm before clipping."""
+        from torchtitan.distributed import utils as dist_utils
+
+        grad_norm = dist_utils.clip_grad_norm_(
+            list(self.model.parameters()),
+            max_norm=self.cfg.max_norm,
+            foreach=True,
+            ep_enabled=self.cfg.expert_parallel > 1,  # expert grads live on their own mesh
+        )
+        self.optimizers.step()
+        self.schedulers.step()
+        self.step += 1
+        self.version += 1
+        return grad_norm
+
+    def _score_step(self, batch: Batch) -> tuple[int, dict[str, float]]:
+        """A score head's step (a reward model): the Bradley-Terry loss on the batch's pairs."""
+        from services.titan import token_scores
+
+        mine = self._shard(batch).to(self.device)
+        micro = _micro_batches(mine, self.cfg.grad_accum)
+        units = torch.stack([loss_units(self.cfg.loss.name, mb) for mb in micro])
+        total = units.sum().reshape(1)
+        dist.all_reduce(total)
+        self.optimizers.zero_grad()
+        sums: dict[str, torch.Tensor] = {}
+        for mb, n in zip(micro, units):
+            scores = token_scores(self.model, mb.input_ids, mb.positions)
+            loss = bradley_terry(scores, mb)
+            (loss * n / total.clamp(min=1) * (1 if gradients_summed() else self.world)).backward()
+            for key, value in {"loss": loss.detach() * n, **score_metric_sums(scores, mb)}.items():
+                sums[key] = sums.get(key, 0) + value
+        grad_norm = self._optimizer_step()
+        return self.version, {
+            **_means(sums, total),
+            "grad_norm": float(grad_norm),
+            "lr": self.schedulers.schedulers[0].get_last_lr()[0],
+            "trained_tokens": float(mine.loss_mask.sum()),
+        }
+
+    @endpoint
+    async def scores(self, batch: Batch) -> torch.Tensor:
+        """A score head's score of each of `batch`'s episodes, [episodes] (every rank: all rows)."""
+        from services.titan import token_scores
+
+        with torch.no_grad():
+            b = batch.to(self.device)
+            return sequence_scores(token_scores(self.model, b.input_ids, b.positions), b).cpu()
 
     def _reference_for_free(self, mb: Batch, loss: LossConfig) -> None:
         """With LoRA, the reference logprobs (of the KL term, of a preference loss) are this
@@ -382,8 +427,12 @@ class Trainer(ForgeActor):
             return None
         if self.peft is not None:
             sd = merged(sd, self.cfg.lora.scaling)
+        score = sd.pop("lm_head.weight") if self.cfg.head == "score" else None
         hf = self.adapter.to_hf(sd)
-        if self._untied():  # the merged head is no longer the embeddings
+        if score is not None:  # HF's sequence classifier: its `score` head, no LM head
+            hf.pop("lm_head.weight", None)
+            hf[SCORE_HEAD] = score
+        elif self._untied():  # the merged head is no longer the embeddings
             hf["lm_head.weight"] = sd["lm_head.weight"]
         elif self.hf_config.get("tie_word_embeddings"):
             hf.pop("lm_head.weight", None)  # HF files of tied models have no lm_head
@@ -446,6 +495,8 @@ class Trainer(ForgeActor):
             for name in HF_FILES:
                 if (Path(self.model_dir) / name).exists():
                     shutil.copy(Path(self.model_dir) / name, out / name)
+            if self.cfg.head == "score":
+                _as_sequence_classifier(out / "config.json")
             if self._untied():
                 config = json.loads((out / "config.json").read_text())
                 (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=2))
@@ -509,6 +560,17 @@ class Trainer(ForgeActor):
                 print(f"forge: trainer could not clear weights {self.store.name!r}: {e}", flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _as_sequence_classifier(config: Path) -> None:
+    """An exported reward model's config.json: transformers' AutoModelForSequenceClassification
+    of the family, one label (the score)."""
+    cfg = json.loads(config.read_text())
+    cfg["architectures"] = [a.replace("ForCausalLM", "ForSequenceClassification") for a in cfg.get("architectures", [])]
+    cfg["num_labels"] = 1
+    cfg.pop("id2label", None)
+    cfg.pop("label2id", None)
+    config.write_text(json.dumps(cfg, indent=2))
 
 
 def _means(sums: dict[str, torch.Tensor], units: torch.Tensor) -> dict[str, float]:

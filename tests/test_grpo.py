@@ -217,6 +217,7 @@ def test_gpu_tool_config_is_valid(tmp_path, tiny_model_dir):
     assert done.done and done.reward == 1.0 and done.info["tool_calls"] == 2
 
 
+@pytest.mark.slow  # 57 s: a whole `forge run` process, interrupted
 def test_ctrl_c_saves_and_leaves_no_processes(tmp_path):
     """SIGINT mid-run: a checkpoint of the step reached, exit, and no process left behind; the
     console holds forge's lines alone, the libraries' are in the run's logs/."""

@@ -92,6 +92,7 @@ def host_of(title: str) -> str:
     return "this host"
 
 
+@pytest.mark.slow  # 50 s: a GRPO run over two job hosts
 def test_grpo_with_the_trainer_and_the_generator_on_two_process_job_hosts(tmp_path):
     """A short GRPO run with the trainer (and the weight store) on one ProcessJob host and the
     generator on another, weights streamed across them (forge.transfer): parameters change,

@@ -299,6 +299,7 @@ def test_forge_eval_of_an_adapter_is_the_merged_model_s(tiny_model_dir, tmp_path
     assert got["adapter"]["eval/reward_mean"] != base["eval/reward_mean"]
 
 
+@pytest.mark.slow  # 52 s: a LoRA trainer service, three steps
 def test_dpo_reference_with_lora_is_the_adapter_off_policy(tiny_model_dir):
     """DPO with LoRA and no reference in the batch: the trainer's reference is its own model with
     the adapters off. After two steps (the adapter moved the policy), a step's implicit rewards

@@ -111,6 +111,7 @@ def test_readers_on_another_host_share_one_transfer(tmp_path):
     asyncio.run(main())
 
 
+@pytest.mark.slow  # 64 s: a trainer and a generator, ten versions
 def test_generator_follows_latest_while_generating(tiny_model_dir):
     base = load_file(tiny_model_dir / "model.safetensors")
 

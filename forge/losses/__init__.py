@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from forge.schema import PREFERENCE_LOSSES, LossConfig
+from forge.schema import PREFERENCE_LOSSES, SCORE_LOSS_NAMES, LossConfig
 from forge.types import Batch
 
 
@@ -162,12 +162,39 @@ def preference_metric_sums(logprobs: torch.Tensor, batch: Batch, cfg: LossConfig
     pairs (the trainer divides by all ranks' pairs): chosen, rejected, their margin, and how
     often the chosen's is larger (`accuracy`)."""
     chosen, rejected = (cfg.beta * r.detach() for r in _pair_log_ratios(logprobs, batch))
+    return _pair_sums(chosen, rejected)
+
+
+def _pair_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
     return {
         "rewards/chosen": chosen.sum(),
         "rewards/rejected": rejected.sum(),
         "rewards/margin": (chosen - rejected).sum(),
         "rewards/accuracy": (chosen > rejected).to(chosen.dtype).sum(),
     }
+
+
+def sequence_scores(scores: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Each episode's score, its last token's (as HF's sequence classifiers read theirs), [episodes]."""
+    docs = batch.doc_ids
+    after = torch.cat([docs[:, 1:], docs.new_full((docs.shape[0], 1), -1)], dim=1)
+    last = (docs >= 0) & (docs != after)
+    return scores.new_zeros(max(batch.num_episodes, 1)).index_add(0, docs[last], scores[last])
+
+
+def bradley_terry(scores: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """A reward model's loss on pairs (episodes 2k chosen, 2k+1 rejected, as the preference
+    losses'): -log sigmoid(score_chosen - score_rejected), mean over pairs."""
+    s = sequence_scores(scores, batch)
+    pairs = batch.num_episodes // 2
+    return -F.logsigmoid(s[0 : 2 * pairs : 2] - s[1 : 2 * pairs : 2]).sum() / max(pairs, 1)
+
+
+def score_metric_sums(scores: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+    """A score-head batch's pair metrics, summed over its pairs (as `preference_metric_sums`)."""
+    s = sequence_scores(scores.detach(), batch)
+    pairs = batch.num_episodes // 2
+    return _pair_sums(s[0 : 2 * pairs : 2], s[1 : 2 * pairs : 2])
 
 
 LossFn = Callable[[torch.Tensor, Batch, torch.Tensor, LossConfig], torch.Tensor]
@@ -194,7 +221,7 @@ def loss_units(name: str, batch: Batch) -> torch.Tensor:
         return batch.loss_mask.sum()
     if name == "dr_grpo":
         return batch.loss_mask.new_tensor(float(batch.num_episodes))
-    if name in PREFERENCE_LOSSES:
+    if name in PREFERENCE_LOSSES or name in SCORE_LOSS_NAMES:
         return batch.loss_mask.new_tensor(float(batch.num_episodes // 2))
     return (_per_doc(torch.ones_like(batch.loss_mask), batch) > 0).sum().to(batch.loss_mask.dtype)
 
