@@ -244,14 +244,22 @@ class PreferencePairs(IndexedPrompts):
         return self._tokens(prompt, row[self.cfg.chosen_key]), self._tokens(prompt, row[self.cfg.rejected_key])
 
     def _tokens(self, prompt: str | list[dict[str, Any]], completion: str | list[dict[str, Any]]) -> Tokens:
-        if isinstance(prompt, str):
-            ids, mask = text_tokens(self.tokenizer, prompt, str(completion))
-        else:
-            turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
-            messages = [{k: v for k, v in m.items() if v is not None} for m in [*prompt, *turns]]
-            ids, labels = chat_tokens(self.tokenizer, messages, self.end_of_turn)
-            mask = [int(label != -100) for label in labels]
+        ids, mask = completion_tokens(self.tokenizer, prompt, completion, self.end_of_turn)
         return ids[: self.cfg.max_tokens], mask[: self.cfg.max_tokens]
+
+
+def completion_tokens(
+    tokenizer: Any, prompt: str | list[dict[str, Any]], completion: str | list[dict[str, Any]], end_of_turn: str
+) -> Tokens:
+    """A prompt and its completion as (token ids, loss mask on the completion), as a preference
+    pair's and a reward model's: text (then EOS ends the completion), or chat messages (then the
+    completion is the assistant's messages, or its text, in the chat template)."""
+    if isinstance(prompt, str):
+        return text_tokens(tokenizer, prompt, str(completion))
+    turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+    messages = [{k: v for k, v in m.items() if v is not None} for m in [*prompt, *turns]]
+    ids, labels = chat_tokens(tokenizer, messages, end_of_turn)
+    return ids, [int(label != -100) for label in labels]
 
 
 def _check_pair(row: dict[str, Any], keys: tuple[str, str, str], where: str) -> None:

@@ -72,7 +72,9 @@ class Roles:
             sync = WeightSync(trainer, gen)
             await sync.start()
             rewards = (
-                await Rewards.options(hosts=hosts("rewards")).as_service(cfg.rewards)
+                await Rewards.options(replicas=cfg.rewards.replicas, hosts=hosts("rewards"), spread=True).as_service(
+                    cfg.rewards
+                )
                 if cfg.algorithm != "distill"
                 else None
             )

@@ -3,7 +3,7 @@ or vLLM), so a bad config is reported before any of them loads. Each section che
 in `validate()`; the services import their sections from here.
 
     ModelConfig (model)   GeneratorConfig (generator)   TrainerConfig (trainer)
-    RewardsConfig (rewards: judge, code_tests)   EvalConfig (eval)   AgenticConfig (agentic: gateway)
+    RewardsConfig (rewards: judge, code_tests, reward_model)   EvalConfig (eval)   AgenticConfig (agentic: gateway)
     SandboxConfig (sandbox)   DistillConfig (distill: teachers)
 """
 
@@ -306,7 +306,26 @@ class CodeTestsConfig:
 
 
 # The built-in rewards' names (services.rewards.REWARDS; tests/test_rewards.py checks they agree).
-REWARD_NAMES = ("exact", "math", "format", "task", "judge", "code_tests")
+REWARD_NAMES = ("exact", "math", "format", "task", "judge", "code_tests", "reward_model")
+
+
+@dataclass
+class RewardModelConfig:
+    """The `reward_model` reward's checkpoint: a sequence classifier with one label (the rm
+    app's export, or any transformers *ForSequenceClassification of a supported family), served
+    by each replica of the reward service."""
+
+    path: str = ""
+    batch_size: int = 64  # samples scored in one forward
+    max_wait_s: float = 0.005  # how long a sample waits for others to share its forward
+
+    def check(self) -> None:
+        require_file("rewards.reward_model.path", Path(self.path) / "config.json")
+        if self.batch_size < 1 or self.max_wait_s < 0:
+            raise ConfigError(
+                f"config keys 'rewards.reward_model.batch_size' (>= 1) and 'max_wait_s' (>= 0): got "
+                f"{self.batch_size}, {self.max_wait_s}"
+            )
 
 
 @dataclass
@@ -319,6 +338,8 @@ class RewardsConfig:
     weights: dict[str, float] = field(default_factory=dict)
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # the `judge` reward's model and rubric
     code_tests: CodeTestsConfig = field(default_factory=CodeTestsConfig)  # the `code_tests` reward's sandbox
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)  # the `reward_model` reward's
+    replicas: int = 1  # of the reward service (each loads the reward model, if one is used)
 
     def validate(self) -> None:
         """Every name is a built-in or an importable function (imported here, before anything
@@ -335,6 +356,10 @@ class RewardsConfig:
                 user_reward(name)
         if "judge" in self.weights:
             self.check_judge(None)
+        if "reward_model" in self.weights:
+            self.reward_model.check()
+        if self.replicas < 1:
+            raise ConfigError(f"config key 'rewards.replicas' must be >= 1, got {self.replicas}")
 
     def check_judge(self, columns: Iterable[str] | None) -> None:
         """With the `judge` reward: its endpoint, and a rubric naming only `columns` of a sample

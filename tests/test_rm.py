@@ -41,11 +41,10 @@ def test_rm_config_errors():
         load_config(CONFIG, ["trainer.head=value"], Config)
 
 
-def test_reward_model_app_and_its_transformers_export(tmp_path, tiny_model_dir):
-    """Steps on a pair file with held-out pairs beside the loop; the export loads in
-    transformers' AutoModelForSequenceClassification with the scores forge's model gives (1e-5)."""
-    from transformers import AutoModelForSequenceClassification
-
+@pytest.fixture(scope="module")
+def rm_run(tmp_path_factory, tiny_model_dir):
+    """Three steps of the rm app on a pair file, held-out pairs beside the loop: its run directory."""
+    tmp_path = tmp_path_factory.mktemp("rm")
     data = tasks.write_dataset(tmp_path / "pairs.jsonl", "reverse", n=32, preferences=True)
     held = tasks.write_dataset(tmp_path / "held.jsonl", "reverse", n=8, seed=1, preferences=True)
     over = [
@@ -65,12 +64,20 @@ def test_reward_model_app_and_its_transformers_export(tmp_path, tiny_model_dir):
         "metrics=[jsonl]",
     ]
     main(load_config(CONFIG, over, Config))
-    rows = [json.loads(line) for line in (tmp_path / "rm/metrics.jsonl").read_text().splitlines()]
+    return tmp_path / "rm"
+
+
+def test_reward_model_app_and_its_transformers_export(rm_run, tiny_model_dir):
+    """The steps and held-out evals; the export loads in transformers'
+    AutoModelForSequenceClassification with the scores forge's model gives (1e-5)."""
+    from transformers import AutoModelForSequenceClassification
+
+    rows = [json.loads(line) for line in (rm_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
     assert [(r["step"], r["eval/pairs"]) for r in rows if "eval/accuracy" in r] == [(0, 8), (2, 8), (3, 8)]
     assert next(r for r in rows if "loss" in r)["loss"] == pytest.approx(math.log(2), abs=0.3)
 
-    export = tmp_path / "rm/model"
+    export = rm_run / "model"
     config = json.loads((export / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForSequenceClassification"] and config["num_labels"] == 1
     hf = AutoModelForSequenceClassification.from_pretrained(export, dtype=torch.float32).eval()
@@ -86,3 +93,66 @@ def test_reward_model_app_and_its_transformers_export(tmp_path, tiny_model_dir):
         assert (token_scores(initial, ids)[:, -1] - mine).abs().max().item() > 1e-4  # it trained
     with pytest.raises(ValueError, match="sequence-classification checkpoint"):
         load_hf_model(export)  # not a policy: no LM head
+
+
+def test_the_reward_model_reward_batches_and_fails_like_any_reward(rm_run, tmp_path, tiny_model_dir):
+    """The `reward_model` reward on the export: samples that arrive together share forwards
+    (batch_size 4: 6 samples, two), each scored as forge's model scores its prompt + completion
+    tokens; weighted beside `exact` in the reward service; a checkpoint that cannot load fails
+    each sample's reward (scored 0, counted), not the service."""
+    import asyncio
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from forge.data import completion_tokens
+    from forge.tasks import end_of_turn
+    from forge.types import RewardInput
+    from services.rewards import Rewards
+    from services.rewards.reward_model import RewardModel
+    from services.schema import RewardModelConfig, RewardsConfig
+
+    export = rm_run / "model"
+    samples = [
+        RewardInput({"prompt": f"rev {w}=", "answer": w[::-1]}, c) for w in ("abc", "hij", "fed") for c in (w[::-1], w)
+    ]
+    rm = RewardModel(RewardModelConfig(path=str(export), batch_size=4, max_wait_s=0.05))
+    forwards = []
+    scores_of = rm.scores
+    rm.scores = lambda batch: forwards.append(len(batch)) or scores_of(batch)
+
+    async def score_all():
+        return await asyncio.gather(*(rm(s) for s in samples))
+
+    got = asyncio.run(score_all())
+    assert sorted(forwards) == [2, 4]
+    tok = AutoTokenizer.from_pretrained(export)
+    model = load_hf_model(export, head="score")
+    for s, value in zip(samples, got):
+        ids, _ = completion_tokens(tok, s.prompt, s.completion, end_of_turn(tok))
+        with torch.no_grad():
+            assert value == pytest.approx(token_scores(model, torch.tensor([ids]))[0, -1].item(), abs=1e-5)
+
+    broken = tmp_path / "broken"
+    shutil.copytree(export, broken)
+    (broken / "model.safetensors").write_bytes(b"not weights")
+
+    async def service():
+        cfg = RewardsConfig(
+            weights={"reward_model": 1.0, "exact": 0.5}, reward_model=RewardModelConfig(path=str(export))
+        )
+        bad = RewardsConfig(
+            weights={"reward_model": 1.0, "exact": 0.5}, reward_model=RewardModelConfig(path=str(broken))
+        )
+        good_svc = await Rewards.options().as_service(cfg)
+        bad_svc = await Rewards.options().as_service(bad)
+        try:
+            return await good_svc.score.route(samples[:2]), await bad_svc.score.route(samples[:2])
+        finally:
+            await asyncio.gather(good_svc.shutdown(), bad_svc.shutdown())
+
+    good, bad = asyncio.run(service())
+    assert [g.components["reward_model"] for g in good] == pytest.approx(got[:2], abs=1e-5)
+    assert [g.reward for g in good] == pytest.approx([got[0] + 0.5, got[1]], abs=1e-5)
+    assert all(b.failed and "reward_model" in b.error and b.components["reward_model"] == 0 for b in bad)
+    assert [b.reward for b in bad] == [0.5, 0.0]  # exact still counts

@@ -1,10 +1,12 @@
-"""Rewards: the built-in rule and verifier rewards, a model judge, code run against tests, and
-users' own reward functions by import path, all with one signature, weighted into one Score.
+"""Rewards: the built-in rule and verifier rewards, a model judge, code run against tests, a
+trained reward model, and users' own reward functions by import path, all with one signature,
+weighted into one Score.
 
     rewards:                                   # the config section: a RewardsConfig
       weights: {task: 1.0, my.module:fn: 0.5}  # name -> weight; empty: {exact: 1.0}
       judge: {base_url: ..., model: ...}       # the `judge` reward's endpoint and rubric
       code_tests: {all_pass: false}            # the `code_tests` reward's sandbox
+      reward_model: {path: runs/rm_tiny/model} # the `reward_model` reward's checkpoint
 
     rewards = await Rewards.options().as_service(cfg.rewards)
     scores = await rewards.score.route([RewardInput(task_row, completion_text, finish_reason), ...])  # [Score]
@@ -14,7 +16,7 @@ columns, prompt, completion, finish reason, the messages of a multi-turn episode
 float or a dict of named components (its reward is the dict's `reward`, else the sum of the
 rest; a `correct` key is the sample's correctness); it may be sync (run in a thread) or async,
 and may declare its values with `@forge.types.reward_range(low, high)`. `REWARDS` names the
-built-ins (services/rewards/builtin.py, judge.py, code_tests.py; a config is checked against
+built-ins (services/rewards/builtin.py, judge.py, code_tests.py, reward_model.py; a config is checked against
 their names, `services.schema.REWARD_NAMES`); any other name is a "package.module:function".
 A reward that raises, or returns a value that is not finite or outside its declared range,
 scores 0 for that sample and marks its Score failed: it never ends the run. One that raises
@@ -36,6 +38,7 @@ from forge.types import RewardInput, RewardUnavailable, Score, check_reward
 from services.rewards import builtin
 from services.rewards.code_tests import CodeTests
 from services.rewards.judge import Judge
+from services.rewards.reward_model import RewardModel
 from services.schema import RewardsConfig, user_reward
 
 log = logging.getLogger("forge")
@@ -50,6 +53,7 @@ REWARDS: dict[str, Callable[[RewardsConfig], RewardFn]] = {
     "task": lambda cfg: builtin.task,
     "judge": lambda cfg: Judge(cfg.judge),
     "code_tests": lambda cfg: CodeTests(cfg.code_tests),
+    "reward_model": lambda cfg: RewardModel(cfg.reward_model),
 }
 
 

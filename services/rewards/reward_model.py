@@ -1,0 +1,89 @@
+"""The `reward_model` reward: a trained sequence classifier scores each completion.
+
+    rewards:
+      weights: {reward_model: 1.0}          # alone, or beside other rewards
+      reward_model: {path: runs/rm_tiny/model}
+      replicas: 2                           # reward service replicas, each with the model
+
+The checkpoint is a transformers *ForSequenceClassification with one label (the rm app's
+export), loaded as forge's torchtitan model with a score head; a sample is its prompt and
+completion tokenized as the reward model was trained (`forge.data.completion_tokens`), and its
+score is the last token's. Samples arriving together (a group, several groups) share one forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from forge.data import completion_tokens
+from forge.losses import sequence_scores
+from forge.tasks import end_of_turn
+from forge.types import Episode, RewardInput, collate
+from services.schema import RewardModelConfig
+
+
+class RewardModel:
+    """The `reward_model` reward function: a RewardInput in, the model's score out. Loaded on
+    first use, in the process that scores (each reward service replica)."""
+
+    def __init__(self, cfg: RewardModelConfig):
+        self.cfg = cfg
+        self.model: Any = None
+        self.pending: list[tuple[RewardInput, asyncio.Future]] = []
+        self.timer: asyncio.TimerHandle | None = None
+
+    async def __call__(self, s: RewardInput) -> float:
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((s, future))
+        if len(self.pending) >= self.cfg.batch_size:
+            self._flush()
+        elif self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.cfg.max_wait_s, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        batch, self.pending = self.pending, []
+        if batch:
+            asyncio.ensure_future(self._score(batch))
+
+    async def _score(self, batch: list[tuple[RewardInput, asyncio.Future]]) -> None:
+        try:
+            scores = await asyncio.to_thread(self.scores, [s for s, _ in batch])
+        except Exception as e:  # every sample of the forward fails alike; the service counts each
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(e)
+            return
+        for (_, future), score in zip(batch, scores):
+            if not future.done():
+                future.set_result(score)
+
+    def scores(self, samples: list[RewardInput]) -> list[float]:
+        """One forward over `samples` (a multi-turn episode: its whole conversation)."""
+        if self.model is None:
+            self._load()
+        episodes = []
+        for s in samples:
+            prompt = s.messages[:-1] if s.messages else s.prompt
+            completion = s.messages[-1:] if s.messages else s.completion
+            ids, mask = completion_tokens(self.tokenizer, prompt, completion, self.end_of_turn)
+            episodes.append(Episode(ids, mask, [0.0] * len(ids)))
+        batch = collate(episodes, pad_id=self.tokenizer.pad_token_id or 0)
+        with torch.no_grad():
+            return sequence_scores(self._token_scores(self.model, batch.input_ids), batch).tolist()
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer
+
+        from services.titan import load_hf_model, token_scores
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.path)
+        self.end_of_turn = end_of_turn(self.tokenizer)
+        self.model = load_hf_model(self.cfg.path, head="score").eval().requires_grad_(False)
+        self._token_scores = token_scores
