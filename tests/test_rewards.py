@@ -190,7 +190,7 @@ def test_every_reward_is_finite_and_within_its_declared_range():
 def test_built_in_rewards_declare_their_range():
     assert sorted(REWARDS) == sorted(REWARD_NAMES)  # the names a config is checked against
     built = build_rewards(RewardsConfig(dict.fromkeys(REWARDS, 1.0)))
-    assert sorted(built) == sorted(["exact", "math", "format", "task", "judge", "code_tests"])
-    for fn in built.values():
-        assert fn.reward_range == (0.0, 1.0)
+    assert sorted(built) == sorted(["exact", "math", "format", "task", "judge", "code_tests", "reward_model"])
+    for name, fn in built.items():  # a reward model's scores are its logits: unbounded
+        assert getattr(fn, "reward_range", None) == (None if name == "reward_model" else (0.0, 1.0))
     assert isinstance(built["judge"], Judge) and isinstance(built["code_tests"], CodeTests)
