@@ -13,7 +13,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from forge.config import ConfigError
-from forge.schema import FORMATS, DatasetConfig, PreferenceDataConfig, SFTDataConfig
+from forge.schema import FORMATS, DatasetConfig, PreferenceDataConfig, RowsConfig, SFTDataConfig
 from forge.tasks import Sample, chat_tokens, end_of_turn, get_task, preference_pair
 
 
@@ -131,13 +131,11 @@ class FilePrompts(IndexedPrompts):
         return tools or None
 
 
-class SFTExamples(IndexedPrompts):
-    """An endless stream of supervised examples as (token ids, loss mask): the file's rows,
-    reshuffled each epoch from the seed, or fresh toy-task samples. Resumable (its index).
-    Chat rows train on the assistant turns, up to and with the token that ends them in the
-    tokenizer's chat template."""
+class TokenizedRows(IndexedPrompts):
+    """A supervised app's stream: rows of the `data` file (loaded here, checked by the
+    subclass), else the toy `task`'s samples, tokenized by the model's tokenizer."""
 
-    def __init__(self, cfg: SFTDataConfig, tokenizer: Any, task: str, seed: int = 0):
+    def __init__(self, cfg: RowsConfig, tokenizer: Any, task: str, seed: int = 0):
         super().__init__(seed)
         self.cfg, self.tokenizer, self.task = cfg, tokenizer, get_task(task)
         self.end_of_turn = end_of_turn(tokenizer)
@@ -147,6 +145,17 @@ class SFTExamples(IndexedPrompts):
 
             cfg.validate()
             self.rows = datasets.load_dataset(FORMATS[Path(cfg.path).suffix], data_files=cfg.path, split="train")
+
+
+class SFTExamples(TokenizedRows):
+    """An endless stream of supervised examples as (token ids, loss mask): the file's rows,
+    reshuffled each epoch from the seed, or fresh toy-task samples. Resumable (its index).
+    Chat rows train on the assistant turns, up to and with the token that ends them in the
+    tokenizer's chat template."""
+
+    def __init__(self, cfg: SFTDataConfig, tokenizer: Any, task: str, seed: int = 0):
+        super().__init__(cfg, tokenizer, task, seed)
+        if self.rows is not None:
             columns = set(self.rows.column_names)
             if cfg.messages_key not in columns and not {cfg.prompt_key, cfg.completion_key} <= columns:
                 raise ConfigError(
@@ -203,7 +212,7 @@ def text_tokens(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int]
 Tokens = tuple[list[int], list[int]]  # token ids, loss mask
 
 
-class PreferencePairs(IndexedPrompts):
+class PreferencePairs(TokenizedRows):
     """An endless stream of preference pairs as ((chosen ids, mask), (rejected ids, mask)), the
     loss on each completion: the file's rows, reshuffled each epoch from the seed, or pairs of
     the toy task (its answer, a near miss). A row's prompt is text (then its completions are) or
@@ -211,15 +220,8 @@ class PreferencePairs(IndexedPrompts):
     rows are all checked when it loads: a missing column or an empty completion names its row."""
 
     def __init__(self, cfg: PreferenceDataConfig, tokenizer: Any, task: str, seed: int = 0):
-        super().__init__(seed)
-        self.cfg, self.tokenizer, self.task = cfg, tokenizer, get_task(task)
-        self.end_of_turn = end_of_turn(tokenizer)
-        self.rows = None
-        if cfg.path:
-            import datasets
-
-            cfg.validate()
-            self.rows = datasets.load_dataset(FORMATS[Path(cfg.path).suffix], data_files=cfg.path, split="train")
+        super().__init__(cfg, tokenizer, task, seed)
+        if self.rows is not None:
             keys = (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
             missing = [k for k in keys if k not in self.rows.column_names]
             if missing or not len(self.rows):

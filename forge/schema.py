@@ -94,17 +94,11 @@ class DatasetConfig:
 
 
 @dataclass
-class SFTDataConfig:
-    """The SFT app's `data` section: rows of a local file (chat `messages`, or prompt and
-    completion columns), or, with no file, the app's toy task (prompt and answer)."""
+class RowsConfig:
+    """What every supervised app's `data` section has: a local file of rows, or the toy task."""
 
     path: str = ""  # .jsonl/.json/.parquet/.csv; empty: the toy `task`
-    messages_key: str = "messages"  # a column of chat messages: loss on the assistant turns only
-    prompt_key: str = "prompt"  # else prompt and completion columns: loss on the completion (and EOS)
-    completion_key: str = "completion"
     max_tokens: int = 1024  # a longer row is cut to this (its loss tokens past it are lost)
-    pack_to: int = 0  # examples packed into rows of up to this many tokens, each seeing only itself; 0: one per row
-    noise: float = 0.0  # toy task only: this fraction of answer characters (or digits) replaced at random
     system: str | None = None  # toy task only: chat examples (this system turn, the task as the user's); None: raw text
 
     def validate(self) -> None:
@@ -114,31 +108,35 @@ class SFTDataConfig:
             raise ConfigError(f"config key 'data.path': file not found: {self.path}")
         if self.max_tokens < 2:
             raise ConfigError(f"config key 'data.max_tokens' must be >= 2, got {self.max_tokens}")
+
+
+@dataclass
+class SFTDataConfig(RowsConfig):
+    """The SFT app's `data` section: rows of a local file (chat `messages`, or prompt and
+    completion columns), or, with no file, the app's toy task (prompt and answer)."""
+
+    messages_key: str = "messages"  # a column of chat messages: loss on the assistant turns only
+    prompt_key: str = "prompt"  # else prompt and completion columns: loss on the completion (and EOS)
+    completion_key: str = "completion"
+    pack_to: int = 0  # examples packed into rows of up to this many tokens, each seeing only itself; 0: one per row
+    noise: float = 0.0  # toy task only: this fraction of answer characters (or digits) replaced at random
+
+    def validate(self) -> None:
+        super().validate()
         if self.pack_to < 0:
             raise ConfigError(f"config key 'data.pack_to' must be >= 0, got {self.pack_to}")
 
 
 @dataclass
-class PreferenceDataConfig:
+class PreferenceDataConfig(RowsConfig):
     """A preference app's `data` section: rows of a local file with a prompt and a chosen and a
     rejected completion (plain text, or chat messages as TRL's conversational preference
     datasets have them), or, with no file, pairs of the app's toy task (chosen: the answer,
     rejected: a near miss)."""
 
-    path: str = ""  # .jsonl/.json/.parquet/.csv; empty: the toy `task`
     prompt_key: str = "prompt"  # text, or chat messages (then chosen and rejected are the assistant's)
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
-    max_tokens: int = 1024  # a longer prompt + completion is cut to this
-    system: str | None = None  # toy task only: chat pairs (this system turn, the task as the user's); None: raw text
-
-    def validate(self) -> None:
-        if self.path and Path(self.path).suffix not in FORMATS:
-            raise ConfigError(f"config key 'data.path': {self.path} is not one of {', '.join(FORMATS)}")
-        if self.path and not Path(self.path).is_file():
-            raise ConfigError(f"config key 'data.path': file not found: {self.path}")
-        if self.max_tokens < 2:
-            raise ConfigError(f"config key 'data.max_tokens' must be >= 2, got {self.max_tokens}")
 
 
 # The names of forge.losses' LOSSES and IS_CORRECTIONS (tests/test_losses.py checks they agree).
