@@ -526,6 +526,7 @@ def forge_serve(*args: str, cwd: Any = None) -> tuple[Any, int, str]:
     return proc, port, out
 
 
+@pytest.mark.slow  # 57 s: a `forge serve` process and its engine
 def test_forge_serve_with_the_openai_client(tiny_model_dir, tmp_path):
     """`forge serve` as the README shows it: an API key, the plain (sync) openai client, Ctrl-C;
     nothing on the console but its own lines."""

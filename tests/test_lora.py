@@ -64,6 +64,7 @@ def test_lora_config_keys_are_checked():
             bad.validate()
 
 
+@pytest.mark.slow  # 70 s: a LoRA trainer and a generator, exports, a resume
 def test_adapter_sync_reference_peft_export_and_resume(tiny_llama_dir, tmp_path):
     """On the llama3 family (its adapter permutes q and k's rows, and B's follow; its head is
     tied to the embeddings, and takes an adapter of its own): three GRPO

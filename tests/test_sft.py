@@ -63,6 +63,7 @@ def test_a_file_without_the_columns_is_named_before_anything_starts(tmp_path, ti
         load_config("configs/sft_tiny.yaml", ["trainer.loss.name=grpo"], Config)
 
 
+@pytest.mark.slow  # 57 s: two SFT runs with a generator for evals
 def test_sft_from_a_chat_file_through_the_trainer_service_then_resume(tmp_path, tiny_model_dir):
     chats = [
         {"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": w[::-1]}]}
