@@ -54,6 +54,8 @@ class Roles:
         warm-started by `warm_start` first, when the config says so); with `shared`, on the
         store and generator of several runs."""
         model = shared.model if shared is not None else str(resolve_model(cfg.model, warm_start))
+        for i, teacher in enumerate(cfg.distill.teachers):  # before anything spawns
+            check_teacher(model, teacher.path, f"distill.teachers[{i}].path")
         job = shared.job if shared is not None else Job(cfg.job)
         try:
             hosts = job.hosts
@@ -84,8 +86,7 @@ class Roles:
                 else None
             )
             s = cls(store, trainer, gen, sync, rewards, ref, job=job, shared=shared)
-            for i, teacher in enumerate(cfg.distill.teachers):
-                check_teacher(model, teacher.path, f"distill.teachers[{i}].path")
+            for teacher in cfg.distill.teachers:
                 s.teachers.append(await Reference.options(hosts=hosts("teacher")).as_service(teacher.path))
             if cfg.eval.enabled and (cfg.eval.rewards or rewards is None):
                 s.eval_rewards = await Rewards.options().as_service(cfg.rewards.with_weights(cfg.eval.rewards))

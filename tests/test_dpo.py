@@ -113,6 +113,7 @@ def test_dpo_through_the_trainer_and_reference_services(tmp_path, tiny_model_dir
         "steps=3",
         "batch_size=8",
         "trainer.lr=1e-3",
+        "trainer.loss.rpo_alpha=0",  # plain DPO: log 2 while the policy is its reference
         "trainer.warmup_steps=0",
         "checkpoint_every=0",
         "eval.every=0",
