@@ -374,7 +374,7 @@ def test_unavailable_rewards_mask_their_group_or_score_zero(tmp_path, loop, serv
 
 
 def test_distillation_alone_scores_the_sampled_tokens_with_the_teacher(tmp_path, loop, services, tiny_model_dir):
-    """Algorithm `distill` with the starting policy as its teacher, on-policy: the first step's
+    """Algorithm `distill` with the current policy as its teacher, on-policy: the first step's
     reverse KL is the generator's numerics only (a teacher scoring other tokens, or shifted by
     one, is off by nats); no reward is computed. A teacher of another tokenizer is named."""
     import dataclasses
@@ -384,9 +384,11 @@ def test_distillation_alone_scores_the_sampled_tokens_with_the_teacher(tmp_path,
     from services.reference import Reference
     from services.roles import check_teacher
 
+    policy = tmp_path / "policy"  # the shared services' trainer may have trained in earlier tests
+    loop.run_until_complete(services.trainer.export_hf.route(str(policy)))
     over = small(tmp_path, steps=2, checkpoint_every=0, max_staleness=0, algorithm="distill")
-    cfg = load_config(CONFIG, [*over, f"distill.teachers=[{{path: {MODEL}}}]"], Config)
-    teacher = loop.run_until_complete(Reference.options().as_service(str(MODEL)))
+    cfg = load_config(CONFIG, [*over, f"distill.teachers=[{{path: {policy}}}]"], Config)
+    teacher = loop.run_until_complete(Reference.options().as_service(str(policy)))
     try:
         loop.run_until_complete(train(cfg, dataclasses.replace(services, rewards=None, teachers=[teacher])))
     finally:
