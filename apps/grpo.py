@@ -24,7 +24,7 @@ from apps.sft import warm_start
 from forge.buffer import ReplayBuffer
 from forge.config import import_object
 from forge.data import FilePrompts, TaskPrompts
-from forge.losses import teacher_advantages
+from forge.losses.advantages import teacher_advantages
 from forge.metrics import Reduce, metrics_scope, record_metric
 from forge.rollout import RolloutLoops, Rollouts, SingleTurn
 from forge.run import ActorState, Run

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from forge.console import report
-from forge.losses import group_advantages
+from forge.losses.advantages import group_advantages
 from forge.metrics import Reduce, record_metric
 from forge.tasks import Sample
 from forge.types import Completion, Episode, RewardInput, Score

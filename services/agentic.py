@@ -26,7 +26,7 @@ import torch
 from forge.config import import_object
 from forge.console import report
 from forge.env import EpisodeStats, run_env_episode
-from forge.losses import group_advantages
+from forge.losses.advantages import group_advantages
 from forge.metrics import Reduce, record_metric
 from forge.rollout import RolloutError
 from forge.tasks import Sample

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from forge.losses import IS_CORRECTIONS, LOSSES, group_advantages, importance_weight, k3_kl, mismatch_sums
+from forge.losses import IS_CORRECTIONS, LOSSES, importance_weight, k3_kl, mismatch_sums
+from forge.losses.advantages import gae, group_advantages, teacher_advantages, whiten
 from forge.schema import IS_CORRECTION_NAMES, LOSS_NAMES, LossConfig
 from forge.types import Episode, collate
 
@@ -185,8 +186,6 @@ def test_multi_turn_mask_trains_only_sampled_tokens(name):
 def test_teacher_advantages_are_the_mixed_teachers_reverse_kl_on_model_tokens():
     """Two teachers weighted 3:1; the second episode has an environment token (mask 0) between
     its model tokens: it and the prompts get no advantage."""
-    from forge.losses import teacher_advantages
-
     eps = [
         Episode(tokens=[1, 5, 6], loss_mask=[0, 1, 1], gen_logprobs=[0, -0.5, -1.0]),
         Episode(tokens=[1, 8, 2, 9], loss_mask=[0, 1, 0, 1], gen_logprobs=[0, -1.0, 0, -0.2]),
@@ -264,3 +263,47 @@ def test_preference_metrics_and_pairs_across_micro_batches():
         mb = _rows(batch, mb_rows)
         parts.append(LOSSES["dpo"](lp[mb_rows], mb, torch.ones_like(lp[mb_rows]), cfg) * loss_units("dpo", mb) / total)
     assert total.item() == 4 and sum(parts).item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_gae_by_hand_over_tokens_turns_and_a_cut_episode():
+    """Episode 0: a prompt token, then 3 of the model's tokens, reward 1 at the last. Episode 1,
+    multi-turn: the model's token, 2 environment tokens (skipped: no step, no value), the model's
+    2 tokens; reward 2. Episode 2 is cut short after its 2 tokens: its return goes on past them,
+    bootstrapped from the value after its last token (0.5). gamma 0.9, lam 0.8."""
+    eps = [
+        Episode([1, 5, 6, 7], [0, 1, 1, 1], [0.0] * 4),
+        Episode([1, 5, 8, 9, 6, 7], [0, 1, 0, 0, 1, 1], [0.0] * 6),
+        Episode([1, 5, 6], [0, 1, 1], [0.0] * 3),
+    ]
+    batch = collate(eps, pad_id=0)
+    values = torch.tensor(
+        [[9.0, 0.5, 0.6, 0.7, 0, 0], [9.0, 1.0, 9.0, 9.0, 1.2, 1.4], [9.0, 0.3, 0.4, 0, 0, 0]]
+    )  # 9: never read
+    g, lam = 0.9, 0.8
+
+    def by_hand(v, r_last, after):
+        delta = [
+            (r_last if i == len(v) - 1 else 0) + g * (v[i + 1] if i + 1 < len(v) else after) - v[i]
+            for i in range(len(v))
+        ]
+        adv, running = [0.0] * len(v), 0.0
+        for i in reversed(range(len(v))):
+            running = delta[i] + g * lam * running
+            adv[i] = running
+        return adv
+
+    adv, ret = gae(batch, values, torch.tensor([1.0, 2.0, 0.0]), g, lam, bootstrap=torch.tensor([0.0, 0.0, 0.5]))
+    assert adv[0, 1:4].tolist() == pytest.approx(by_hand([0.5, 0.6, 0.7], 1.0, 0.0), abs=1e-6)
+    assert adv[1, [1, 4, 5]].tolist() == pytest.approx(by_hand([1.0, 1.2, 1.4], 2.0, 0.0), abs=1e-6)
+    assert adv[2, 1:3].tolist() == pytest.approx(by_hand([0.3, 0.4], 0.0, 0.5), abs=1e-6)
+    # nothing on prompts, environment tokens or padding; returns are advantages + values there
+    off = batch.loss_mask == 0
+    assert adv[off].abs().max() == 0 and ret[off].abs().max() == 0
+    assert torch.allclose(ret[~off], (adv + values)[~off])
+    # lam 1, gamma 1, no bootstrap: every token's advantage is the reward minus its value
+    adv1, _ = gae(batch, values, torch.tensor([1.0, 2.0, 0.0]))
+    assert adv1[0, 1:4].tolist() == pytest.approx([0.5, 0.4, 0.3], abs=1e-6)
+    w = whiten(adv, batch.loss_mask)
+    assert w[~off].mean().item() == pytest.approx(0, abs=1e-6) and w[~off].std(unbiased=False).item() == pytest.approx(
+        1, abs=1e-4
+    )

@@ -308,24 +308,3 @@ def mismatch_metrics(kl: float, abs_sum: float, outside: float, tokens: float, p
         "outside_cap_frac": outside / n,
         "tokens": tokens,
     }
-
-
-def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages for one group: reward minus the group mean (divided by the group std
-    unless Dr.GRPO's std_normalize=False)."""
-    adv = rewards - rewards.mean()
-    return adv / (rewards.std(unbiased=False) + eps) if std_normalize else adv
-
-
-def teacher_advantages(
-    batch: Batch, teacher_logprobs: list[torch.Tensor], weights: list[float], coef: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """On-policy distillation: each sampled token's advantage `coef` x (log p_teacher - log
-    p_student), the per-token reverse KL's negative, where p_student is the policy that sampled
-    the token (`gen_logprobs`: right under any staleness) and p_teacher mixes the teachers'
-    logprobs by `weights`. Returns (advantages, reverse KL) [rows, seq], 0 off the loss tokens
-    (prompts, and an agentic episode's environment tokens)."""
-    total = sum(weights)
-    teacher = sum(w / total * lp.to(batch.gen_logprobs) for w, lp in zip(weights, teacher_logprobs))
-    reverse_kl = (batch.gen_logprobs - teacher) * batch.loss_mask
-    return -coef * reverse_kl, reverse_kl
