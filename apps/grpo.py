@@ -5,7 +5,8 @@
 
 `max_staleness` picks the mode: 0 = on-policy (rollouts wait for the newest weights),
 1 = one-step off-policy, k = fully async. Change the loss with `trainer.loss.name`, the
-rewards with `rewards`, the rollout (multi-turn, tools) with `rollout`.
+rewards with `rewards`, the rollout (multi-turn, tools) with `rollout`, where advantages come
+from with `algorithm` (grpo: the group's rewards; ppo: a critic's values; distill: teachers).
 
 `run_together([cfg_a, cfg_b])`: several LoRA runs at once on one generator service.
 """
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from apps.schema import GRPOConfig as Config
@@ -24,7 +26,7 @@ from apps.sft import warm_start
 from forge.buffer import ReplayBuffer
 from forge.config import import_object
 from forge.data import FilePrompts, TaskPrompts
-from forge.losses.advantages import teacher_advantages
+from forge.losses.advantages import explained_variance, gae, teacher_advantages, whiten
 from forge.metrics import Reduce, metrics_scope, record_metric
 from forge.rollout import RolloutLoops, Rollouts, SingleTurn
 from forge.run import ActorState, Run
@@ -70,16 +72,22 @@ RKL = {"rkl": ("distill/reverse_kl", ".3f")}  # how far the student is from its 
 # Distillation alone has no reward: its bar and curves show the teachers' distance (and, as every
 # run's, the last eval's accuracy).
 DISTILL_BAR = {**RKL, "tok_s": BAR["tok_s"]}
+EV = {"ev": ("critic/explained_variance", ".2f")}  # how well PPO's critic predicts the returns
+
+
+def progress(cfg: Config) -> dict[str, tuple[str, str]]:
+    """The bar's figures for the run's algorithm."""
+    if cfg.algorithm == "distill":
+        return DISTILL_BAR
+    return {**BAR, **(RKL if cfg.distill.enabled else {}), **(EV if cfg.algorithm == "ppo" else {})}
 
 
 async def train(cfg: Config, s: Roles, resume_from: Path | None = None) -> dict[str, float]:
     """The GRPO loop on running roles; returns the last metrics row. Raises RunStopped when
     the run cannot go on (the trainer could not be restored, rollouts keep failing, no batch
     comes), naming the checkpoint to resume from."""
-    if cfg.algorithm == "distill":
-        run = Run("grpo", cfg, resume_from, show=DISTILL_BAR, plot_keys=("distill/reverse_kl", "eval/accuracy"))
-    else:
-        run = Run("grpo", cfg, resume_from, show={**BAR, **RKL} if cfg.distill.enabled else BAR)
+    plots = ("distill/reverse_kl", "eval/accuracy") if cfg.algorithm == "distill" else None
+    run = Run("grpo", cfg, resume_from, show=progress(cfg), plot_keys=plots)
     prompts = FilePrompts(cfg.dataset, cfg.seed) if cfg.dataset.path else TaskPrompts(cfg.task, cfg.seed)
     if "judge" in cfg.rewards.weights and cfg.dataset.path:  # the rubric's fields, now that the columns are known
         cfg.rewards.check_judge(prompts.rows.column_names)
@@ -97,7 +105,8 @@ async def train(cfg: Config, s: Roles, resume_from: Path | None = None) -> dict[
     loops = RolloutLoops(rollouts(cfg, s), prompts, buffer, s.weights, cfg)
     restored: ReplicaRestored | None = None
     try:
-        await run.start(s.trainer, s.weights, evals, prompts=prompts, buffer=ActorState(buffer))
+        critic = {"critic": s.critic} if s.critic is not None else {}
+        await run.start(s.trainer, s.weights, evals, critic, prompts=prompts, buffer=ActorState(buffer))
         async with run, loops.running(run.version):
             while not run.finished:
                 try:
@@ -121,19 +130,24 @@ def rollouts(cfg: Config, s: Roles) -> Rollouts:
 
 
 async def step(cfg: Config, s: Roles, run: Run, loops: RolloutLoops, buffer: Any) -> None:
-    """One GRPO step: a batch of scored groups (generated beside the loop), train, push weights."""
+    """One step: a batch of scored groups (generated beside the loop), train, push weights."""
     t0 = time.perf_counter()
     episodes = await loops.batch(run.version)
     t1 = time.perf_counter()
     batch = collate(episodes, pad_id=0, rows_multiple_of=cfg.trainer_procs * cfg.trainer.grad_accum)
     if s.ref is not None:
         batch.ref_logprobs = await s.ref.logprobs.route(batch)
+    if s.critic is not None:
+        await critic_advantages(cfg, s, batch, episodes)
     if s.teachers:
         await distill(cfg, s, batch)
     t2 = time.perf_counter()
-    version, metrics = await s.trainer.train_step.route(batch)
+    moves = s.critic is None or run.step >= cfg.ppo.critic_warmup  # PPO's critic warms up alone first
+    policy = s.trainer.train_step.route(batch) if moves else unchanged(run.version)
+    (version, metrics), _ = await asyncio.gather(policy, train_critic(cfg, s, batch))
     t3 = time.perf_counter()
-    await s.weights.push()  # returns once published; the generators load it while they generate
+    if moves:
+        await s.weights.push()  # returns once published; the generators load it while they generate
     await buffer.notify_version.call_one(version)
     record_batch(episodes, run.version, metrics)
     wall = time.perf_counter() - t0
@@ -141,6 +155,37 @@ async def step(cfg: Config, s: Roles, run: Run, loops: RolloutLoops, buffer: Any
     for name, seconds in (("wait_s", t1 - t0), ("ref_s", t2 - t1), ("train_s", t3 - t2), ("push_s", wall - (t3 - t0))):
         record_metric(f"time/{name}", seconds)
     await run.end_step(version)
+
+
+async def unchanged(version: int) -> tuple[int, dict[str, float]]:
+    return version, {}
+
+
+async def critic_advantages(cfg: Config, s: Roles, batch: Batch, episodes: list) -> None:
+    """PPO: the critic's values of the batch's tokens, read now (at train time: right whatever
+    the samples' staleness), and GAE over each episode's own tokens with its reward at its last,
+    whitened over the batch. The values and returns stay in the batch for the critic's step."""
+    t0 = time.perf_counter()
+    values = await s.critic.values.route(batch)
+    rewards = torch.tensor([e.reward for e in episodes], dtype=values.dtype)
+    advantages, returns = gae(batch, values, rewards, cfg.ppo.gamma, cfg.ppo.lam)
+    own = batch.loss_mask * (batch.doc_ids >= 0)
+    batch.advantages, batch.values, batch.returns = whiten(advantages, own), values, returns
+    record_metric("critic/explained_variance", explained_variance(values, returns, own))
+    record_metric("time/critic_values_s", time.perf_counter() - t0)
+
+
+async def train_critic(cfg: Config, s: Roles, batch: Batch) -> None:
+    """The critic's `ppo.critic_updates` steps toward the batch's returns (none without one),
+    beside the policy's step: they share nothing but the batch."""
+    if s.critic is None:
+        return
+    t0 = time.perf_counter()
+    for _ in range(cfg.ppo.critic_updates):
+        _, metrics = await s.critic.train_step.route(batch)
+    for key in ("loss", "value_mean", "value_clip_frac", "grad_norm"):
+        record_metric(f"critic/{key}", metrics[key])
+    record_metric("time/critic_train_s", time.perf_counter() - t0)
 
 
 async def distill(cfg: Config, s: Roles, batch: Batch) -> None:

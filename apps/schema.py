@@ -24,14 +24,16 @@ from services.schema import (
     EvalConfig,
     GeneratorConfig,
     ModelConfig,
+    PPOConfig,
     RewardsConfig,
     TinkerConfig,
     TrainerConfig,
 )
 
-# What a batch's advantages come from: `grpo`, each group's rewards (plus the teachers', with
-# `distill.teachers`); `distill`, the teachers' alone (no reward in the run).
-ALGORITHMS = ("grpo", "distill")
+# What a batch's advantages come from: `grpo`, each group's rewards; `ppo`, the rewards and a
+# critic's values (GAE); `distill`, the teachers' alone (no reward in the run). With
+# `distill.teachers`, grpo's and ppo's gain the teachers' too.
+ALGORITHMS = ("grpo", "ppo", "distill")
 
 
 @dataclass
@@ -46,6 +48,7 @@ class GRPOConfig(RunConfig):
     max_staleness: int = 1
     algorithm: str = "grpo"  # ALGORITHMS
     distill: DistillConfig = field(default_factory=DistillConfig)  # teachers: on-policy distillation
+    ppo: PPOConfig = field(default_factory=PPOConfig)  # algorithm ppo: the critic and GAE
     rollout_tasks: int = 4  # concurrent rollout loops
     rollout: str = "forge.rollout:generate_and_score"  # one prompt -> (completions, scores)
     agentic: AgenticConfig = field(default_factory=AgenticConfig)  # multi-turn agents or environments
@@ -72,7 +75,7 @@ class GRPOConfig(RunConfig):
     def validate(self) -> None:
         """The app's own keys and how sections fit together (each section validates itself)."""
         super().validate()
-        if self.group_size < 2:
+        if self.group_size < (1 if self.algorithm == "ppo" else 2):
             raise ConfigError(
                 f"config key 'group_size' must be >= 2 (GRPO compares samples of a group), got {self.group_size}"
             )
@@ -94,6 +97,8 @@ class GRPOConfig(RunConfig):
             )
         if self.trainer.total_steps is None:
             self.trainer.total_steps = self.steps
+        if self.ppo.critic.total_steps is None:
+            self.ppo.critic.total_steps = self.steps * self.ppo.critic_updates
         if self.agentic.enabled and self.rollout != GRPOConfig.rollout:
             raise ConfigError(
                 "config keys 'rollout' and 'agentic': an agent or environment makes the rollouts; set one of them"
@@ -123,6 +128,11 @@ class GRPOConfig(RunConfig):
             raise ConfigError(f"config key 'algorithm': {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
         if self.algorithm == "distill" and not self.distill.enabled:
             raise ConfigError("config key 'distill.teachers': algorithm 'distill' learns from teachers; name one")
+        if self.ppo.critic_warmup >= self.steps:
+            raise ConfigError(
+                f"config key 'ppo.critic_warmup': {self.ppo.critic_warmup} steps of critic alone leave none of "
+                f"the run's {self.steps} for the policy"
+            )
         if self.algorithm == "distill" and self.dynamic_sampling:
             raise ConfigError(
                 "config key 'dynamic_sampling': it drops groups whose rewards are equal, and algorithm "

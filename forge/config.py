@@ -124,8 +124,10 @@ def _validate(obj: Any, path: tuple[str, ...] = ()) -> None:
     except ConfigError as e:
         if len(path) < 2:
             raise
-        # A section names its keys as `<section>.<key>`; nested deeper (eval.dataset), the full path.
-        full = re.sub(rf"config key(s?) '{re.escape(path[-1])}\.", rf"config key\1 '{'.'.join(path)}.", str(e))
+        # A section names its keys as `<section>.<key>` (its class's KEY, else its field's name);
+        # nested deeper (eval.dataset, ppo.critic), they get the full path.
+        name = getattr(type(obj), "KEY", path[-1])
+        full = re.sub(rf"(config keys? '|' and ')({re.escape(name)})\.", rf"\1{'.'.join(path)}.", str(e))
         raise ConfigError(full) from None
 
 

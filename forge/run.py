@@ -68,7 +68,8 @@ class Run:
     rewards.png (None: the app's defaults). `pushes_every_step`: the app publishes the weights
     it trains each step (GRPO), so an eval takes the current version; otherwise (SFT) an eval
     publishes them first. Weights are published through the run's WeightSync (`weights` at
-    `start`; None when nothing generates)."""
+    `start`; None when nothing generates). Other trained models (`models` at `start`: PPO's
+    critic) are saved and restored beside the trainer."""
 
     def __init__(
         self,
@@ -92,14 +93,18 @@ class Run:
         self.weights: Any = None
         self.evals: Any = None
         self.parts: dict[str, Part] = {}
+        self.models: dict[str, Any] = {}
         self.bar: tqdm | None = None
         self.failed = 0  # failures this run has recovered from (episodes, rollouts, rewards, restores)
         self._plotted = time.monotonic()
 
-    async def start(self, trainer: Any, weights: Any, evals: Any, **parts: Part) -> None:
+    async def start(
+        self, trainer: Any, weights: Any, evals: Any, models: dict[str, Any] | None = None, **parts: Part
+    ) -> None:
         """Begin on running services: resume from the checkpoint given, else evaluate the
         starting policy (`eval.before_train`)."""
         self.trainer, self.weights, self.evals, self.parts = trainer, weights, evals, parts
+        self.models = models or {}
         self.version = await trainer.policy_version.route()  # 0, unless these services already trained
         if self.resume_from is not None:
             await self.rewind(self.resume_from)
@@ -120,6 +125,9 @@ class Run:
             await self.trainer.load.route(str(ckpt / "trainer"))
         for name, part in self.parts.items():
             await _result(part.load_state_dict(saved[name]))
+        for name, model in self.models.items():
+            await model.load.route(str(ckpt / name))
+            model.set_restore_point(str(ckpt / name))
         if self.pushes_every_step and not trainer_restored and self.weights is not None:
             await self.weights.push()  # generators resume on the trained policy
         self.step = saved["step"]
@@ -135,11 +143,15 @@ class Run:
         """A checkpoint of this step, complete or not at all."""
         partial = checkpoint.partial_dir(self.dir, self.step)
         await self.trainer.save.fanout(str(partial / "trainer"))
+        for name, model in self.models.items():
+            await model.save.fanout(str(partial / name))
         state = {"step": self.step, "version": self.version}
         for name, part in self.parts.items():
             state[name] = await _result(part.state_dict())
         path = checkpoint.save_run_state(partial, state)
         self.trainer.set_restore_point(str(path / "trainer"))
+        for name, model in self.models.items():
+            model.set_restore_point(str(path / name))
 
     async def end_step(self, version: int | None = None) -> dict[str, float]:
         """The step is done (training policy `version`, when the app publishes each step): its

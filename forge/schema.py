@@ -142,14 +142,15 @@ class PreferenceDataConfig(RowsConfig):
 # The names of forge.losses' LOSSES and IS_CORRECTIONS (tests/test_losses.py checks they agree).
 LOSS_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "reinforce", "sft", "dpo", "ipo")
 PREFERENCE_LOSSES = {"dpo", "ipo"}  # on pairs of episodes (chosen, rejected), against the reference
-SCORE_LOSS_NAMES = ("bradley_terry",)  # a score head's (trainer.head: score), on pairs of sequences
+# A score head's (trainer.head: score): a reward model's on pairs of sequences, a critic's on returns.
+SCORE_LOSS_NAMES = ("bradley_terry", "value")
 IS_CORRECTION_NAMES = ("token_truncate", "sequence_truncate", "token_mask", "sequence_mask")
 NO_STD_NORMALIZE = {"dr_grpo"}  # Dr.GRPO: the std division biases towards easy and hard groups
 
 
 @dataclass
 class LossConfig:
-    name: str = "grpo"  # grpo | dr_grpo | dapo | gspo | cispo | reinforce | sft | dpo | ipo | bradley_terry
+    name: str = "grpo"  # grpo | dr_grpo | dapo | gspo | cispo | reinforce | sft | dpo | ipo | bradley_terry | value
     clip_low: float = 0.2
     clip_high: float = 0.2  # DAPO's clip-higher uses 0.28
     kl_coef: float = 0.0  # k3 KL to the reference model (needs ref_logprobs)
@@ -163,6 +164,7 @@ class LossConfig:
     std_normalize: bool | None = None
     beta: float = 0.1  # dpo, ipo: how far from the reference the policy may move (larger: less)
     rpo_alpha: float = 0.0  # dpo, ipo: + this x the chosen completions' NLL (RPO; TRL's rpo_alpha)
+    value_clip: float = 0.2  # value (a critic's): how far a step's values may move from the batch's
 
     def validate(self) -> None:
         if self.name not in LOSS_NAMES + SCORE_LOSS_NAMES:
@@ -179,6 +181,8 @@ class LossConfig:
             raise ConfigError(f"config key 'loss.beta' must be > 0, got {self.beta}")
         if self.rpo_alpha < 0:
             raise ConfigError(f"config key 'loss.rpo_alpha' must be >= 0, got {self.rpo_alpha}")
+        if self.value_clip <= 0:
+            raise ConfigError(f"config key 'loss.value_clip' must be > 0, got {self.value_clip}")
 
     @property
     def normalize_std(self) -> bool:
@@ -222,7 +226,7 @@ KINDS = {
     "slurm": "monarch.job:SlurmJob",
     "kubernetes": "monarch.job.kubernetes:KubernetesJob",
 }
-ROLES = ("trainer", "generator", "reference", "teacher", "rewards", "store", "envs")
+ROLES = ("trainer", "generator", "reference", "teacher", "critic", "rewards", "store", "envs")
 
 
 def job_class(kind: str) -> type:

@@ -215,6 +215,10 @@ class Batch:
     # long, [rows, seq, layers, top_k]: the experts the generator routed each token to, replayed
     # by the trainer (-1: route it yourself); None: no episode has a record.
     routed_experts: torch.Tensor | None = None
+    # float, a critic's (PPO): its values of each token as the batch was made, and the returns
+    # it learns (forge.losses.advantages.gae); None elsewhere.
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
     @property
     def num_episodes(self) -> int:

@@ -1,6 +1,6 @@
 """The roles of a GRPO run: the weight store, trainer, generators and the WeightSync between
-them, rewards, the reference, the teachers (on-policy distillation), and for agentic runs the
-gateway and the environment pool.
+them, rewards, the reference, the teachers (on-policy distillation), the critic (PPO), and for
+agentic runs the gateway and the environment pool.
 
     roles = await Roles.start(cfg)    # cfg: apps/grpo.py's Config
     ...
@@ -13,6 +13,7 @@ run's requests then name its adapter.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ class Roles:
     job: Job | None = None  # the Monarch job whose hosts run the roles
     shared: Shared | None = None  # the store and generator this run shares with others
     teachers: list[Any] = field(default_factory=list)  # cfg.distill.teachers' services, in order
+    critic: Any | None = None  # PPO's value model: a Trainer with a score head
 
     @classmethod
     async def start(cls, cfg: Any, warm_start: WarmStart | None = None, shared: Shared | None = None) -> Roles:
@@ -55,7 +57,9 @@ class Roles:
         store and generator of several runs."""
         model = shared.model if shared is not None else str(resolve_model(cfg.model, warm_start))
         for i, teacher in enumerate(cfg.distill.teachers):  # before anything spawns
-            check_teacher(model, teacher.path, f"distill.teachers[{i}].path")
+            check_tokenizer(model, teacher.path, f"distill.teachers[{i}].path")
+        if cfg.algorithm == "ppo" and cfg.ppo.critic_path:
+            check_tokenizer(model, cfg.ppo.critic_path, "ppo.critic_path")
         job = shared.job if shared is not None else Job(cfg.job)
         try:
             hosts = job.hosts
@@ -88,6 +92,8 @@ class Roles:
             s = cls(store, trainer, gen, sync, rewards, ref, job=job, shared=shared)
             for teacher in cfg.distill.teachers:
                 s.teachers.append(await Reference.options(hosts=hosts("teacher")).as_service(teacher.path))
+            if cfg.algorithm == "ppo":
+                s.critic = await spawn_critic(cfg, model, hosts("critic"))
             if cfg.eval.enabled and (cfg.eval.rewards or rewards is None):
                 s.eval_rewards = await Rewards.options().as_service(cfg.rewards.with_weights(cfg.eval.rewards))
             if cfg.agentic.enabled:
@@ -107,7 +113,7 @@ class Roles:
         await self.weights.stop()
         if self.gateway is not None:
             await self.gateway.shutdown()
-        own = (self.envs, self.trainer, self.rewards, self.ref, self.eval_rewards, *self.teachers)
+        own = (self.envs, self.trainer, self.critic, self.rewards, self.ref, self.eval_rewards, *self.teachers)
         roles = own if self.shared is not None else (*own, self.gen)
         await asyncio.gather(*(r.shutdown() for r in roles if r is not None), return_exceptions=True)
         if self.shared is None:
@@ -116,15 +122,27 @@ class Roles:
                 self.job.stop()
 
 
-def check_teacher(model: str, teacher: str, key: str) -> None:
-    """A teacher scores the policy's tokens: it must read them as the policy does (the same
-    tokenizer file), else its logprobs are of other strings."""
-    require_file(key, Path(teacher) / "config.json")
-    mine, theirs = Path(model) / "tokenizer.json", Path(teacher) / "tokenizer.json"
+async def spawn_critic(cfg: Any, model: str, hosts: Any) -> Any:
+    """PPO's critic: a Trainer of its own (a copy of the model, not the policy's weights: the
+    two train apart, and sharing a base would tie the policy's memory to the critic's), a score
+    head on the policy's checkpoint or `ppo.critic_path`. It is not restored in place when it
+    dies (max_restores 0): the run stops, and `--resume` restores it with the policy."""
+    path = cfg.ppo.critic_path or model
+    critic_cfg = dataclasses.replace(cfg.ppo.critic, weights=f"{cfg.trainer.weights}.critic")  # never pushed
+    return await Trainer.options(procs=cfg.ppo.critic_procs, hosts=hosts, max_restores=0).as_service(
+        path, critic_cfg, weight_store(critic_cfg)
+    )
+
+
+def check_tokenizer(model: str, other: str, key: str) -> None:
+    """A teacher or a critic scores the policy's tokens: it must read them as the policy does
+    (the same tokenizer file), else its numbers are of other strings."""
+    require_file(key, Path(other) / "config.json")
+    mine, theirs = Path(model) / "tokenizer.json", Path(other) / "tokenizer.json"
     if mine.is_file() and (not theirs.is_file() or theirs.read_bytes() != mine.read_bytes()):
         raise ConfigError(
-            f"config key '{key}': {teacher} does not have the policy's tokenizer ({mine}); "
-            "a teacher scores the policy's own tokens"
+            f"config key '{key}': {other} does not have the policy's tokenizer ({mine}); "
+            "it scores the policy's own tokens"
         )
 
 

@@ -17,7 +17,7 @@ import string
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from forge.config import ConfigError, import_object, require_file
 from forge.schema import ADAPTER_CONFIG, SCORE_LOSS_NAMES, DatasetConfig, LoRAConfig, LossConfig
@@ -149,6 +149,8 @@ HEADS = ("lm", "score")
 
 @dataclass
 class TrainerConfig:
+    KEY: ClassVar[str] = "trainer"  # how its errors name its keys, wherever it sits (ppo.critic)
+
     lr: float = 1e-5
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
@@ -420,6 +422,39 @@ class DistillConfig:
                 raise ConfigError(f"config key 'distill.teachers[{i}].weight' must be > 0, got {t.weight}")
         if self.coef <= 0:
             raise ConfigError(f"config key 'distill.coef' must be > 0, got {self.coef}")
+
+
+@dataclass
+class PPOConfig:
+    """The `ppo` section (algorithm `ppo`): a critic, a value model of the policy's family with a
+    score head on its own mesh, reads a value for each of the model's tokens at train time; GAE
+    (`gamma`, `lam`) makes them and the episode's reward into advantages, whitened per batch.
+    The critic learns the batch's returns with a clipped value loss (`critic.loss.value_clip`)."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    critic_path: str = ""  # the critic's starting checkpoint (a causal LM: its head is replaced); empty: the policy's
+    critic_procs: int = 1
+    critic_warmup: int = 0  # the first steps train the critic alone; the policy waits for useful values
+    critic_updates: int = 1  # critic optimizer steps on each batch (its value clip acts from the second)
+    critic: TrainerConfig = field(
+        default_factory=lambda: TrainerConfig(lr=1e-4, head="score", loss=LossConfig(name="value"))
+    )
+
+    def validate(self) -> None:
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(f"config key 'ppo.{key}' must be in [0, 1], got {getattr(self, key)}")
+        for key in ("critic_procs", "critic_updates"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key 'ppo.{key}' must be >= 1, got {getattr(self, key)}")
+        if self.critic_warmup < 0:
+            raise ConfigError(f"config key 'ppo.critic_warmup' must be >= 0, got {self.critic_warmup}")
+        if self.critic.head != "score" or self.critic.loss.name != "value":
+            raise ConfigError(
+                "config keys 'ppo.critic.head' and 'ppo.critic.loss.name': a critic is a score head trained "
+                f"with the value loss (score, value), got {self.critic.head!r}, {self.critic.loss.name!r}"
+            )
 
 
 @dataclass

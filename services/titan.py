@@ -111,6 +111,14 @@ def token_scores(
     return _forward(model, input_ids, positions)[..., 0].float()
 
 
+def token_values(
+    model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A critic's value of each token's state, token-aligned as `token_logprobs`: index t is the
+    score-head output at t - 1 (the tokens before t), 0 at t = 0; [rows, seq]."""
+    return torch.nn.functional.pad(token_scores(model, input_ids, positions)[:, :-1], (1, 0))
+
+
 def default_device() -> torch.device:
     """This process's accelerator (its LOCAL_RANK's), else the CPU."""
     if not torch.accelerator.is_available():

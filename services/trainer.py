@@ -30,7 +30,7 @@ from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
 from forge.lora import write_adapter
 from forge.losses import (
-    bradley_terry,
+    SCORE_LOSSES,
     get_loss,
     importance_weight,
     k3_kl,
@@ -38,7 +38,6 @@ from forge.losses import (
     mismatch_metrics,
     mismatch_sums,
     preference_metric_sums,
-    score_metric_sums,
     sequence_scores,
 )
 from forge.losses.tinker import TINKER_LOSSES, Datums, loss_config
@@ -227,21 +226,21 @@ class Trainer(ForgeActor):
         return grad_norm
 
     def _score_step(self, batch: Batch) -> tuple[int, dict[str, float]]:
-        """A score head's step (a reward model): the Bradley-Terry loss on the batch's pairs."""
-        from services.titan import token_scores
-
+        """A score head's step: a reward model's (the Bradley-Terry loss on the batch's pairs) or
+        a critic's (the value loss on the batch's returns)."""
         mine = self._shard(batch).to(self.device)
         micro = _micro_batches(mine, self.cfg.grad_accum)
         units = torch.stack([loss_units(self.cfg.loss.name, mb) for mb in micro])
         total = units.sum().reshape(1)
         dist.all_reduce(total)
+        loss_fn, metric_sums = SCORE_LOSSES[self.cfg.loss.name]
         self.optimizers.zero_grad()
         sums: dict[str, torch.Tensor] = {}
         for mb, n in zip(micro, units):
-            scores = token_scores(self.model, mb.input_ids, mb.positions)
-            loss = bradley_terry(scores, mb)
+            outputs = self._head_outputs(mb)
+            loss = loss_fn(outputs, mb, self.cfg.loss)
             (loss * n / total.clamp(min=1) * (1 if gradients_summed() else self.world)).backward()
-            for key, value in {"loss": loss.detach() * n, **score_metric_sums(scores, mb)}.items():
+            for key, value in {"loss": loss.detach() * n, **metric_sums(outputs, mb, self.cfg.loss)}.items():
                 sums[key] = sums.get(key, 0) + value
         grad_norm = self._optimizer_step()
         return self.version, {
@@ -251,6 +250,13 @@ class Trainer(ForgeActor):
             "trained_tokens": float(mine.loss_mask.sum()),
         }
 
+    def _head_outputs(self, b: Batch) -> torch.Tensor:
+        """A score head's outputs: a critic's values (token-aligned), else a score at every token."""
+        from services.titan import token_scores, token_values
+
+        read = token_values if self.cfg.loss.name == "value" else token_scores
+        return read(self.model, b.input_ids, b.positions)
+
     @endpoint
     async def scores(self, batch: Batch) -> torch.Tensor:
         """A score head's score of each of `batch`'s episodes, [episodes] (every rank: all rows)."""
@@ -259,6 +265,15 @@ class Trainer(ForgeActor):
         with torch.no_grad():
             b = batch.to(self.device)
             return sequence_scores(token_scores(self.model, b.input_ids, b.positions), b).cpu()
+
+    @endpoint
+    async def values(self, batch: Batch) -> torch.Tensor:
+        """A critic's value of every token of `batch`, token-aligned [rows, seq] (every rank: all rows)."""
+        from services.titan import token_values
+
+        with torch.no_grad():
+            b = batch.to(self.device)
+            return token_values(self.model, b.input_ids, b.positions).cpu()
 
     def _reference_for_free(self, mb: Batch, loss: LossConfig) -> None:
         """With LoRA, the reference logprobs (of the KL term, of a preference loss) are this
@@ -610,18 +625,9 @@ def _rows(b: Batch, rows: slice | torch.Tensor, width: int | None = None) -> Bat
     """Rows of a padded batch, optionally cut to their first `width` columns, with the
     episodes they hold renumbered 0.. in order (doc_ids, policy_versions)."""
     keep = {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
-    for name in (
-        "input_ids",
-        "loss_mask",
-        "advantages",
-        "gen_logprobs",
-        "ref_logprobs",
-        "doc_ids",
-        "positions",
-        "routed_experts",
-    ):
-        if keep[name] is not None:
-            keep[name] = keep[name][rows, :width]
+    for name, value in keep.items():  # all [rows, seq, ...] but policy_versions ([episodes])
+        if value is not None and name != "policy_versions":
+            keep[name] = value[rows, :width]
     docs = keep["doc_ids"]
     held, renumbered = torch.unique(docs[docs >= 0], return_inverse=True)
     keep["doc_ids"] = torch.full_like(docs, -1).masked_scatter(docs >= 0, renumbered)

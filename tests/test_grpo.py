@@ -126,7 +126,11 @@ def test_grpo_steps_then_resume(tmp_path):
         ("rollout=nowhere:rollout", "config key 'rollout': cannot import 'nowhere:rollout'"),
         ("rollout=forge.rollout", "config key 'rollout': expected 'package.module:name'"),
         ("task=gsm9k", "config key 'task': unknown task 'gsm9k'"),
-        ("algorithm=ppo9", "config key 'algorithm': 'ppo9' is not one of grpo, distill"),
+        ("algorithm=ppo9", "config key 'algorithm': 'ppo9' is not one of grpo, ppo, distill"),
+        ("ppo.critic_warmup=300", "config key 'ppo.critic_warmup': 300 steps of critic alone"),
+        ("ppo.lam=1.5", "config key 'ppo.lam' must be in [0, 1], got 1.5"),
+        ("ppo.critic.head=lm", "config keys 'ppo.critic.head' and 'ppo.critic.loss.name': a score head trains"),
+        ("ppo.critic.loss.name=bradley_terry", "'ppo.critic.loss.name': a critic is a score head trained with"),
         ("algorithm=distill", "config key 'distill.teachers': algorithm 'distill' learns from teachers"),
         ("distill.teachers=[{path: m, weight: 0}]", "config key 'distill.teachers[0].weight' must be > 0"),
         ("distill.teachers=[{weight: 1}]", "config key 'distill.teachers[0].path': a teacher needs a model"),
@@ -382,7 +386,7 @@ def test_distillation_alone_scores_the_sampled_tokens_with_the_teacher(tmp_path,
 
     from apps.grpo import train
     from services.reference import Reference
-    from services.roles import check_teacher
+    from services.roles import check_tokenizer
 
     policy = tmp_path / "policy"  # the shared services' trainer may have trained in earlier tests
     loop.run_until_complete(services.trainer.export_hf.route(str(policy)))
@@ -404,7 +408,51 @@ def test_distillation_alone_scores_the_sampled_tokens_with_the_teacher(tmp_path,
     with pytest.raises(
         ConfigError, match=r"config key 'distill.teachers\[1\].path': .* not have the policy's tokenizer"
     ):
-        check_teacher(str(MODEL), str(other), "distill.teachers[1].path")
+        check_tokenizer(str(MODEL), str(other), "distill.teachers[1].path")
+
+
+def test_ppo_critic_trains_alone_then_beside_the_policy_and_resumes(tmp_path, loop, services):
+    """A critic's step changes the critic and nothing of the policy. Algorithm `ppo`: during the
+    critic's warm-up the policy does not move (no policy loss, the same version), after it both
+    train; the critic's checkpoint is saved beside the trainer's and a resume loads it."""
+    import dataclasses
+
+    from apps.grpo import train
+    from forge.types import Episode, collate
+    from services.roles import spawn_critic
+
+    over = small(tmp_path, steps=3, checkpoint_every=2, algorithm="ppo", **{"ppo.critic_warmup": 1})
+    cfg = load_config(CONFIG, [*over, "ppo.critic_updates=2"], Config)
+    critic = loop.run_until_complete(spawn_critic(cfg, str(MODEL), None))
+    try:
+        batch = collate([Episode([1, 5, 6, 7], [0, 1, 1, 1], [0.0] * 4)], pad_id=0)
+        policy = loop.run_until_complete(services.trainer.logprobs.route(batch))
+        batch.values = loop.run_until_complete(critic.values.route(batch))
+        assert batch.values[0, 0] == 0 and batch.values[0, 1:].abs().min() > 0  # token t: the output at t - 1
+        batch.returns = batch.values + batch.loss_mask
+        loop.run_until_complete(critic.train_step.route(batch))
+        assert torch.equal(loop.run_until_complete(services.trainer.logprobs.route(batch)), policy)
+        moved = loop.run_until_complete(critic.values.route(batch)) - batch.values
+        assert moved[0, 1:].min() > 0  # toward the returns, above every value
+
+        start = loop.run_until_complete(services.trainer.policy_version.route())
+        with_critic = dataclasses.replace(services, critic=critic)
+        loop.run_until_complete(train(cfg, with_critic))
+        steps = rows(tmp_path / "e2e")
+        assert [r["step"] for r in steps] == [1, 2, 3]
+        assert "loss" not in steps[0] and all("loss" in r for r in steps[1:])  # the policy waited one step
+        assert all({"critic/loss", "critic/explained_variance", "critic/value_clip_frac"} <= r.keys() for r in steps)
+        assert loop.run_until_complete(services.trainer.policy_version.route()) == start + 2
+        ckpt = checkpoint.latest(tmp_path / "e2e")
+        assert (ckpt / "critic").is_dir() and (ckpt / "trainer").is_dir()
+
+        # Back to step 2 with nothing left to train: the critic holds step 2's weights, not step 3's.
+        values = loop.run_until_complete(critic.values.route(batch))
+        cfg = load_config(CONFIG, [*over, "steps=2"], Config)
+        loop.run_until_complete(train(cfg, with_critic, resume_from=checkpoint.step_dir(tmp_path / "e2e", 2)))
+        assert not torch.equal(loop.run_until_complete(critic.values.route(batch)), values)
+    finally:
+        loop.run_until_complete(critic.shutdown())
 
 
 def test_code_configs_are_valid(tmp_path, tiny_model_dir):

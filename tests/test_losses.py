@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from forge.losses import IS_CORRECTIONS, LOSSES, importance_weight, k3_kl, mismatch_sums
-from forge.losses.advantages import gae, group_advantages, teacher_advantages, whiten
+from forge.losses import SCORE_LOSSES as LOSSES_BY_HEAD
+from forge.losses.advantages import explained_variance, gae, group_advantages, teacher_advantages, whiten
 from forge.schema import IS_CORRECTION_NAMES, LOSS_NAMES, LossConfig
 from forge.types import Episode, collate
 
@@ -307,3 +308,34 @@ def test_gae_by_hand_over_tokens_turns_and_a_cut_episode():
     assert w[~off].mean().item() == pytest.approx(0, abs=1e-6) and w[~off].std(unbiased=False).item() == pytest.approx(
         1, abs=1e-4
     )
+
+
+def test_value_loss_clips_each_tokens_move_by_hand():
+    """The critic's loss on episode 0's 3 tokens (returns 1): the batch held values 0.5, 0.5,
+    0.5; the step's are 0.6 (inside the clip 0.2: (0.6 - 1)^2), 1.0 (moved 0.5: the clipped 0.7
+    is further from the return, max((1 - 1)^2, (0.7 - 1)^2) = 0.09) and 0.0 (moved -0.5: the
+    unclipped is further, (0 - 1)^2). Half the token mean; the gradient stops at a clipped token
+    only where the clipped term is the larger."""
+    batch = collate(EPS[:1], pad_id=0)
+    batch.values = torch.tensor([[0.0, 0.5, 0.5, 0.5]])
+    batch.returns = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    v = torch.tensor([[7.0, 0.6, 1.0, 0.0]], requires_grad=True)  # 7: a prompt token, unseen
+    cfg = LossConfig(name="value", value_clip=0.2)
+    loss = LOSSES_BY_HEAD["value"][0](v, batch, cfg)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.5 * (0.16 + 0.09 + 1.0) / 3, rel=1e-6)
+    assert v.grad.tolist()[0] == pytest.approx([0.0, (0.6 - 1) / 3, 0.0, (0.0 - 1) / 3], abs=1e-6)
+    sums = LOSSES_BY_HEAD["value"][1](v, batch, cfg)
+    assert sums["value_clip_frac"].item() == 2 and sums["value_mean"].item() == pytest.approx(1.6)
+    with pytest.raises(ValueError, match="values and returns"):
+        LOSSES_BY_HEAD["value"][0](v, collate(EPS[:1], pad_id=0), cfg)
+
+
+def test_explained_variance_by_hand():
+    returns = torch.tensor([[0.0, 1.0, 0.0, 1.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])  # the last entry is not a token
+    assert explained_variance(returns.clone(), returns, mask) == pytest.approx(1.0)
+    assert explained_variance(torch.full_like(returns, 0.5), returns, mask) == pytest.approx(0.0)
+    assert explained_variance(returns + 0.3, returns, mask) == pytest.approx(1.0)  # a constant offset: no variance
+    assert explained_variance(1 - returns, returns, mask) == pytest.approx(1 - 1.0 / 0.25)
+    assert math.isnan(explained_variance(returns, torch.ones_like(returns), mask))

@@ -11,6 +11,7 @@ from apps.rm import Config, main
 from forge import tasks
 from forge.config import ConfigError, load_config
 from forge.losses import bradley_terry, score_metric_sums, sequence_scores
+from forge.schema import LossConfig
 from forge.types import Episode, collate
 from services.titan import load_hf_model, token_scores
 
@@ -29,8 +30,8 @@ def test_bradley_terry_by_hand():
         scores[cols[-1, 0], cols[-1, 1]] = value
     assert sequence_scores(scores, batch).tolist() == [2.0, -1.0, 0.5, 1.5]
     expected = (math.log1p(math.exp(-3.0)) + math.log1p(math.exp(1.0))) / 2
-    assert bradley_terry(scores, batch).item() == pytest.approx(expected, rel=1e-6)
-    sums = score_metric_sums(scores, batch)
+    assert bradley_terry(scores, batch, LossConfig()).item() == pytest.approx(expected, rel=1e-6)
+    sums = score_metric_sums(scores, batch, LossConfig())
     assert sums["rewards/accuracy"].item() == 1 and sums["rewards/margin"].item() == pytest.approx(2.0)
 
 

@@ -182,7 +182,7 @@ def sequence_scores(scores: torch.Tensor, batch: Batch) -> torch.Tensor:
     return scores.new_zeros(max(batch.num_episodes, 1)).index_add(0, docs[last], scores[last])
 
 
-def bradley_terry(scores: torch.Tensor, batch: Batch) -> torch.Tensor:
+def bradley_terry(scores: torch.Tensor, batch: Batch, cfg: LossConfig) -> torch.Tensor:
     """A reward model's loss on pairs (episodes 2k chosen, 2k+1 rejected, as the preference
     losses'): -log sigmoid(score_chosen - score_rejected), mean over pairs."""
     s = sequence_scores(scores, batch)
@@ -190,11 +190,42 @@ def bradley_terry(scores: torch.Tensor, batch: Batch) -> torch.Tensor:
     return -F.logsigmoid(s[0 : 2 * pairs : 2] - s[1 : 2 * pairs : 2]).sum() / max(pairs, 1)
 
 
-def score_metric_sums(scores: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+def score_metric_sums(scores: torch.Tensor, batch: Batch, cfg: LossConfig) -> dict[str, torch.Tensor]:
     """A score-head batch's pair metrics, summed over its pairs (as `preference_metric_sums`)."""
     s = sequence_scores(scores.detach(), batch)
     pairs = batch.num_episodes // 2
     return _pair_sums(s[0 : 2 * pairs : 2], s[1 : 2 * pairs : 2])
+
+
+def _clipped_values(values: torch.Tensor, batch: Batch, cfg: LossConfig) -> torch.Tensor:
+    if batch.values is None or batch.returns is None:
+        raise ValueError("the value loss needs the batch's values and returns (forge.losses.advantages.gae)")
+    return batch.values + (values - batch.values).clamp(-cfg.value_clip, cfg.value_clip)
+
+
+def value(values: torch.Tensor, batch: Batch, cfg: LossConfig) -> torch.Tensor:
+    """A critic's clipped value loss (PPO's): 0.5 x max((V - R)^2, (V_clip - R)^2), token mean
+    over the loss tokens, where R are the batch's returns and V_clip the batch's values moved
+    toward V by at most `value_clip` (a step cannot chase a noisy return far)."""
+    clipped = _clipped_values(values, batch, cfg)
+    error = torch.maximum((values - batch.returns) ** 2, (clipped - batch.returns) ** 2)
+    return 0.5 * _token_mean(error, batch)
+
+
+def value_metric_sums(values: torch.Tensor, batch: Batch, cfg: LossConfig) -> dict[str, torch.Tensor]:
+    """A critic step's values and how many were clipped, summed over its loss tokens."""
+    values = values.detach()
+    clipped = (_clipped_values(values, batch, cfg) != values).to(values.dtype)
+    return {"value_mean": (values * batch.loss_mask).sum(), "value_clip_frac": (clipped * batch.loss_mask).sum()}
+
+
+ScoreFn = Callable[[torch.Tensor, Batch, LossConfig], torch.Tensor]
+# A score head's losses and their metric sums, of its outputs: a sequence's score at every
+# token (bradley_terry), or a value per token, aligned as logprobs (value).
+SCORE_LOSSES: dict[str, tuple[ScoreFn, Callable[..., dict[str, torch.Tensor]]]] = {
+    "bradley_terry": (bradley_terry, score_metric_sums),
+    "value": (value, value_metric_sums),
+}
 
 
 LossFn = Callable[[torch.Tensor, Batch, torch.Tensor, LossConfig], torch.Tensor]
@@ -209,7 +240,7 @@ LOSSES: dict[str, LossFn] = {
     "dpo": dpo,
     "ipo": ipo,
 }
-TOKEN_MEANS = {"dapo", "cispo", "reinforce", "sft"}  # the rest average over episodes (preferences: pairs)
+TOKEN_MEANS = {"dapo", "cispo", "reinforce", "sft", "value"}  # the rest average over episodes (pairs)
 
 
 def loss_units(name: str, batch: Batch) -> torch.Tensor:

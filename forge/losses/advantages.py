@@ -3,6 +3,7 @@
     group_advantages(rewards)                         # GRPO: an episode's reward against its group's
     teacher_advantages(batch, teacher_logprobs, ...)  # distillation: a teacher's per-token judgement
     gae(batch, values, rewards, gamma, lam)           # PPO: a critic's values, Generalized Advantage Estimation
+    explained_variance(values, returns, mask)         # how much of the returns the critic's values explain
 
 Token-aligned as everything in a Batch: index t is token t, and a value at t is the critic's
 estimate of the episode's return before token t is sampled (read, as a logprob, from the
@@ -80,3 +81,18 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
     mean = (x * m).sum() / n
     var = (((x - mean) * m) ** 2).sum() / n
     return (x - mean) * torch.rsqrt(var + eps) * m
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the `mask`ed entries: 1 when the values
+    predict the returns, 0 for a constant guess, negative when they mislead (nan: returns
+    without variance)."""
+    m = mask.to(values.dtype)
+    n = m.sum().clamp(min=1)
+
+    def var(x: torch.Tensor) -> torch.Tensor:
+        mean = (x * m).sum() / n
+        return (((x - mean) * m) ** 2).sum() / n
+
+    spread = var(returns)
+    return float(1 - var(returns - values) / spread) if spread > 0 else float("nan")
