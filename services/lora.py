@@ -143,14 +143,15 @@ def merged(state_dict: dict[str, torch.Tensor], scaling: float) -> dict[str, tor
 
 
 class AdapterState:
-    """The adapters alone as DCP state (torch's Stateful protocol): a LoRA checkpoint holds
-    them, their optimizer state and the schedule, and the base comes from the model path."""
+    """What trains as DCP state (torch's Stateful protocol): the adapters, and a score head (a
+    critic's, a reward model's: new, so not in the base). A LoRA checkpoint holds them, their
+    optimizer state and the schedule, and the base comes from the model path."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: p for n, p in self.model.named_parameters() if is_adapter(n)}
+        return {n: p for n, p in self.model.named_parameters() if is_adapter(n) or p.requires_grad}
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():

@@ -89,7 +89,8 @@ def build_optimizers(model: torch.nn.Module, c: TrainerConfig) -> tuple[Any, Any
 
 
 class Trainer(ForgeActor):
-    """Policy trainer. Endpoints (a service call reaches every rank of the replica): train_step,
+    """Policy trainer; with a score head (`head: score`), a reward model's (`scores`) or PPO's
+    critic (`values`). Endpoints (a service call reaches every rank of the replica): train_step,
     logprobs, push_weights, policy_version, save, load, export_hf; and with LoRA, tenants (a Tinker
     client each: its own adapter, optimizer and gradients; services/tenants.py): add_tenant,
     remove_tenant, forward_backward, optim_step, tenant_adapter, save_tenant, load_tenant."""

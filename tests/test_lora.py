@@ -45,6 +45,17 @@ def test_a_step_changes_only_the_adapters_and_adapters_off_is_the_base(tiny_llam
     assert torch.equal(token_logprobs(model, ids)[0], after)  # and back on
 
 
+def test_a_lora_score_head_trains_and_checkpoints_with_its_adapters(tiny_llama_dir):
+    """A critic or reward model with LoRA: its new score head trains beside the adapters (the
+    base is frozen) and is in the checkpoint's state, else a resumed critic would lose its head."""
+    from services.lora import AdapterState
+
+    model = load_hf_model(tiny_llama_dir, lora=LoRAConfig(rank=8), head="score")
+    trains = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "lm_head.weight" in trains and all(is_adapter(n) for n in trains - {"lm_head.weight"})
+    assert set(AdapterState(model).state_dict()) == trains
+
+
 @pytest.mark.parametrize(
     "lora, message",
     [
