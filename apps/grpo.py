@@ -5,8 +5,8 @@
 
 `max_staleness` picks the mode: 0 = on-policy (rollouts wait for the newest weights),
 1 = one-step off-policy, k = fully async. Change the loss with `trainer.loss.name`, the
-rewards with `rewards`, the rollout (multi-turn, tools) with `rollout`, where advantages come
-from with `algorithm` (grpo: the group's rewards; ppo: a critic's values; distill: teachers).
+rewards with `rewards`, the rollout (multi-turn, tools) with `rollout`, what the advantages
+come from with `algorithm` (grpo: the group's rewards; ppo: a critic's values; distill: teachers).
 
 `run_together([cfg_a, cfg_b])`: several LoRA runs at once on one generator service.
 """

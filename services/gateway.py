@@ -19,6 +19,7 @@ token), the recording, bounds on sessions and requests in flight.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import hmac
 import json
@@ -547,6 +548,9 @@ class Gateway:
         self._server = uvicorn.Server(
             uvicorn.Config(_Gate(app, self), log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
         )
+        # The gateway serves inside a run, whose process owns Ctrl-C (it saves a checkpoint):
+        # uvicorn would take SIGINT for itself and close the gateway under the run's episodes.
+        self._server.capture_signals = contextlib.nullcontext
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         self._reaper = asyncio.create_task(self._reap())
         while not self._server.started:

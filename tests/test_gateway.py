@@ -47,6 +47,19 @@ def streamed(gw, sid, content, **kw):
     return chat(client(gw, sid), [{"role": "user", "content": content}], stream=True, **kw)
 
 
+def test_ctrl_c_stays_the_runs(loop, served):
+    """The gateway serves inside a run: SIGINT stays the process's (a run saves a checkpoint on
+    Ctrl-C), not uvicorn's, which would close the gateway and leave the run's episodes failing."""
+    import signal
+
+    async def handler():
+        await asyncio.sleep(0.05)  # inside the loop the gateway serves on
+        return signal.getsignal(signal.SIGINT)
+
+    gw = served[0]
+    assert getattr(loop.run_until_complete(handler()), "__self__", None) is not gw._server
+
+
 def test_chat_logprobs_n_models_and_completions(loop, served):
     gw, *_ = served
 
