@@ -73,13 +73,17 @@ def gae(
     return advantages, (advantages + values) * own.to(values.dtype)
 
 
+def _masked_var(x: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and variance of `x` over the `n` entries where `m` is 1."""
+    mean = (x * m).sum() / n
+    return mean, (((x - mean) * m) ** 2).sum() / n
+
+
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """`x` with mean 0 and std 1 over the `mask`ed entries (PPO's per-batch advantage
     whitening), 0 elsewhere."""
     m = mask.to(x.dtype)
-    n = m.sum().clamp(min=1)
-    mean = (x * m).sum() / n
-    var = (((x - mean) * m) ** 2).sum() / n
+    mean, var = _masked_var(x, m, m.sum().clamp(min=1))
     return (x - mean) * torch.rsqrt(var + eps) * m
 
 
@@ -89,10 +93,5 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     without variance)."""
     m = mask.to(values.dtype)
     n = m.sum().clamp(min=1)
-
-    def var(x: torch.Tensor) -> torch.Tensor:
-        mean = (x * m).sum() / n
-        return (((x - mean) * m) ** 2).sum() / n
-
-    spread = var(returns)
-    return float(1 - var(returns - values) / spread) if spread > 0 else float("nan")
+    spread = _masked_var(returns, m, n)[1]
+    return float(1 - _masked_var(returns - values, m, n)[1] / spread) if spread > 0 else float("nan")
