@@ -140,7 +140,7 @@ async def step(cfg: Config, s: Roles, run: Run, loops: RolloutLoops, buffer: Any
     if s.critic is not None:
         await critic_advantages(cfg, s, batch, episodes)
     if s.teachers:
-        await distill(cfg, s, batch)
+        await distill(cfg, s, batch, episodes)
     t2 = time.perf_counter()
     moves = s.critic is None or run.step >= cfg.ppo.critic_warmup  # PPO's critic warms up alone first
     policy = s.trainer.train_step.route(batch) if moves else unchanged(run.version)
@@ -188,11 +188,16 @@ async def train_critic(cfg: Config, s: Roles, batch: Batch) -> None:
     record_metric("time/critic_train_s", time.perf_counter() - t0)
 
 
-async def distill(cfg: Config, s: Roles, batch: Batch) -> None:
+async def distill(cfg: Config, s: Roles, batch: Batch, episodes: list) -> None:
     """The teachers' per-token advantages, instead of the rewards' (algorithm `distill`) or added
-    to them. Scored here, at train time, on the tokens as sampled, whatever their staleness."""
+    to them. Scored here, at train time, on the tokens as sampled, whatever their staleness;
+    each teacher weighs in on the episodes of the data sources it names."""
     teacher_logprobs = await asyncio.gather(*(t.logprobs.route(batch) for t in s.teachers))
-    weights = [t.weight for t in cfg.distill.teachers]
+    on_token = batch.doc_ids.clamp(min=0)
+    weights = [
+        torch.tensor([t.weight if t.scores(e.task) else 0.0 for e in episodes])[on_token] * (batch.doc_ids >= 0)
+        for t in cfg.distill.teachers
+    ]
     advantages, reverse_kl = teacher_advantages(batch, list(teacher_logprobs), weights, cfg.distill.coef)
     batch.advantages = advantages if cfg.algorithm == "distill" else batch.advantages + advantages
     record_metric("distill/reverse_kl", float(reverse_kl.sum() / batch.loss_mask.sum().clamp(min=1)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from forge import tasks
 from forge.config import ConfigError, import_object
@@ -128,6 +129,13 @@ class GRPOConfig(RunConfig):
             raise ConfigError(f"config key 'algorithm': {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
         if self.algorithm == "distill" and not self.distill.enabled:
             raise ConfigError("config key 'distill.teachers': algorithm 'distill' learns from teachers; name one")
+        sources = [Path(self.dataset.path).stem if self.dataset.path else self.task]
+        for i, teacher in enumerate(self.distill.teachers):
+            unknown = [t for t in teacher.tasks if t not in sources]
+            if unknown:
+                raise ConfigError(
+                    f"config key 'distill.teachers[{i}].tasks': {unknown} not among the run's data sources {sources}"
+                )
         if self.ppo.critic_warmup >= self.steps:
             raise ConfigError(
                 f"config key 'ppo.critic_warmup': {self.ppo.critic_warmup} steps of critic alone leave none of "

@@ -76,10 +76,15 @@ def masked(scores: list[Score], reward_unavailable: str) -> bool:
     return reward_unavailable == "mask" and any(s.unavailable for s in scores)
 
 
-def make_group(completions: list[Completion], scores: list[Score], std_normalize: bool = True) -> list[Episode]:
-    """Episodes with their scores and group-relative advantages."""
+def make_group(
+    completions: list[Completion], scores: list[Score], std_normalize: bool = True, task: str = ""
+) -> list[Episode]:
+    """Episodes of one prompt (of data source `task`) with their scores and group-relative advantages."""
     advantages = group_advantages(torch.tensor([s.reward for s in scores]), std_normalize=std_normalize)
-    return [Episode.from_completion(c, score=s, advantage=float(a)) for c, s, a in zip(completions, scores, advantages)]
+    return [
+        Episode.from_completion(c, score=s, advantage=float(a), task=task)
+        for c, s, a in zip(completions, scores, advantages)
+    ]
 
 
 class SingleTurn:
@@ -103,7 +108,7 @@ class SingleTurn:
         if masked(scores, self.cfg.reward_unavailable):
             record_metric("groups_masked", 1, Reduce.SUM)
             return []
-        return make_group(group, scores, std_normalize=self.cfg.trainer.loss.normalize_std)
+        return make_group(group, scores, std_normalize=self.cfg.trainer.loss.normalize_std, task=sample.task)
 
 
 class RolloutLoops:

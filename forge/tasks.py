@@ -73,6 +73,24 @@ class Task:
         kind = string.digits if answer[i].isdigit() else LETTERS
         return answer[:i] + rng.choice([c for c in kind if c != answer[i]]) + answer[i + 1 :]
 
+    def wrong_answer(self, answer: str, rng: random.Random) -> str:
+        """A preference pair's rejected answer: a near miss three times in four, else a failure
+        of another shape (a character dropped or doubled, the first character alone, the answer
+        twice, random letters). A reward model that never saw such shapes scores them at random,
+        and RL against it finds the ones it scores high."""
+        if rng.random() < 0.75:
+            return self.near_miss(answer, rng)
+        i = rng.randrange(len(answer))
+        shapes = (
+            answer[:i] + answer[i + 1 :],
+            answer[: i + 1] + answer[i:],
+            answer[0],
+            answer + answer,
+            "".join(rng.choices(LETTERS, k=rng.randint(1, 2 * len(answer)))),
+        )
+        wrong = rng.choice(shapes)
+        return wrong if wrong.strip() and wrong != answer else self.near_miss(answer, rng)
+
     def score(self, response: str, answer: str) -> float:
         """1.0 for an exact answer; otherwise half the positional overlap (so that a
         near miss still gives a learning signal but never looks like a solve)."""
@@ -295,8 +313,8 @@ def generate(task: str, n: int, seed: int = 0) -> list[Sample]:
 
 
 def preference_pair(task: Task, sample: Sample, rng: random.Random) -> tuple[str, str]:
-    """(chosen, rejected) for `sample`: its answer, and a near miss of it."""
-    return sample.answer, task.near_miss(sample.answer, rng)
+    """(chosen, rejected) for `sample`: its answer, and a wrong one (`Task.wrong_answer`)."""
+    return sample.answer, task.wrong_answer(sample.answer, rng)
 
 
 def write_dataset(
@@ -311,7 +329,7 @@ def write_dataset(
     `datasets.load_dataset("json", data_files=path)` (and `dataset.path` of an app). With
     `system`, each prompt is chat messages: that system turn and the task as the user's
     (`dataset.messages_key: prompt`). With `preferences`, each row also has `chosen` (the
-    answer) and `rejected` (a near miss), chat messages of the assistant with `system`, as
+    answer) and `rejected` (a wrong answer), chat messages of the assistant with `system`, as
     TRL's conversational preference datasets."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

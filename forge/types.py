@@ -169,6 +169,7 @@ class Episode:
     policy_version: int = 0
     score: Score = field(default_factory=lambda: Score(0.0))
     routed_experts: torch.Tensor | None = None  # [tokens, layers, top_k], as in Completion
+    task: str = ""  # the data source of its prompt (`Sample.task`)
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

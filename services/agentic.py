@@ -68,7 +68,7 @@ class AgenticRollouts:
         out = []
         for r, a in zip(ok, advantages.tolist()):
             for sample in r.samples:
-                sample.score, sample.advantage = r.score, a
+                sample.score, sample.advantage, sample.task = r.score, a, task["task"]
                 out.append(sample)
         return out
 

@@ -336,7 +336,8 @@ class RewardsConfig:
     the rewards that need one."""
 
     # name -> weight. Empty here so a config's dict replaces it instead of merging into it
-    # (OmegaConf merges dicts); empty after loading means {"exact": 1.0}.
+    # (OmegaConf merges dicts); empty after loading means {"exact": 1.0}; a weight of 0 turns
+    # that reward off (not computed).
     weights: dict[str, float] = field(default_factory=dict)
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # the `judge` reward's model and rubric
     code_tests: CodeTestsConfig = field(default_factory=CodeTestsConfig)  # the `code_tests` reward's sandbox
@@ -346,7 +347,11 @@ class RewardsConfig:
     def validate(self) -> None:
         """Every name is a built-in or an importable function (imported here, before anything
         spawns), and the sections of the rewards used are complete."""
-        self.weights = dict(self.weights) or {"exact": 1.0}
+        weights = dict(self.weights) or {"exact": 1.0}
+        # weight 0 turns a reward off: the one way to drop a base config's reward (dicts merge)
+        self.weights = {n: w for n, w in weights.items() if w != 0}
+        if not self.weights:
+            raise ConfigError(f"config key 'rewards.weights': every reward's weight is 0 ({weights})")
         unknown = sorted(n for n in self.weights if n not in REWARD_NAMES and ":" not in n)
         if unknown:
             raise ConfigError(
@@ -398,6 +403,12 @@ class TeacherConfig:
 
     path: str = ""  # an HF checkpoint directory (e.g. another run's `model/`)
     weight: float = 1.0  # its share of the teachers' mixed logprob
+    # the data sources it scores (a sample's `task`: a toy task's name, a dataset file's stem);
+    # empty: all of them
+    tasks: list[str] = field(default_factory=list)
+
+    def scores(self, task: str) -> bool:
+        return not self.tasks or task in self.tasks
 
 
 @dataclass

@@ -87,7 +87,7 @@ def test_env_episodes_train_only_the_policys_tokens(loop, served, pools, allowed
         assert all((lp < 0) == bool(m) for lp, m in zip(e.gen_logprobs, e.loss_mask))  # logprobs only where sampled
         masked = tok.decode([t for t, m in zip(e.tokens, e.loss_mask) if not m])
         assert "rev abc=" in masked and "<tool_response>42</tool_response>" in masked  # prompt and tool: not trained
-        assert e.score.correct == 1.0 and e.reward in (0.0, 1.0)
+        assert e.score.correct == 1.0 and e.reward in (0.0, 1.0) and e.task == "reverse"
     assert_group_relative([e.reward for e in episodes], [e.advantage for e in episodes])
     assert row["episode/turns"] == 2 and row["episode/samples"] == 1 and row["env/step_s"] < 1
     assert row["tokens/trained"] == sum(sum(e.loss_mask) for e in episodes)

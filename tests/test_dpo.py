@@ -22,7 +22,7 @@ def completion(tok, ids_mask) -> str:
     return tok.decode([t for t, m in zip(ids, mask) if m])
 
 
-def test_toy_pairs_are_the_answer_and_a_near_miss(tiny_model_dir, tmp_path):
+def test_toy_pairs_are_the_answer_and_a_wrong_one(tiny_model_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rng = random.Random(0)
     task = tasks.get_task("reverse")
@@ -30,6 +30,10 @@ def test_toy_pairs_are_the_answer_and_a_near_miss(tiny_model_dir, tmp_path):
         answer = task.sample(rng).answer
         wrong = task.near_miss(answer, rng)
         assert wrong != answer and len(wrong) == len(answer) and task.score(wrong, answer) < 1
+        rejected = task.wrong_answer(answer, rng)
+        assert rejected.strip() and task.score(rejected, answer) < 1
+    lengths = {len(task.wrong_answer("abcde", rng)) for _ in range(200)}
+    assert {1, 4, 5, 6, 10} <= lengths  # other shapes than near misses: cut, dropped, doubled, twice
     pairs = PreferencePairs(PreferenceDataConfig(), tok, "reverse", seed=3)
     chosen, rejected = pairs.sample(0)
     prompt_len = chosen[1].index(1)

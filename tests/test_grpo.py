@@ -134,6 +134,10 @@ def test_grpo_steps_then_resume(tmp_path):
         ("algorithm=distill", "config key 'distill.teachers': algorithm 'distill' learns from teachers"),
         ("distill.teachers=[{path: m, weight: 0}]", "config key 'distill.teachers[0].weight' must be > 0"),
         ("distill.teachers=[{weight: 1}]", "config key 'distill.teachers[0].path': a teacher needs a model"),
+        (
+            "distill.teachers=[{path: m, tasks: [add]}]",
+            "config key 'distill.teachers[0].tasks': ['add'] not among the run's data sources ['reverse']",
+        ),
     ],
 )
 def test_bad_config_fails_before_spawning(override, message):

@@ -202,6 +202,12 @@ def test_teacher_advantages_are_the_mixed_teachers_reverse_kl_on_model_tokens():
     ]
     torch.testing.assert_close(rkl, torch.tensor(expect_rkl))
     torch.testing.assert_close(adv, -2.0 * torch.tensor(expect_rkl))
+    # Per data source: `a` scores only the first episode's, nobody the second's (no signal there).
+    only_first = (batch.doc_ids == 0).float() * 3.0
+    adv, rkl = teacher_advantages(batch, [a, b], [only_first, torch.zeros_like(only_first)], coef=2.0)
+    expect_rkl = [[0, -0.5 + 0.1, -1.0 + 0.3, 0], [0, 0, 0, 0]]
+    torch.testing.assert_close(rkl, torch.tensor(expect_rkl))
+    torch.testing.assert_close(adv, -2.0 * torch.tensor(expect_rkl))
 
 
 # A preference pair: chosen (2 completion tokens), rejected (1), one row, with the reference's logprobs.

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from forge.config import ConfigError
+from apps.schema import GRPOConfig
+from forge.config import ConfigError, load_config
 from forge.rollout import masked
 from forge.types import RewardInput, Score
 from services.rewards import REWARDS, Rewards, build_rewards, builtin
@@ -56,6 +57,15 @@ def test_unknown_reward_names_what_is_known():
     with pytest.raises(ConfigError, match="'rewards.weights.grpo_rollouts:CUTOFF': int is not a function"):
         weights({"grpo_rollouts:CUTOFF": 1.0})
     assert weights({}).weights == {"exact": 1.0}
+
+
+def test_a_zero_weight_turns_a_base_configs_reward_off():
+    # Dicts merge, so a weight of 0 is how a command line drops the base config's `exact`.
+    cfg = load_config("configs/grpo_tiny.yaml", ["rewards.weights.exact=0", "rewards.weights.format=1"], GRPOConfig)
+    assert cfg.rewards.weights == {"format": 1.0}
+    assert build_rewards(cfg.rewards).keys() == {"format"}
+    with pytest.raises(ConfigError, match=r"'rewards.weights': every reward's weight is 0 \({'exact': 0}\)"):
+        weights({"exact": 0})
 
 
 def test_reward_service_weights_and_failures():

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from forge.buffer import ReplayBuffer
-from forge.rollout import RolloutLoops
+from forge.rollout import RolloutLoops, SingleTurn
 from forge.types import Episode, Score
 from forge.weight_sync import WeightSync
 
@@ -244,3 +244,9 @@ def test_the_default_rollout_gives_the_generator_a_sample_s_tools():
     sample = Sample([{"role": "user", "content": "2+2?"}], "4", "calc", tools=[tool])
     group, scores = asyncio.run(generate_and_score(sample, gen, rewards, SimpleNamespace(group_size=2)))
     assert asked == [(sample.prompt, 2, [tool])] and [s.reward for s in scores] == [1.0, 1.0]
+    # Its episodes carry their data source (a teacher's `tasks` picks them by it).
+    cfg = SimpleNamespace(
+        group_size=2, reward_unavailable="mask", trainer=SimpleNamespace(loss=SimpleNamespace(normalize_std=True))
+    )
+    episodes = asyncio.run(SingleTurn(generate_and_score, "default", gen, rewards, cfg).group(sample))
+    assert [e.task for e in episodes] == ["calc", "calc"]

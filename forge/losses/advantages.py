@@ -25,16 +25,20 @@ def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: flo
 
 
 def teacher_advantages(
-    batch: Batch, teacher_logprobs: list[torch.Tensor], weights: list[float], coef: float
+    batch: Batch, teacher_logprobs: list[torch.Tensor], weights: list[float | torch.Tensor], coef: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """On-policy distillation: each sampled token's advantage `coef` x (log p_teacher - log
     p_student), the per-token reverse KL's negative, where p_student is the policy that sampled
     the token (`gen_logprobs`: right under any staleness) and p_teacher mixes the teachers'
-    logprobs by `weights`. Returns (advantages, reverse KL) [rows, seq], 0 off the loss tokens
-    (prompts, and an agentic episode's environment tokens)."""
+    logprobs by `weights`: a number per teacher, or a [rows, seq] tensor (0 on the tokens it
+    does not score, e.g. another data source's). Returns (advantages, reverse KL) [rows, seq], 0
+    off the loss tokens (prompts, and an agentic episode's environment tokens) and on tokens no
+    teacher scores."""
+    like = batch.gen_logprobs
+    weights = [torch.as_tensor(w, dtype=like.dtype).expand_as(like) for w in weights]
     total = sum(weights)
-    teacher = sum(w / total * lp.to(batch.gen_logprobs) for w, lp in zip(weights, teacher_logprobs))
-    reverse_kl = (batch.gen_logprobs - teacher) * batch.loss_mask
+    teacher = sum(w * lp.to(like) for w, lp in zip(weights, teacher_logprobs)) / total.clamp(min=1e-12)
+    reverse_kl = (like - teacher) * batch.loss_mask * (total > 0)
     return -coef * reverse_kl, reverse_kl
 
 
