@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--system", help="write chat prompts: this system turn, then the task as the user's")
     d.add_argument(
-        "--preferences", action="store_true", help="add chosen (the answer) and rejected (a near miss) columns"
+        "--preferences", action="store_true", help="add chosen (the answer) and rejected (a wrong answer) columns"
     )
 
     b = sub.add_parser("bench", help="run a benchmark: prints a table, writes benchmarks/results/NAME.json")

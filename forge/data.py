@@ -215,7 +215,7 @@ Tokens = tuple[list[int], list[int]]  # token ids, loss mask
 class PreferencePairs(TokenizedRows):
     """An endless stream of preference pairs as ((chosen ids, mask), (rejected ids, mask)), the
     loss on each completion: the file's rows, reshuffled each epoch from the seed, or pairs of
-    the toy task (its answer, a near miss). A row's prompt is text (then its completions are) or
+    the toy task (its answer, a wrong one). A row's prompt is text (then its completions are) or
     chat messages (then each completion is the assistant's messages, or its text). A file's
     rows are all checked when it loads: a missing column or an empty completion names its row."""
 

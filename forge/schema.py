@@ -132,7 +132,7 @@ class PreferenceDataConfig(RowsConfig):
     """A preference app's `data` section: rows of a local file with a prompt and a chosen and a
     rejected completion (plain text, or chat messages as TRL's conversational preference
     datasets have them), or, with no file, pairs of the app's toy task (chosen: the answer,
-    rejected: a near miss)."""
+    rejected: a wrong one)."""
 
     prompt_key: str = "prompt"  # text, or chat messages (then chosen and rejected are the assistant's)
     chosen_key: str = "chosen"
