@@ -348,7 +348,6 @@ class RewardsConfig:
         """Every name is a built-in or an importable function (imported here, before anything
         spawns), and the sections of the rewards used are complete."""
         weights = dict(self.weights) or {"exact": 1.0}
-        # weight 0 turns a reward off: the one way to drop a base config's reward (dicts merge)
         self.weights = {n: w for n, w in weights.items() if w != 0}
         if not self.weights:
             raise ConfigError(f"config key 'rewards.weights': every reward's weight is 0 ({weights})")
