@@ -22,7 +22,9 @@ generating on older weights would be thrown away). On-policy (max_staleness 0) i
 exactly `capacity` groups per batch, as a synchronous system starts them: without that, loops
 that finish early start extra groups, the batch fills with the fastest ones and the slow ones
 are thrown away (wasted generation, and a batch biased to short episodes). A group admitted
-that fails (`withdraw`) or that the buffer does not keep gives its room back.
+that fails (`withdraw`) or that the buffer does not keep gives its room back. A rewind
+(`load_state_dict`, a checkpoint's groups) voids every ticket given before it: an `add` still
+on its way or waiting for room brings a group whose prompt the run replays, and is dropped.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class ReplayBuffer(ForgeActor):
         self.dynamic_sampling = dynamic_sampling
         self.groups: deque[list[Episode]] = deque()
         self.changed = asyncio.Condition()
-        self.stats = {"added": 0, "dropped_stale": 0, "dropped_filtered": 0, "dropped_lost": 0, "sampled": 0}
+        self.stats = {"added": 0, "dropped_stale": 0, "dropped_filtered": 0, "dropped_lost": 0, "dropped_rewound": 0, "sampled": 0}
         self.lost: list[tuple[int, int]] = []  # (after, upto]: versions of a trainer that died
         self.version = 0  # the next batch's policy version
         self.admitted: defaultdict[int, int] = defaultdict(int)  # on-policy: version -> groups started or kept
@@ -120,6 +122,9 @@ class ReplayBuffer(ForgeActor):
         async with self.changed:
             self._give_back(ticket)
 
+    def _void(self, ticket: Ticket | None) -> bool:
+        return ticket is not None and ticket.start != self.start
+
     def _give_back(self, ticket: Ticket) -> None:
         if ticket.start == self.start and self.admitted.get(ticket.version, 0) > 0:
             self.admitted[ticket.version] -= 1
@@ -144,7 +149,10 @@ class ReplayBuffer(ForgeActor):
                     self._give_back(ticket)
             return 0
         async with self.changed:
-            await self.changed.wait_for(lambda: len(self.groups) < self.capacity)
+            await self.changed.wait_for(lambda: self._void(ticket) or len(self.groups) < self.capacity)
+            if self._void(ticket):  # admitted before a rewind: its prompt is replayed, its room is gone
+                self.stats["dropped_rewound"] += len(kept)
+                return 0
             self.groups.append(kept)
             self.stats["added"] += len(kept)
             self.changed.notify_all()
@@ -212,6 +220,8 @@ class ReplayBuffer(ForgeActor):
         async with self.changed:
             self.groups = deque(g for g in state["groups"] if not self._lost(g))
             self.stats = {**self.stats, **state["stats"]}
+            self.start += 1  # a rewind: no group admitted before it lands (the rollouts restart)
+            self.admitted.clear()
             self.changed.notify_all()
 
     @endpoint

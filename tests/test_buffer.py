@@ -144,3 +144,30 @@ def test_a_rewind_after_a_trainer_restore_drops_the_lost_versions_and_replayed_g
     held, late, batch, stats = asyncio.run(main())
     assert held["size"] == 1 and late == [0, 0, 2]
     assert sorted({e.policy_version for e in batch}) == [10, 13] and stats["dropped_lost"] == 4
+
+
+def test_an_add_from_before_a_rewind_never_lands():
+    """The trainer checkpointed at version 10 and died; the run rewinds the buffer to the
+    checkpoint. An add already waiting for room (the loops that sent it are cancelled, the
+    actor call is not), and one that arrives after the rewind with a ticket of the old start,
+    hold groups of version 10 from prompts the run will replay: neither may land."""
+
+    async def main():
+        buf = await ReplayBuffer.options().as_actor(capacity=1, max_staleness=4)
+        try:
+            start = await buf.restart.call_one(10)
+            ticket = await buf.admit.call_one(start)
+            checkpointed = await buf.state_dict.call_one()
+            await buf.add.call_one(group(10), ticket)  # full now
+            waiting = asyncio.ensure_future(buf.add.call_one(group(10), ticket))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()
+            await buf.load_state_dict.call_one(checkpointed)  # the rewind: room again
+            waited = await asyncio.wait_for(waiting, 5)
+            late = await asyncio.wait_for(buf.add.call_one(group(10), ticket), 5)  # before the loops restart
+            return waited, late, await buf.get_stats.call_one()
+        finally:
+            await buf.shutdown()
+
+    waited, late, stats = asyncio.run(main())
+    assert (waited, late) == (0, 0) and stats["size"] == 0
