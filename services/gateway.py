@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import hmac
 import json
 import logging
@@ -31,6 +32,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +160,21 @@ class _Session:
     target: Any  # forge.service.Session: every call on one generator replica
     record: SessionRecord
     last_used: float = field(default_factory=time.monotonic)
-    inflight: int = 0
+    inflight: int = 0  # HTTP requests
+    generating: int = 0  # generations (a request makes one per prompt)
+    tokens: int = 0  # recorded: each turn's prompt and sampled tokens
+
+    def full(self, cfg: GatewayConfig, pending: int) -> str | None:
+        """Why the session may start no more work, with `pending` turns on the way; else None."""
+        if len(self.record.turns) + pending >= cfg.max_turns:
+            return f"the session has recorded {cfg.max_turns} turns (gateway max_turns): finish it"
+        if self.tokens >= cfg.max_session_tokens:
+            return f"the session has recorded {self.tokens} tokens (gateway max_session_tokens): finish it"
+        return None
+
+    def record_turn(self, turn: Turn) -> None:
+        self.record.turns.append(turn)
+        self.tokens += len(turn.prompt_ids) + sum(map(len, turn.token_ids))
 
 
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("forge_gateway_session", default=None)
@@ -190,6 +206,8 @@ class _ServiceEngine:
         from vllm.sampling_params import RequestOutputKind
 
         session = _SESSION.get()
+        if session is not None:  # counted here, per generation: a request may make many
+            _refuse_if_full(session, self.gateway.cfg)
         target = session.target if session is not None else self.gen.pinned()
         params = sampling_params.clone()
         params.logprobs = max(params.logprobs or 0, 0)  # the sampled token's logprob, always recorded
@@ -201,6 +219,8 @@ class _ServiceEngine:
         logprobs: dict[int, list[float]] = {}
         finish: dict[int, str | None] = {}
         ended = False
+        if session is not None:
+            session.generating += 1
         try:
             yielded = False
             while True:
@@ -223,12 +243,14 @@ class _ServiceEngine:
             ended = True
         finally:
             self._targets.pop(request_id, None)
+            if session is not None:
+                session.generating -= 1
             if not ended:  # the client went away (or the call failed): vLLM must stop too
                 call.cancel()
                 await asyncio.shield(_quietly(target.abort.route(request_id)))
         if session is not None:
             n = sorted(tokens)
-            session.record.turns.append(
+            session.record_turn(
                 Turn(
                     prompt_ids=list(prompt["prompt_token_ids"]),
                     token_ids=[tokens[i] for i in n],
@@ -313,6 +335,15 @@ def _engine_client_class() -> type:
     return type("ServiceEngineClient", (_ServiceEngine, EngineClient), {"__module__": __name__})
 
 
+def _refuse_if_full(session: _Session, cfg: GatewayConfig) -> None:
+    """A 429 (vLLM's server answers it as one) when the session may start no more generations."""
+    from vllm.exceptions import GracefulHTTPError
+
+    full = session.full(cfg, session.generating)
+    if full is not None:
+        raise GracefulHTTPError(full, HTTPStatus.TOO_MANY_REQUESTS)
+
+
 async def _next(receiver: Any, call: asyncio.Future) -> Any:
     """The next message of the stream, or the call's error if it failed first."""
     got = asyncio.ensure_future(receiver.recv())
@@ -369,34 +400,78 @@ def _replay(body: bytes, receive: Any) -> Any:
     return replay
 
 
-def _checked_request(body: bytes, cfg: GatewayConfig) -> tuple[bytes, tuple[int, bytes] | None]:
-    """A generation request's body within the per-request limits, without a client-chosen
-    `request_id` (ids key the generator's requests: the server makes them); else a 400.
-    A body that is not a JSON object goes on as is, for vLLM to name what is wrong."""
+# Options refused unless at their default (400 naming the field): each multiplies a request's work
+# past what max_n and max_tokens bound, or makes generations the session's record cannot hold.
+UNSUPPORTED = {
+    "use_beam_search": "beam search runs a generation per beam and step",
+    "best_of": "best_of samples choices that are not returned",
+    "prompt_logprobs": "prompt logprobs cost a distribution per prompt token",
+    "echo": "echo computes prompt logprobs",
+    "prompt_embeds": "a prompt of embeddings has no token ids to record",
+    "kv_transfer_params": "disaggregated serving is not forge's",
+    "ec_transfer_params": "disaggregated serving is not forge's",
+    "vllm_xargs": "vLLM extensions are not forge's",
+}
+
+
+@functools.cache
+def _request_models() -> dict[str, type]:
+    """The pydantic models vLLM parses each generation route's body with (imported on first use:
+    importing vLLM costs seconds)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
+
+def _checked_request(
+    body: bytes, path: str, cfg: GatewayConfig, default_max_tokens: int
+) -> tuple[bytes, tuple[int, bytes] | None]:
+    """A generation request's body within the per-request limits, checked on the values vLLM's
+    own request model parses ("17" and 17.0 are 17 to it), with `default_max_tokens` where it
+    would sample to the end of the context, and without a client-chosen `request_id` (ids key
+    the generator's requests: the server makes them); else a 400. A body vLLM would refuse goes
+    on as is, for vLLM to name what is wrong."""
     try:
         request = json.loads(body)
-    except ValueError:
+        parsed = _request_models()[path].model_validate(request)
+    except ValueError:  # not JSON, or not a valid request (pydantic's ValidationError is one)
         return body, None
-    if not isinstance(request, dict):
-        return body, None
-    prompt = request.get("prompt")
+    # The fields as parsed (`vars`: reading the deprecated max_tokens attribute would warn).
+    values = {**vars(parsed), **(parsed.model_extra or {})}
+    refusal = _refused_option(values) or _over_limits(values, cfg)
+    if refusal is not None:
+        return body, refusal
+    asked = values.get("max_completion_tokens")
+    if (asked if asked is not None else values.get("max_tokens")) is None:
+        request["max_tokens"] = default_max_tokens
+    request.pop("request_id", None)
+    return json.dumps(request).encode(), None
+
+
+def _refused_option(values: dict[str, Any]) -> tuple[int, bytes] | None:
+    for key, why in UNSUPPORTED.items():
+        value = values.get(key)
+        if value is not None and value is not False:  # 0 is not the default: prompt_logprobs=0 computes them
+            return _error(400, f"'{key}' is not supported by forge's gateway ({why})", "invalid_request_error")
+    return None
+
+
+def _over_limits(values: dict[str, Any], cfg: GatewayConfig) -> tuple[int, bytes] | None:
+    prompt = values.get("prompt")
     prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
-    n = request.get("n") or 1
-    choices = (n if isinstance(n, int) else 1) * prompts
+    choices = (values.get("n") or 1) * prompts
     if choices > cfg.max_n:
-        return body, _error(
+        return _error(
             400, f"{choices} choices (n × prompts) exceed the gateway's max_n ({cfg.max_n})", "invalid_request_error"
         )
     for key in ("max_tokens", "max_completion_tokens"):
-        asked = request.get(key)
+        asked = values.get(key)
         if isinstance(asked, int) and asked > cfg.max_tokens:
-            return body, _error(
+            return _error(
                 400, f"{key}={asked} exceeds the gateway's max_tokens ({cfg.max_tokens})", "invalid_request_error"
             )
-    if "request_id" in request:
-        del request["request_id"]
-        body = json.dumps(request).encode()
-    return body, None
+    return None
 
 
 class _Gate:
@@ -409,8 +484,12 @@ class _Gate:
         self.inflight = 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":  # the server's own start and stop, not a client's
             return await self.app(scope, receive, send)
+        if scope["type"] != "http":  # websockets: none of forge's routes is one
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008, "reason": "websockets are not served here"})
+            return None
         if scope["path"] not in ROUTES:
             served = ", ".join(ROUTES)
             return await _respond(
@@ -432,7 +511,7 @@ class _Gate:
                 400, f"the request body exceeds the gateway's max_body_bytes ({limit})", "invalid_request_error"
             )
         elif generating and refusal is None:
-            body, refusal = _checked_request(body, self.gateway.cfg)
+            body, refusal = _checked_request(body, scope["path"], self.gateway.cfg, self.gateway.default_max_tokens)
         if refusal is not None:
             return await _respond(send, refusal)
         # vLLM names a request by the client's X-Request-Id when there is one: drop it.
@@ -455,13 +534,8 @@ class _Gate:
                 f"the session has {session.inflight} requests in flight (gateway max_session_inflight)",
                 "rate_limit_error",
             )
-        if session is not None and len(session.record.turns) + session.inflight >= cfg.max_turns:
-            return _error(
-                429,
-                f"the session has recorded {cfg.max_turns} turns (gateway max_turns): finish it",
-                "rate_limit_error",
-            )
-        return None
+        full = session.full(cfg, session.inflight) if session is not None else None
+        return _error(429, full, "rate_limit_error") if full is not None else None
 
     async def _forward(self, scope: dict, receive: Any, send: Any, session: _Session | None, generating: bool) -> None:
         token_ctx = _SESSION.set(session)
@@ -563,6 +637,11 @@ class Gateway:
         agent's episode); close it when done. No retries: a failed call is the episode's to handle."""
         http = openai.DefaultAsyncHttpxClient(verify=self._ssl, trust_env=False)  # loopback: no proxy
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, http_client=http)
+
+    @property
+    def default_max_tokens(self) -> int:
+        """gateway.default_max_tokens within the model's context (vLLM refuses a max_tokens past it)."""
+        return min(self.cfg.default_max_tokens, self.engine_client.model_config.max_model_len)
 
     @property
     def model_name(self) -> str:

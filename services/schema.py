@@ -529,15 +529,23 @@ class GatewayConfig:
     max_body_bytes: int = 1 << 20
     max_n: int = 16
     max_tokens: int = 8192
-    # Per session, else 429: requests in flight, and turns recorded (in flight included).
+    # A request that gives no max_tokens (or null) gets this, not the rest of the context.
+    default_max_tokens: int = 1024
+    # Per session, else 429: requests in flight; turns (one per generation: per prompt of a
+    # request) recorded or in flight; tokens recorded (each turn's prompt and samples).
     max_session_inflight: int = 16
     max_turns: int = 256
+    max_session_tokens: int = 1 << 22
     chat_template: str | None = None  # a file or a Jinja string; default: the tokenizer's
     tool_parser: str | None = None  # a vLLM tool parser (e.g. "hermes"): tool calls come back as tool_calls
     reasoning_parser: str | None = None  # a vLLM reasoning parser (e.g. "qwen3")
     served_model_name: str | None = None  # default: the model directory's name
 
     def validate(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():  # an unfilled secret: it would match no key
+            raise ValueError(
+                "config key 'gateway.api_key' is empty (an unset secret in FORGE_API_KEY?): give a key, or none"
+            )
         if not _loopback(self.host):
             if not self.sessions and self.api_key is None:  # training's session ids are its keys
                 raise ValueError(
@@ -545,10 +553,15 @@ class GatewayConfig:
                     "give one (forge serve --api-key, or FORGE_API_KEY to keep it off the command line)"
                 )
             log.warning("forge: the gateway listens on %s, beyond this machine", self.host)
-        limits = ("max_body_bytes", "max_n", "max_tokens", "max_session_inflight", "max_turns")
-        for key in ("max_sessions", "max_inflight", "session_timeout_s", *limits):
+        limits = ("max_body_bytes", "max_n", "max_tokens", "default_max_tokens", "max_session_inflight", "max_turns")
+        for key in ("max_sessions", "max_inflight", "session_timeout_s", *limits, "max_session_tokens"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"config key 'gateway.{key}' must be > 0, got {getattr(self, key)}")
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(
+                f"config key 'gateway.default_max_tokens' ({self.default_max_tokens}) exceeds "
+                f"'gateway.max_tokens' ({self.max_tokens})"
+            )
 
 
 @dataclass

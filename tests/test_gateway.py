@@ -675,3 +675,193 @@ def test_chat_template_kwargs_reach_the_template_in_training_and_serving(tiny_mo
         messages, add_generation_prompt=True, return_dict=True, enable_thinking=False
     )["input_ids"]
     assert ours == served_ == with_kwargs != without
+
+
+# ---- attacks on the request limits (hardening, second round) --------------------------
+
+
+def post(gw, path, body, key):
+    """A raw POST to the gateway (JSON the openai client would not send), as an attacker sends it."""
+
+    async def send():
+        async with httpx.AsyncClient(timeout=60) as h:
+            return await h.post(f"{gw.base_url}{path}", json=body, headers={"Authorization": f"Bearer {key}"})
+
+    return send()
+
+
+def test_limits_hold_on_the_values_vllm_parses(loop, served):
+    """vLLM's request models coerce "17", 17.0 and "10000" to ints: the limits hold on the values
+    vLLM parses, not only on JSON ints."""
+    gw, *_ = served
+
+    async def main():
+        sid = gw.open_session()
+        got = {}
+        for name, extra in [
+            ("n str", {"n": "17", "max_tokens": 2}),
+            ("n float", {"n": 17.0, "max_tokens": 2}),
+            ("max_tokens str", {"max_tokens": "10000"}),
+            ("max_tokens float", {"max_tokens": 10000.0}),
+            ("max_completion_tokens str", {"max_completion_tokens": "10000"}),
+        ]:
+            got[name] = await post(gw, "/chat/completions", {"model": MODEL_NAME, "messages": HI, **extra}, sid)
+        got["prompts × n"] = await post(
+            gw, "/completions", {"model": MODEL_NAME, "prompt": ["a", "b"], "n": "9", "max_tokens": 1}, sid
+        )
+        return got, await gw.finish(sid)
+
+    got, record = loop.run_until_complete(main())
+    for name, r in got.items():
+        assert r.status_code == 400, (name, r.status_code, r.text[:200])
+    said = {name: r.json()["error"]["message"] for name, r in got.items()}
+    assert said["n str"] == said["n float"] == "17 choices (n × prompts) exceed the gateway's max_n (16)"
+    assert said["prompts × n"].startswith("18 choices")
+    assert (
+        said["max_tokens str"] == said["max_tokens float"] == "max_tokens=10000 exceeds the gateway's max_tokens (8192)"
+    )
+    assert said["max_completion_tokens str"].startswith("max_completion_tokens=10000 exceeds")
+    assert record.turns == []
+
+
+def test_a_request_without_max_tokens_gets_the_gateways_default(loop, served):
+    """A chat request without max_tokens (or with null) would sample to the end of the context:
+    it gets gateway.default_max_tokens. (A completions request gets OpenAI's 16 from vLLM.)"""
+    gw, *_ = served
+    saved = getattr(gw.cfg, "default_max_tokens", None)
+    gw.cfg.default_max_tokens = 5
+
+    async def main():
+        sid = gw.open_session()
+        c = client(gw, sid)
+        chat_ = await chat(c, HI, extra_body={"ignore_eos": True})
+        body = {"model": MODEL_NAME, "messages": HI, "max_tokens": None, "max_completion_tokens": None}
+        null = await post(gw, "/chat/completions", {**body, "ignore_eos": True}, sid)
+        return chat_, null, await gw.finish(sid)
+
+    try:
+        chat_, null, record = loop.run_until_complete(main())
+    finally:
+        gw.cfg.default_max_tokens = saved
+    assert chat_.usage.completion_tokens == 5, chat_.usage
+    assert null.status_code == 200 and null.json()["usage"]["completion_tokens"] == 5, null.text[:300]
+    assert [len(t.token_ids[0]) for t in record.turns] == [5, 5]
+    gw.cfg.default_max_tokens = 1024  # past the context (512): vLLM would refuse it, so the context bounds it
+    try:
+        assert gw.default_max_tokens == 512
+    finally:
+        gw.cfg.default_max_tokens = saved
+
+
+@pytest.mark.parametrize(
+    "path,option",
+    [
+        ("/chat/completions", {"use_beam_search": True, "n": 2}),
+        ("/completions", {"use_beam_search": "true", "n": 2}),
+        ("/completions", {"best_of": 4}),
+        ("/chat/completions", {"prompt_logprobs": 0}),
+        ("/completions", {"echo": True, "logprobs": 1}),
+        ("/chat/completions", {"echo": True, "logprobs": True, "top_logprobs": 5}),
+        ("/chat/completions", {"vllm_xargs": {"k": 1}}),
+        ("/chat/completions", {"kv_transfer_params": {"do_remote_prefill": True}}),
+    ],
+)
+def test_options_forge_does_not_support_are_refused(loop, served, path, option):
+    """Beam search (a generation per beam and step, each recorded), best_of, prompt logprobs
+    (echo computes them too) and vLLM's disaggregation and extension fields are refused with a 400
+    naming the field; nothing is generated or recorded."""
+    gw, *_ = served
+
+    async def main():
+        sid = gw.open_session()
+        body = {"model": MODEL_NAME, "max_tokens": 2, **option}
+        body.update({"messages": HI} if path == "/chat/completions" else {"prompt": "rev abc="})
+        return await post(gw, path, body, sid), await gw.finish(sid)
+
+    r, record = loop.run_until_complete(main())
+    field_ = next(k for k in option if k not in ("n", "logprobs", "top_logprobs"))
+    assert r.status_code == 400 and f"'{field_}'" in r.text and "not supported" in r.text, r.text[:300]
+    assert record.turns == []
+
+
+def test_turns_and_tokens_are_counted_per_generation(loop, served):
+    """One completions request of several prompts is a generation (a turn) per prompt: max_turns
+    holds on them, not on HTTP requests. The tokens a session records (prompts and samples) are
+    bounded by max_session_tokens."""
+    gw, *_ = served
+    saved = gw.cfg.max_turns, getattr(gw.cfg, "max_session_tokens", None)
+
+    async def main():
+        sid = gw.open_session()
+        gw.cfg.max_turns = 2
+        many = await post(gw, "/completions", {"model": MODEL_NAME, "prompt": ["a", "b", "c"], "max_tokens": 1}, sid)
+        record = await gw.finish(sid)
+        gw.cfg.max_turns = saved[0]
+        sid = gw.open_session()
+        gw.cfg.max_session_tokens = 30
+        c = client(gw, sid)
+        first = await chat(c, HI, max_tokens=25, extra_body={"ignore_eos": True})
+        try:
+            await chat(c, HI, max_tokens=2)
+            second = None
+        except openai.APIStatusError as e:
+            second = e
+        return many, record, first, second, await gw.finish(sid)
+
+    try:
+        many, record, first, second, tokens = loop.run_until_complete(main())
+    finally:
+        gw.cfg.max_turns, gw.cfg.max_session_tokens = saved
+    assert many.status_code == 429 and "max_turns" in many.text, (many.status_code, many.text[:300])
+    assert len(record.turns) <= 2
+    assert first.usage.completion_tokens == 25
+    assert second is not None and second.status_code == 429 and "max_session_tokens" in str(second)
+    assert len(tokens.turns) == 1
+
+
+def test_an_empty_api_key_is_refused(tiny_model_dir, monkeypatch, capsys):
+    """An unfilled secret (FORGE_API_KEY="") would pass the "a key beyond loopback" check, and
+    then every request without a key would match it: an empty key is refused wherever one is given."""
+    import services.gateway
+    from forge.cli import main
+    from services.schema import GatewayConfig
+
+    for host in ("0.0.0.0", "127.0.0.1"):
+        for key in ("", "  "):
+            with pytest.raises(ValueError, match="'gateway.api_key' is empty"):
+                GatewayConfig(host=host, sessions=False, api_key=key).validate()
+    seen = []
+
+    async def serve(model, cfg, generator_cfg, replicas):
+        cfg.validate()
+        seen.append(cfg)
+
+    monkeypatch.setattr(services.gateway, "serve", serve)
+    monkeypatch.setenv("FORGE_API_KEY", "")
+    with pytest.raises(SystemExit):
+        main(["serve", str(tiny_model_dir), "--host", "0.0.0.0"])
+    assert seen == [] and "FORGE_API_KEY" in capsys.readouterr().err
+
+
+def test_every_scope_is_allow_listed(loop):
+    """Websocket scopes would reach vLLM's app past the route allow-list (and its realtime
+    routes, where installed): refused; only the server's own lifespan scope passes."""
+    from services.gateway import _Gate
+
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["type"])
+
+    async def receive():
+        return {"type": "websocket.connect"}
+
+    async def send(message):
+        sent.append(message)
+
+    gate = _Gate(app, gateway=None)
+    for path in ("/v1/realtime", "/v1/chat/completions"):
+        loop.run_until_complete(gate({"type": "websocket", "path": path, "headers": []}, receive, send))
+    loop.run_until_complete(gate({"type": "lifespan"}, receive, send))
+    assert reached == ["lifespan"]
+    assert [m["type"] for m in sent] == ["websocket.close", "websocket.close"]
