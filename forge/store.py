@@ -28,7 +28,6 @@ from torchstore.controller import Controller
 from forge.actor import spawn_procs, stop_procs
 from forge.metrics import Reduce, record_metric
 from forge.shm import (
-    check_safetensors,
     forget_mapping,
     read_safetensors,
     remove_run_dir,
@@ -95,8 +94,10 @@ class WeightStore:
         writer's FileServer, bound to `serve_on` ("0.0.0.0" on a cluster), once per host:
         the copy in the host's cache is what they map.
         Each fetch carries the run's key, which readers take from the version record: other
-        peers of the network get nothing. A host's copy is checked (whole, not reused by the
-        writer meanwhile) before it takes its name.
+        peers of the network get nothing. The record pins the server's IP (no name resolved
+        by readers) and the file's size and digest (hashed as the writer writes it): a host's
+        copy is checked against them, and not reused by the writer meanwhile, before it takes
+        its name. Readers on the writer's host map its file (a private directory) unchecked.
         Files live in the run's directory (`forge.shm.run_dir()` of the process that made
         this WeightStore, which is removed at `stop_store` and swept once its owner is gone)
         and carry a token of this writer. Make the WeightStore in the controller and pass it
@@ -149,7 +150,8 @@ class WeightStore:
             spare = self._spare(safetensors_size(state_dict))
             if spare is not None:
                 os.replace(spare, tmp)  # a dropped version's file: its pages are already allocated
-            await asyncio.to_thread(write_safetensors, state_dict, tmp)
+            record["digest"] = await asyncio.to_thread(write_safetensors, state_dict, tmp)
+            record["size"] = os.path.getsize(tmp)
             os.replace(tmp, path)  # a reader sees the whole file or none
             record["path"] = str(path)
         else:
@@ -189,11 +191,13 @@ class WeightStore:
         loop = asyncio.get_running_loop()
 
         def validate(copy: Path) -> None:  # before the copy takes its name: no reader maps a torn one
-            check_safetensors(copy)
-            # the writer did not reuse its file while it was sent
+            # the writer did not reuse its file while it was sent (else the digest tells)
             asyncio.run_coroutine_threadsafe(self.check_intact(rec["version"]), loop).result()
 
-        path, moved = await asyncio.to_thread(host_copy, rec["addr"], name, rec["key"], stale, validate)
+        size, digest = rec["size"], rec["digest"]  # the writer's file, byte for byte
+        path, moved = await asyncio.to_thread(
+            host_copy, rec["addr"], name, rec["key"], stale, validate, size=size, digest=digest
+        )
         if moved:
             record_metric("weights/host_copy_s", time.perf_counter() - start, Reduce.MAX)
             record_metric("weights/host_copy_bytes", moved, Reduce.SUM)

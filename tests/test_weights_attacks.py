@@ -2,11 +2,15 @@
 connections, an accept that fails, a torn copy, another local user's symlinks and directories,
 and jobs in another pid namespace that share /dev/shm."""
 
+import asyncio
 import os
+import shutil
 import socket
+import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -117,28 +121,28 @@ def test_a_host_copy_that_fails_validation_never_takes_its_name(tmp_path):
         server.close()
 
 
-def test_shm_root_refuses_another_users_symlink(tmp_path, monkeypatch):
-    """Another local user plants /dev/shm/forge/<uid> as a symlink to a directory of the
-    victim's choosing: forge refuses to write weights through it, naming it."""
-    shared, target = tmp_path / "forge", tmp_path / "victim"
+def test_shm_root_never_goes_through_a_symlink(tmp_path, monkeypatch):
+    """Another local user plants /dev/shm/forge-<uid> as a symlink to a directory of the
+    victim's choosing (or a directory others can enter): forge writes nothing through it, and
+    takes a private directory of a secret name instead."""
+    shared, target = tmp_path / "shm", tmp_path / "victim"
     shared.mkdir(mode=0o1777)
     target.mkdir()
-    root = shared / str(os.geteuid())
+    root = shared / f"forge-{os.geteuid()}"
     root.symlink_to(target)
-    monkeypatch.setattr(shm, "_SHARED", shared)
     monkeypatch.setattr(shm, "ROOT", root)
-    monkeypatch.setattr(shm, "_RUN_DIR", None)
-    with pytest.raises(shm.UnsafeDirectoryError, match=f"{root} is a symlink"):
-        shm.run_dir()
-    assert not list(target.iterdir())
-    root.unlink()
-    root.mkdir(mode=0o755)  # a directory others can enter
-    with pytest.raises(shm.UnsafeDirectoryError, match="mode drwxr-xr-x"):
-        shm.run_dir()
-    root.chmod(0o700)
-    d = shm.run_dir()
-    assert d.parent == root and oct(os.stat(root).st_mode & 0o777) == "0o700"
-    shm.remove_run_dir()
+    monkeypatch.setattr(shm, "_NAME_FILE", tmp_path / "home" / "shm-name")
+    for planted in ("symlink", "open directory"):
+        monkeypatch.setattr(shm, "_USER_ROOT", None)
+        monkeypatch.setattr(shm, "_RUN_DIR", None)
+        d = shm.run_dir()
+        assert d.parent.name == f"{root.name}-{shm._NAME_FILE.read_text()}" and d.parent.parent == shared
+        assert oct(os.stat(d.parent).st_mode & 0o777) == "0o700" and not list(target.iterdir())
+        shm.remove_run_dir()
+        if planted == "symlink":
+            root.unlink()
+            root.mkdir(mode=0o755)
+    assert os.stat(shm._NAME_FILE).st_mode & 0o777 == 0o600
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
@@ -201,16 +205,164 @@ def test_run_directories_live_while_their_owner_holds_the_lock(tmp_path):
     assert other_namespace in shm.sweep_dead_runs(tmp_path)
 
 
-def test_run_directories_of_the_earlier_layout_are_swept(tmp_path, monkeypatch):
-    """/dev/shm/forge/run-<pid>-<start> (before directories per user): a dead process's goes
-    with its weight files, a live one's stays."""
+def test_run_directories_of_the_earlier_layouts_are_swept(tmp_path, monkeypatch):
+    """/dev/shm/forge/run-<pid>-<start> and /dev/shm/forge/<uid>/run-* (forge's layouts before
+    a root per user): a dead run's go with their weight files, a live one's stay."""
     shared = tmp_path / "forge"
     shared.mkdir(mode=0o1777)
+    (shared / str(os.geteuid())).mkdir(mode=0o700)
     monkeypatch.setattr(shm, "_SHARED", shared)
     live = shared / f"run-{os.getpid()}-{shm._start_time(os.getpid())}"
-    dead = shared / "run-4000000-5"
-    for d in (live, dead):
+    dead, dead_too = shared / "run-4000000-5", shared / str(os.geteuid()) / "run-4000000-5"
+    for d in (live, dead, dead_too):
         d.mkdir()
         (d / "policy-abc-v3.safetensors").write_bytes(b"x" * 100)
-    shm.private_root(shared / str(os.geteuid()))
-    assert live.is_dir() and not dead.exists()
+    old = time.time() - 3600
+    os.utime(dead_too, (old, old))  # no lock file, past the grace period
+    shm._sweep_earlier_layouts()
+    assert live.is_dir() and not dead.exists() and not dead_too.exists()
+
+
+def test_a_peer_without_the_key_that_trickles_bytes_holds_a_worker_only_until_the_deadline(served, tmp_path):
+    """8 peers without the key send a byte a second, each well within a receive's timeout:
+    they held all 8 workers for as long as they went on, and a reader with the key got no
+    answer. A request now has one deadline in all, and its key is read (and checked) first."""
+    stop = threading.Event()
+
+    def trickle() -> None:
+        with socket.create_connection(served.addr) as s:
+            for _ in range(30):
+                try:
+                    s.sendall(b"x")
+                except OSError:
+                    return  # the server dropped it
+                if stop.wait(1.0):
+                    return
+
+    threads = [threading.Thread(target=trickle, daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    try:
+        start = time.monotonic()
+        assert fetch_file(served.addr, "policy-abc-v1.safetensors", tmp_path / "got", "the-run-key", timeout_s=12) > 0
+        assert time.monotonic() - start < 8
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+def test_a_reader_takes_only_the_writers_bytes_from_the_address_its_record_pins(tmp_path, monkeypatch):
+    """A version's record named the writer's host, which readers resolved themselves: poisoned
+    name resolution sent them (and the run's key) to another server, whose well-formed file
+    went live. The record now pins the IP the server bound and the file's size and digest: a
+    poisoned name reaches nobody else; a man in the middle at the pinned address is refused
+    whether it sends other bytes of the same size or more bytes than the record says."""
+    from forge.store import WeightStore, start_store, stop_store
+
+    real_getaddrinfo = socket.getaddrinfo
+    evil_dir = tmp_path / "evil"
+    evil_dir.mkdir()
+
+    async def main():
+        procs = await start_store()
+        ws = WeightStore("pin", serve_on="0.0.0.0")
+        evil = None
+        try:
+            true = {"w": torch.arange(1000.0)}
+            for v in (1, 2, 3):
+                await ws.publish(v, {k: t + v for k, t in true.items()})
+            port = ws._server.addr[1]
+            recs = {v: await ws.record(v) for v in (1, 2, 3)}
+            name = lambda v: Path(recs[v]["path"]).name  # noqa: E731
+            shm.write_safetensors({"w": torch.zeros(1000)}, evil_dir / name(1))  # other weights, same size
+            shm.write_safetensors({"w": torch.zeros(1000)}, evil_dir / name(2))
+            shm.write_safetensors({"w": torch.zeros(100_000)}, evil_dir / name(3))  # more bytes
+            evil = FileServer(evil_dir, key=ws._secret)  # it takes whatever key a reader sends
+            monkeypatch.setenv("_MONARCH_WORKER_ADDR", "ipc:///forge-test/reader-host")
+
+            def poisoned_name(host, p, *args, **kwargs):  # the writer's host name now leads elsewhere
+                if p == port and host == socket.gethostname():
+                    return real_getaddrinfo("127.0.0.1", evil.addr[1], *args, **kwargs)
+                return real_getaddrinfo(host, p, *args, **kwargs)
+
+            monkeypatch.setattr(socket, "getaddrinfo", poisoned_name)
+            got = await ws.fetch(1)
+            assert torch.equal(got["w"], true["w"] + 1) and evil.requests == 0
+
+            def in_the_middle(host, p, *args, **kwargs):  # any address of the writer's
+                if p == port:
+                    return real_getaddrinfo("127.0.0.1", evil.addr[1], *args, **kwargs)
+                return real_getaddrinfo(host, p, *args, **kwargs)
+
+            monkeypatch.setattr(socket, "getaddrinfo", in_the_middle)
+            with pytest.raises(ValueError, match=f"{name(2)} from weights server .* does not match the digest"):
+                await ws.fetch(2)
+            with pytest.raises(ValueError, match=f"offered 400[0-9]* bytes for {name(3)}; its version record says"):
+                await ws.fetch(3)
+            assert not [p for p in host_cache_dir().glob(f"pin-{ws._token}-v*") if "v1" not in p.name]
+        finally:
+            monkeypatch.setattr(socket, "getaddrinfo", real_getaddrinfo)
+            if evil is not None:
+                evil.close()
+            await ws.clear()
+            await stop_store(procs)
+
+    asyncio.run(main())
+
+
+@pytest.fixture
+def shared_base():
+    """A directory like /dev/shm: every user makes names in it and removes only its own."""
+    base = Path(tempfile.mkdtemp(prefix="forge-test-base-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    base.chmod(0o1777)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def as_user(uid: int, fn) -> None:
+    """Run `fn` in a child process of user `uid` (no privileges: needs root to switch)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+def test_another_user_can_neither_block_nor_own_my_shm_root(shared_base, tmp_path, monkeypatch):
+    """Another local user (uid 65534) takes, before this user first runs forge, every name
+    forge's /dev/shm directories had or have: the parent shared by users (the first user to
+    run forge owned it) with this user's directory in it, and the per-user name. forge locked
+    this user out then; now it makes a private directory of this user's elsewhere, in nothing
+    the squatter owns, and every process of this user finds the same one."""
+    uid = os.geteuid()
+
+    def squat() -> None:
+        for d in (shared_base / "forge", shared_base / "forge" / str(uid), shared_base / f"forge-{uid}"):
+            d.mkdir()
+            d.chmod(0o1777)
+
+    as_user(65534, squat)
+    monkeypatch.setattr(shm, "_SHARED", shared_base / "forge")
+    monkeypatch.setattr(shm, "ROOT", shared_base / f"forge-{uid}")
+    monkeypatch.setattr(shm, "_NAME_FILE", tmp_path / "home" / ".cache" / "forge" / "shm-name", raising=False)
+    monkeypatch.setattr(shm, "_USER_ROOT", None, raising=False)
+    monkeypatch.setattr(shm, "_RUN_DIR", None)
+    d = shm.run_dir()
+    try:
+        for p in (d, *d.parents[: len(d.parents) - len(shared_base.parents) - 1]):
+            st = os.lstat(p)
+            assert stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o022, p
+        assert os.lstat(d.parent).st_mode & 0o777 == 0o700 and d.parent.parent == shared_base
+        monkeypatch.setattr(shm, "_USER_ROOT", None, raising=False)  # another process of this user's
+        assert shm.user_root() == d.parent
+    finally:
+        shm.remove_run_dir()
