@@ -9,6 +9,9 @@ Each run gets:
 - its own user id: one per worker slot, held through a lock file, so RLIMIT_NPROC counts only
   that slot's processes (root, which runs everything on these machines, ignores the limit);
 - rlimits: address space (`memory_limit_MB`), CPU seconds, processes, file size, open files;
+- a cgroup per slot: its memory, its processes and its CPU (`cpu_cores`) as a whole;
+- a seccomp filter (services/sandbox_seccomp.py): no namespaces, keyrings, ptrace, mounts, bpf,
+  perf, modules or io_uring;
 - a scrubbed environment and a fresh working directory;
 - where the kernel allows it (root or CAP_SYS_ADMIN), new network, pid, mount and IPC
   namespaces: no network (its own loopback, down), a /proc that shows only its own processes,
@@ -20,7 +23,8 @@ Each run gets:
 A small launcher process (services/sandbox_launcher.py) starts the runs by forking itself, a
 few forks per run instead of a chain of util-linux tools. It runs on the sandbox's Python, so a
 Python program runs in a process forked from an interpreter already started (a fork server),
-which saves the interpreter's start-up, most of what a short program costs.
+which saves the interpreter's start-up, most of what a short program costs (every run then
+has the same hash seed; `fresh_interpreter` execs a new interpreter per run instead).
 
 The result's status: `ok`, `error` (non-zero exit), `timeout` (wall or CPU limit), `oom` (the
 memory limit), `killed` (a signal). Bad input (an unknown language, a file outside the working
@@ -52,12 +56,12 @@ from monarch.actor import concurrent_endpoint, endpoint
 from forge.actor import ForgeActor
 from forge.shm import open_new, owned_dir
 from services.sandbox_cgroup import SlotCgroups
+from services.sandbox_seccomp import syscall_filter
 from services.schema import SandboxConfig
 
 log = logging.getLogger("forge")
 
 LANGUAGES = {"python": "main.py", "bash": "main.sh"}
-TESTS_FILE = ".forge_tests.json"
 # What a program prints when the address-space limit stops an allocation (Python, libc, C++).
 _OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -128,14 +132,16 @@ class _Launcher:
         self.ids = itertools.count()
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def start(self, python: list[str]) -> None:
-        """Start the launcher on `python` (the interpreter and the programs' flags)."""
+    async def start(self, python: list[str], seccomp: bytes | None) -> None:
+        """Start the launcher on `python` (the interpreter and the programs' flags), with the
+        runs' syscall filter."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *python,
                 str(Path(__file__).with_name("sandbox_launcher.py")),
                 str(theirs.fileno()),
+                (seccomp or b"").hex(),
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,  # so its forked Pythons buffer stdout as a program's own would (not a tty)
@@ -210,7 +216,13 @@ class Sandbox(ForgeActor):
 
     @endpoint
     async def isolation(self) -> dict[str, bool]:
-        return {"namespaces": self.pool.namespaces, "own_uid": self.pool.root, "cgroups": self.pool.cgroups is not None}
+        pool = self.pool
+        return {
+            "namespaces": pool.namespaces,
+            "own_uid": pool.root,
+            "cgroups": pool.cgroups is not None and pool.cgroups.cpu,
+            "syscall_filter": pool.seccomp is not None,
+        }
 
     async def __cleanup__(self, exc: Exception | None) -> None:
         await self.pool.stop()
@@ -238,7 +250,10 @@ class SandboxPool:
     def __init__(self, cfg: SandboxConfig | None = None):
         self.cfg = cfg or SandboxConfig()
         self.cfg.validate()
-        self.python = [self.cfg.python or default_python(), "-I"] + ([] if self.cfg.site_packages else ["-S"])
+        python = self.cfg.python or default_python()
+        # a path: a fresh interpreter per run is exec'd, with no PATH search
+        self.python = [shutil.which(python) or python, "-I"] + ([] if self.cfg.site_packages else ["-S"])
+        self.seccomp = syscall_filter()
         self.root = os.geteuid() == 0
         base = Path("/run/forge-sandbox") if self.root else Path(f"/tmp/forge-sandbox-{os.geteuid()}")
         self.dir = owned_dir(base, mode=0o711)  # slots' directories below are 0700, each its own uid
@@ -253,7 +268,7 @@ class SandboxPool:
 
     async def start(self) -> None:
         try:
-            await self.launcher.start(self.python)
+            await self.launcher.start(self.python, self.seccomp)
         except OSError as e:
             raise SandboxError(f"sandbox: could not start its launcher: {e}") from e
         self.harness.write_text(Path(__file__).with_name("sandbox_harness.py").read_text())
@@ -269,6 +284,8 @@ class SandboxPool:
             *([] if self.root else ["root (a uid per slot)"]),
             *([] if self.namespaces else ["namespaces (no network, a private /proc and /tmp)"]),
             *([] if self.cgroups else [f"a cgroup per slot ({made})"]),
+            *([] if not self.cgroups or self.cgroups.cpu else ["a CPU bound per slot (no cgroup cpu controller)"]),
+            *([] if self.seccomp else [f"a syscall filter (no syscall numbers for {os.uname().machine})"]),
         ]
         if missing and self.cfg.isolation == "auto":
             await self.stop()
@@ -343,15 +360,15 @@ class SandboxPool:
                 r, w = os.pipe()
                 ours.append(r)
                 theirs.append(w)
-            if req.tests:  # the tests' file, which only root may open: the harness reads them from this fd
-                theirs.append(os.open(work / TESTS_FILE, os.O_RDONLY))
+            if req.tests:  # never a file, which some mode might let the program's uid read
+                theirs.append(_memfd(json.dumps(req.tests).encode()))
             else:
                 theirs.append(os.open(os.devnull, os.O_WRONLY))
             start = time.perf_counter()
             if self.launcher.sock is None:  # it died (its runs then failed): a new one for this run
-                await self.launcher.start(self.python)
+                await self.launcher.start(self.python, self.seccomp)
             if self.cgroups is not None:
-                self.cgroups.limit(uid, req.memory_mb << 20, self.cfg.max_processes)
+                self.cgroups.limit(uid, req.memory_mb << 20, self.cfg.max_processes, self.cfg.cpu_cores)
             run = await self.launcher.spawn(self._spec(work, req, uid, argv), theirs)
             for fd in theirs:
                 os.close(fd)
@@ -374,37 +391,32 @@ class SandboxPool:
         return self._result(run.returncode, out, err, wall, timed_out, truncated, req, report, oom)
 
     def _write_files(self, work: Path, req: _Request, uid: int) -> list[str]:
-        """The run's directory; returns the argv (for Python, the script's). With namespaces the program and its tests stay
+        """The run's directory; returns the argv (for Python, the script's). With namespaces the program stays
         here, readable by the slot's group and written by no one but root, and the request's
         files (owned by the slot's uid) are copied into the private /tmp, the working directory.
         Without, this directory is the working directory, the slot's uid owns it all."""
         own = work / "files" if self.namespaces else work  # what the program's uid owns
         main = work / LANGUAGES[req.language]
-        tests = work / TESTS_FILE
         try:
             work.mkdir(mode=0o750, exist_ok=True)
             _write_new(main, req.code.encode())
-            written = [main]
-            if req.tests:
-                _write_new(tests, json.dumps(req.tests).encode())
-                written.append(tests)
             for name, content in req.files.items():
                 (own / name).parent.mkdir(parents=True, exist_ok=True)
                 _write_new(own / name, content)
             if self.root:  # lchown: a symlink left in the slot's directory is never followed as root
                 owned = [own, *own.rglob("*")] if req.files or own == work else []
-                for path in [work, *written]:
+                for path in (work, main):
                     os.lchown(path, uid if path in owned else 0, uid)
-                    path.chmod(0o750 if path.is_dir() else 0o600 if path == tests else 0o640)
+                    path.chmod(0o750 if path.is_dir() else 0o640)
                 for path in owned:
                     os.lchown(path, uid, uid)
         except OSError as e:
             raise SandboxError(f"sandbox: could not write the working directory {work}: {e}") from e
         if req.language == "bash":
             return ["/bin/bash", str(main)]
-        if req.tests:  # the launcher gives the report pipe as fd 3, the tests' file as fd 4
-            return [str(self.harness), "3", "4", str(main)]
-        return [str(main)]  # a Python script: the launcher runs it in a forked interpreter
+        script = [str(self.harness), "3", "4", str(main)] if req.tests else [str(main)]  # report fd 3, tests fd 4
+        # a Python script: the launcher runs it in a forked interpreter, or execs a fresh one
+        return [*self.python, *script] if self.cfg.fresh_interpreter else script
 
     def _spec(self, work: Path, req: _Request, uid: int, argv: list[str]) -> dict:
         """What the launcher needs for one run: namespaces and the private tmpfs, rlimits, the
@@ -429,7 +441,7 @@ class SandboxPool:
                 "RLIMIT_FSIZE": c.max_file_MB << 20,
             },
             "argv": argv,
-            "python": req.language == "python",
+            "python": req.language == "python" and not self.cfg.fresh_interpreter,
             "env": {**_ENV, "HOME": "/tmp" if self.namespaces else str(work), "TMPDIR": "/tmp"},
         }
 
@@ -597,6 +609,16 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except OSError:
         pass
+
+
+def _memfd(data: bytes) -> int:
+    """A file descriptor of `data`, read from its start, in memory and in no directory."""
+    fd = os.memfd_create("forge-tests", os.MFD_CLOEXEC)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _write_new(path: Path, data: bytes) -> None:

@@ -8,10 +8,12 @@ program cannot read or signal its way into undetected (not dumpable: no /proc/PI
 ptrace for the same uid), and never see the program's objects: each name a test uses that the
 program defines is asked of the child, a function as a stub whose calls the child makes, a value
 as plain data (None, bool, int, float, str, bytes, list, tuple, set, frozenset, dict of these, by
-their exact types). So a test compares plain data here: a program cannot print or write its own
-counts (it holds neither REPORT_FD nor TESTS_FD), read the expected values (they never leave this
-process), or return an object that equals anything. A test that needs the program's own objects
-(a class it defines, an argument it mutates in place) fails.
+their exact types), a module only as the standard library's module of the name the test uses
+(checked here: the program's side says what it likes). So a test compares plain data here: a
+program cannot print or write its own counts (it holds neither REPORT_FD nor TESTS_FD), read the
+expected values (they never leave this process), return an object that equals anything, or have
+this process import a module of its choosing. A test that needs the program's own objects (a
+class it defines, an argument it mutates in place, a module under its alias) fails.
 """
 
 import ast
@@ -25,6 +27,7 @@ import traceback
 
 PR_SET_DUMPABLE = 4
 PLAIN = (type(None), bool, int, float, str, bytes)
+MAX_MESSAGE = 64 << 20  # the largest answer the grader reads: beyond it the program is wrong
 
 
 class NotPlain(TypeError):
@@ -69,7 +72,12 @@ def send(fd, msg):
 
 def receive(fd):
     head = read_exactly(fd, 4)
-    return None if head is None else json.loads(read_exactly(fd, struct.unpack("<I", head)[0]) or b"null")
+    if head is None:
+        return None
+    size = struct.unpack("<I", head)[0]
+    if size > MAX_MESSAGE:
+        raise ValueError(f"a message of {size} bytes, over {MAX_MESSAGE}")
+    return json.loads(read_exactly(fd, size) or b"null")
 
 
 def read_exactly(fd, n):
@@ -121,14 +129,23 @@ class ProgramError(Exception):
 class Program:
     def __init__(self, asks, answers):
         self.asks, self.answers = asks, answers
+        self.broken = None  # why the program's answers stopped making sense: no later one is read
 
     def ask(self, msg):
+        if self.broken:
+            raise ProgramError(self.broken)
         send(self.asks, msg)
-        reply = receive(self.answers)
-        if reply is None:
-            raise ProgramError("the program's process ended")
+        try:
+            reply = receive(self.answers)
+        except ValueError as e:  # its framing or JSON: what follows may be anything
+            self.broken = f"the program's answer: {e}"
+            raise ProgramError(self.broken) from None
+        if type(reply) is not dict:
+            raise ProgramError(
+                "the program's process ended" if reply is None else "the program's answer is not an object"
+            )
         if "error" in reply:
-            raise ProgramError(reply["error"])
+            raise ProgramError(str(reply["error"]))
         return reply["ok"]
 
     def stub(self, name):
@@ -145,10 +162,12 @@ class Program:
         for node in ast.walk(ast.parse(test)):
             if isinstance(node, ast.Name) and node.id not in found and not hasattr(builtins, node.id):
                 got = self.ask({"name": node.id})
+                if type(got) is not dict:
+                    raise ProgramError(f"the program's answer for {node.id!r} is not an object")
                 if "callable" in got:
                     found[node.id] = self.stub(node.id)
-                elif "module" in got:
-                    found[node.id] = __import__(got["module"])
+                elif "module" in got and got["module"] == node.id and node.id in sys.stdlib_module_names:
+                    found[node.id] = __import__(node.id)  # as the test names it: never one the program chose
                 elif "value" in got:
                     found[node.id] = decode(got["value"])
         return found

@@ -1,7 +1,8 @@
 """The sandbox's launcher: a small single-threaded process (standard library only) that starts
 each run, so a run costs a few forks of this process instead of a chain of util-linux tools.
 
-    python -I [-S] services/sandbox_launcher.py FD     # FD: a SOCK_SEQPACKET socket to the pool
+    python -I [-S] services/sandbox_launcher.py FD [FILTER]
+    # FD: a SOCK_SEQPACKET socket to the pool; FILTER: the runs' seccomp filter, hex (sandbox_seccomp.py)
 
 Each request (JSON, with the run's stdin, stdout, stderr, report and tests file descriptors
 attached) is answered with {"id", "pid"} once started and {"id", "status", "setup_error"} (a wait
@@ -11,7 +12,7 @@ A run is three processes: the first leaves the launcher's session and unshares t
 its child is pid 1 of the new pid namespace, makes the run's minimal read-only root (the
 interpreter, its libraries, the run's files, private tmpfs, /proc, a few devices; nothing else
 of the host) and pivots into it, then waits; its
-child sets the rlimits, drops to the slot's uid and runs the program. When pid 1 exits (or is
+child sets the rlimits, drops to the slot's uid, loads the syscall filter and runs the program. When pid 1 exits (or is
 killed at the timeout) the kernel kills everything left in the namespace.
 
 The launcher runs on the sandbox's own Python with the programs' flags, so a Python program
@@ -54,7 +55,8 @@ SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 # linker's cache. The interpreter's own prefixes and the run's files are added per run.
 HOST_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache", "/etc/localtime"]
 DEVICES = ("null", "zero", "full", "random", "urandom")
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
+SECCOMP_MODE_FILTER = 2
 SETUP_FAILED = 125  # the exit code of a run whose sandbox could not be set up (its setup pipe says why)
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -62,6 +64,13 @@ libc = ctypes.CDLL(None, use_errno=True)
 def check(result: int, what: str) -> None:
     if result != 0:
         raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+
+FILTER = None  # a SockFprog: the runs' seccomp filter, made once: a run only loads it
 
 
 def exit_code(pid: int) -> int:
@@ -246,16 +255,7 @@ def run(req: dict, fds: list[int], setup: int) -> NoReturn:
         if pid:
             os.close(setup)
             os._exit(exit_code(pid))
-        for name, value in req["rlimits"].items():
-            resource.setrlimit(getattr(resource, name), (value, value))
-        os.chdir(req["cwd"])
-        if req["uid"] is not None:
-            os.setgroups([])
-            os.setgid(req["uid"])
-            os.setuid(req["uid"])
-            check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-            # Dumpable again, as exec would make it: setuid() made /proc/self root's
-            check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "dumpable")
+        limit(req)
         if not req["python"]:
             os.execve(req["argv"][0], req["argv"], req["env"])  # `setup` is close-on-exec
     except BaseException as e:  # noqa: BLE001 - whatever failed, the run ends with why
@@ -263,6 +263,22 @@ def run(req: dict, fds: list[int], setup: int) -> NoReturn:
         os._exit(SETUP_FAILED)
     os.close(setup)
     run_python(req["argv"], req["env"])
+
+
+def limit(req: dict) -> None:
+    """The program's process: its rlimits, its directory, the slot's uid, the syscall filter."""
+    for name, value in req["rlimits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    os.chdir(req["cwd"])
+    if req["uid"] is not None:
+        os.setgroups([])
+        os.setgid(req["uid"])
+        os.setuid(req["uid"])
+        # Dumpable again, as exec would make it: setuid() made /proc/self root's
+        check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "dumpable")
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")  # which seccomp also needs
+    if FILTER is not None:  # last: the set-up above needs what it denies
+        check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(FILTER), 0, 0), "seccomp")
 
 
 def run_python(argv: list[str], env: dict) -> NoReturn:
@@ -341,7 +357,10 @@ def setup_error(fd: int) -> str | None:
         os.close(fd)
 
 
-def main(fd: int) -> None:
+def main(fd: int, syscall_filter: bytes = b"") -> None:
+    global FILTER
+    if syscall_filter:
+        FILTER = SockFprog(len(syscall_filter) // 8, syscall_filter)
     parent = os.getppid()
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")  # the pool's process gone: so is this
     if os.getppid() != parent:
@@ -386,4 +405,4 @@ def main(fd: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), bytes.fromhex(sys.argv[2] if len(sys.argv) > 2 else ""))

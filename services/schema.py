@@ -288,9 +288,17 @@ class SandboxConfig:
     python: str = ""
     # False: `python -S`, the standard library only (no site-packages), which starts ~3x faster.
     site_packages: bool = True
+    # The CPU a slot's processes share (its cgroup's quota), however many they are: busy
+    # processes in every slot cannot take the cores the trainer and the generators need. One
+    # core: a single-threaded program runs at full speed, so timeouts mean what they did.
+    cpu_cores: float = 1.0
+    # True: exec a new interpreter per Python run (its own hash seed, no state of the fork
+    # server's), at the cost of its start-up (~15-40 ms); false forks each from one started.
+    fresh_interpreter: bool = False
 
     def validate(self) -> None:
-        for key in ("workers", "run_timeout", "memory_limit_MB", "max_output_bytes", "max_processes"):
+        keys = ("workers", "run_timeout", "memory_limit_MB", "max_output_bytes", "max_processes", "cpu_cores")
+        for key in keys:
             if getattr(self, key) <= 0:
                 raise ConfigError(f"config key 'sandbox.{key}' must be > 0, got {getattr(self, key)}")
         if self.isolation not in ISOLATION:

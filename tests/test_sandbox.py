@@ -31,7 +31,8 @@ def sandbox(loop):
         sb = loop.run_until_complete(Sandbox.options().as_service(CFG))
     finally:
         del os.environ["FORGE_TEST_SECRET"]
-    assert loop.run_until_complete(sb.isolation.route()) == {"namespaces": True, "own_uid": True, "cgroups": True}
+    isolation = loop.run_until_complete(sb.isolation.route())
+    assert isolation == {"namespaces": True, "own_uid": True, "cgroups": True, "syscall_filter": True}
     yield sb
     loop.run_until_complete(sb.shutdown())
 
@@ -526,11 +527,12 @@ def test_slot_cgroups_on_cgroup_v2(tmp_path):
     cg = SlotCgroups.make(os.getpid(), root=tmp_path, proc_cgroup="0::/job\n")
     assert isinstance(cg, SlotCgroups) and cg.v2
     assert not (own / "forge-sandbox-4000000").exists()
-    assert (own / "cgroup.subtree_control").read_text() == "+memory +pids"
+    assert (own / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
     base = own / f"forge-sandbox-{os.getpid()}"
     assert cg.slot(60001) == [str(base / "60001" / "cgroup.procs")]
-    cg.limit(60001, 512 << 20, 64)
+    cg.limit(60001, 512 << 20, 64, 0.5)
     assert (base / "60001" / "memory.max").read_text() == str(512 << 20)
+    assert (base / "60001" / "cpu.max").read_text() == "50000 100000"  # half of each 100 ms
     assert (base / "60001" / "pids.max").read_text() == "64"
     (base / "60001" / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n")
     assert cg.oom_kills(60001) == 2
@@ -621,3 +623,174 @@ def test_root_never_writes_or_chowns_through_a_symlink_in_a_slot(tmp_path):
     assert victim.read_text() == "precious" and victim.stat().st_uid == os.geteuid()
     assert (work / "main.py").read_text() == "print(1)" and not (work / "main.py").is_symlink()
     sb._empty(work)
+
+
+# ---- second round: the kernel's surface, the CPU, the grader, the tests file, the hash seed ---
+
+# Raw syscalls (x86_64 numbers): each printed with its errno (0: it worked). Creating a user
+# namespace, keyrings (a per-uid keyring outlives a run: a later run of the slot reads it),
+# ptrace, mount, bpf, perf and modules are the kernel's surface a program has no use for.
+KERNEL_SURFACE = """\
+import ctypes, os, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(nr, *args):
+    ctypes.set_errno(0)
+    r = libc.syscall(nr, *args)
+    if r == 0 and nr == 56:  # clone's child
+        os._exit(0)
+    if r > 0 and nr == 56:
+        os.waitpid(r, 0)
+    return ctypes.get_errno() if r == -1 else 0
+attr = ctypes.create_string_buffer(128)
+got = {
+    "unshare(NEWUSER)": call(272, 0x10000000),
+    "clone(NEWUSER)": call(56, 0x10000000 | 17, 0, 0, 0, 0),
+    "clone3": call(435, 0, 0),
+    "setns": call(308, os.open("/proc/self/ns/net", os.O_RDONLY), 0),
+    "add_key": call(248, b"user", b"forge", b"carried", 7, ctypes.c_long(-4)),
+    "keyctl": call(250, 0, ctypes.c_long(-4), 0),
+    "request_key": call(249, b"user", b"forge", None, 0),
+    "mount": call(165, b"none", b"/tmp", b"tmpfs", 0, None),
+    "bpf": call(321, 0, attr, 128),
+    "perf_event_open": call(298, attr, 0, -1, -1, 0),
+    "init_module": call(175, None, 0, b""),
+    "io_uring_setup": call(425, 1, attr),
+    "userfaultfd": call(323, 0),
+}
+t = threading.Thread(target=lambda: None)
+t.start()
+t.join()
+still = subprocess.run(["/bin/sh", "-c", "echo works"], capture_output=True, text=True).stdout.strip()
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+print(got)
+print(still, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+print(call(101, 0, 0, 0, 0), flush=True)  # PTRACE_TRACEME, last: its tracer is the run's pid 1
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the program's syscall numbers are x86_64's")
+def test_a_program_cannot_reach_the_kernels_surface(loop, sandbox):
+    """A seccomp filter in every run: namespaces, keyrings, ptrace, mounts, bpf, perf, modules,
+    io_uring, userfaultfd fail with EPERM (clone3 with ENOSYS, so libc falls back to clone, where
+    the filter sees the flags); threads, fork and exec keep working."""
+    r = run(loop, sandbox, KERNEL_SURFACE)
+    got, still, traceme = (r.stdout.splitlines() + ["", "", ""])[:3]
+    errnos = {**eval(got or "{}"), "ptrace(TRACEME)": int(traceme or -1)}
+    assert errnos.pop("clone3") == 38, r  # ENOSYS
+    assert errnos == dict.fromkeys(errnos, 1), r  # EPERM, every one
+    assert still == "works 7", r
+    r = run(loop, sandbox, "print(open('/proc/self/status').read())")
+    assert "Seccomp:\t2" in r.stdout, r
+
+
+# Four processes busy for 2 s of wall time: the cores they got, from their CPU time.
+BUSY = """\
+import os, time
+deadline = time.time() + 2.0
+for _ in range(4):
+    if os.fork() == 0:
+        while time.time() < deadline:
+            pass
+        os._exit(0)
+for _ in range(4):
+    os.wait()
+t = os.times()
+print(round((t.children_user + t.children_system) / 2.0, 2))
+"""
+
+
+def test_a_slots_busy_processes_get_at_most_its_cpu_share():
+    """Busy processes in every slot took the host's cores from the trainer and the generators for
+    the whole timeout; a slot's cgroup now bounds its CPU (`sandbox.cpu_cores`): 4 busy processes
+    of a slot get at most its 0.05 cores (unbounded, on this loaded 2-core machine, they took
+    0.24-2 cores: the bound is set low so that the test tells the two apart under any load)."""
+    from services import sandbox as sb
+
+    async def cores():
+        pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=61700, cpu_cores=0.05))
+        await pool.start()
+        try:
+            return await pool.run(BUSY, run_timeout=20)
+        finally:
+            await pool.stop()
+
+    r = asyncio.run(cores())
+    assert r.status == "ok" and float(r.stdout) < 0.12, r
+    with pytest.raises(Exception, match="'sandbox.cpu_cores' must be > 0"):
+        SandboxConfig(cpu_cores=0).validate()
+
+
+def test_the_grader_imports_no_module_the_program_names(loop, sandbox):
+    """The program's side said which module a name is, and the grader imported it: a class
+    called `module` with `__name__ = "this"` made the grader import `this` (its import prints).
+    The grader now imports only a standard library module named as the test names it."""
+    fake = 'class module:\n    __name__ = "this"\nf = module()\n'
+    r = run(loop, sandbox, fake, tests=["assert f(1) == 2"])
+    assert "Beautiful is better than ugly" not in r.stdout and r.tests_passed == 0, r
+    real = "import math\nimport collections as c\n"
+    r = run(loop, sandbox, real, tests=["assert math.sqrt(4) == 2", "assert c.Counter('aa')['a'] == 2"])
+    assert r.tests_passed == 1 and "test 1 failed" in r.stderr, r  # the program's alias is not the test's name
+
+
+def test_unsafe_local_as_root_never_hands_the_tests_to_the_program(monkeypatch):
+    """Without namespaces (isolation: unsafe_local) the slot's uid owned the working directory,
+    the tests' file included: the program read the expected values and passed. The tests now
+    reach the grader on a file descriptor only, never a file."""
+    from services import sandbox as sb
+
+    async def no_namespaces(self):
+        return False
+
+    monkeypatch.setattr(sb.SandboxPool, "_probe_namespaces", no_namespaces)
+
+    async def grade():
+        pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=61800, isolation="unsafe_local"))
+        await pool.start()
+        try:
+            assert not pool.namespaces
+            return await pool.run(GRADE_ATTACKS["reads the expected values"], tests=["assert f(1) == 2"])
+        finally:
+            await pool.stop()
+
+    r = asyncio.run(grade())
+    assert (r.tests_passed, r.tests_total) == (0, 1), r
+
+
+def test_fresh_interpreter_gives_each_run_its_own_hash_seed(loop):
+    """Forked from one interpreter, every run saw the same hash() (a program could learn it in
+    one run and use it in the next); `sandbox.fresh_interpreter` execs a new one per run."""
+    from services import sandbox as sb
+
+    async def hashes(fresh):
+        pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=61900, fresh_interpreter=fresh))
+        await pool.start()
+        try:
+            code = "import sys\nprint(hash('forge'), sys.flags.isolated, sys.argv == [__file__])"
+            return [(await pool.run(code)).stdout for _ in range(2)]
+        finally:
+            await pool.stop()
+
+    forked = asyncio.run(hashes(False))
+    assert forked[0] == forked[1]  # the fork server's one seed: why the option exists
+    fresh = asyncio.run(hashes(True))
+    assert fresh[0] != fresh[1] and all(h.endswith(" 1 True\n") for h in fresh), fresh
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_the_syscall_filters_numbers_are_the_kernels(machine):
+    """The filter's syscall numbers, per arch, as libseccomp (where the host has it) knows them."""
+    import ctypes
+
+    from services.sandbox_seccomp import AUDIT_ARCH, SYSCALLS, syscall_filter
+
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2")
+    except OSError:
+        pytest.skip("no libseccomp on this host to check against")
+    lib.seccomp_syscall_resolve_name_arch.argtypes = [ctypes.c_uint32, ctypes.c_char_p]
+    theirs = {n: lib.seccomp_syscall_resolve_name_arch(AUDIT_ARCH[machine], n.encode()) for n in SYSCALLS[machine]}
+    assert theirs == SYSCALLS[machine]
+    assert syscall_filter("s390x") is None and len(syscall_filter(machine)) % 8 == 0
