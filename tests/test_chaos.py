@@ -100,7 +100,7 @@ def test_kill_generator_trainer_controller(tmp_path):
     # 3. The controller: its processes exit with it; its /dev/shm files go once the next run starts.
     run.wait_step(run_dir, 24)
     children = controller.children(recursive=True)
-    weights_dirs = list(shm.ROOT.glob(f"run-{controller.pid}-*"))
+    weights_dirs = list(shm.user_root().glob(f"run-{controller.pid}-*"))
     assert weights_dirs and any(d.glob("*.safetensors") for d in weights_dirs)
     controller.kill()
     run.proc.wait(timeout=30)
@@ -112,4 +112,4 @@ def test_kill_generator_trainer_controller(tmp_path):
     assert not any(d.exists() for d in weights_dirs)
     assert resumed.proc.wait(timeout=300) == 0, (tmp_path / "run2.log").read_text()[-3000:]
     assert [r["step"] for r in resumed.rows(run_dir)] == list(range(1, 27))
-    assert not list(shm.ROOT.glob(f"run-{resumed.proc.pid}-*"))  # a run that ends clears its own
+    assert not list(shm.user_root().glob(f"run-{resumed.proc.pid}-*"))  # a run that ends clears its own
