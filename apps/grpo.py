@@ -25,7 +25,7 @@ from apps.schema import GRPOConfig as Config
 from apps.sft import warm_start
 from forge.buffer import ReplayBuffer
 from forge.config import import_object
-from forge.data import FilePrompts, TaskPrompts
+from forge.data import prompt_source
 from forge.losses.advantages import explained_variance, gae, teacher_advantages, whiten
 from forge.metrics import Reduce, metrics_scope, record_metric
 from forge.rollout import RolloutLoops, Rollouts, SingleTurn
@@ -88,7 +88,7 @@ async def train(cfg: Config, s: Roles, resume_from: Path | None = None) -> dict[
     comes), naming the checkpoint to resume from."""
     plots = ("distill/reverse_kl", "eval/accuracy") if cfg.algorithm == "distill" else None
     run = Run("grpo", cfg, resume_from, show=progress(cfg), plot_keys=plots)
-    prompts = FilePrompts(cfg.dataset, cfg.seed) if cfg.dataset.path else TaskPrompts(cfg.task, cfg.seed)
+    prompts = prompt_source(cfg.dataset, cfg.task, cfg.seed)
     if "judge" in cfg.rewards.weights and cfg.dataset.path:  # the rubric's fields, now that the columns are known
         cfg.rewards.check_judge(prompts.rows.column_names)
     prompts.reset()

@@ -53,6 +53,11 @@ class IndexedPrompts(BaseNode[Sample]):
         return self._order[1][i]
 
 
+def prompt_source(dataset: DatasetConfig, task: str, seed: int = 0) -> IndexedPrompts:
+    """A run's prompt stream: the source `dataset` names, else the toy `task`'s samples."""
+    return FilePrompts(dataset, seed) if dataset.path else TaskPrompts(task, seed)
+
+
 class TaskPrompts(IndexedPrompts):
     """Generated toy-task samples."""
 
