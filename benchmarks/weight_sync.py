@@ -107,10 +107,12 @@ def _send_all(srv: socket.socket, data: list[memoryview], repeats: int) -> None:
                 conn.sendall(d)
 
 
-async def cross_host_s(sd: dict[str, torch.Tensor], repeats: int) -> tuple[float, float]:
+async def cross_host_s(sd: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
     """Median seconds for a reader on another host to stream one published version into its
     host's cache (forge.transfer: sendfile from the writer's /dev/shm file): into a new file
-    (the first versions of a run), and into an older copy's file (from the third on)."""
+    (the first versions of a run), and into an older copy's file (from the third on); and, for
+    a server beyond loopback, the digest's cost: the writer's write hashed, the warm fetch checked."""
+    from forge.shm import file_digest, write_safetensors
     from forge.store import WeightStore
     from forge.transfer import fetch_file, host_cache_dir
 
@@ -131,10 +133,28 @@ async def cross_host_s(sd: dict[str, torch.Tensor], repeats: int) -> tuple[float
             await asyncio.to_thread(fetch_file, rec["addr"], Path(rec["path"]).name, dest, rec["key"], older)
             warm.append(time.perf_counter() - t)
             os.replace(dest, older)
+        digest, checked, plain, hashed = file_digest(rec["path"]), [], [], []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            await asyncio.to_thread(
+                fetch_file, rec["addr"], Path(rec["path"]).name, dest, rec["key"], older, digest=digest
+            )
+            checked.append(time.perf_counter() - t)
+            os.replace(dest, older)
+            for hash_it, times in ((False, plain), (True, hashed)):  # the writer's side, into the same file
+                t = time.perf_counter()
+                await asyncio.to_thread(write_safetensors, sd, older, hash_it)
+                times.append(time.perf_counter() - t)
     finally:
         older.unlink(missing_ok=True)
         await store.clear()
-    return statistics.median(cold[1:]), statistics.median(warm[1:])
+    return {
+        "cross_host_new_file_s": statistics.median(cold[1:]),
+        "cross_host_s": statistics.median(warm[1:]),
+        "cross_host_digest_s": statistics.median(checked[1:]),
+        "write_s": statistics.median(plain[1:]),
+        "write_digest_s": statistics.median(hashed[1:]),
+    }
 
 
 MEDIUM = dict(
@@ -216,7 +236,7 @@ async def measure(sizes: list[int], repeats: int, models: list[str], swaps: list
             rows.append(row)
             if mb == sizes[-1]:
                 row["tcp_s"] = tcp_s(sd, 3 * repeats)
-                row["cross_host_new_file_s"], row["cross_host_s"] = await cross_host_s(sd, 3 * repeats)
+                row.update(await cross_host_s(sd, 3 * repeats))
                 row["cross_host_fraction_of_tcp"] = row["tcp_s"] / row["cross_host_s"]
                 row["cross_host_new_file_fraction_of_tcp"] = row["tcp_s"] / row["cross_host_new_file_s"]
             del sd
@@ -232,6 +252,9 @@ async def measure(sizes: list[int], repeats: int, models: list[str], swaps: list
         "cross_host_fraction_of_tcp": largest["cross_host_fraction_of_tcp"],
         "cross_host_new_file_fraction_of_tcp": largest["cross_host_new_file_fraction_of_tcp"],
         "cross_host_gb_s": largest["mb"] / 1024 / largest["cross_host_s"],
+        "cross_host_digest_gb_s": largest["mb"] / 1024 / largest["cross_host_digest_s"],
+        "write_s": largest["write_s"],
+        "write_digest_s": largest["write_digest_s"],
         "tcp_gb_s": largest["mb"] / 1024 / largest["tcp_s"],
         "largest_mb": largest["mb"],
         "generator_sync": stall,
@@ -264,6 +287,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"across hosts, {result['largest_mb']} MB: forge.transfer {result['cross_host_gb_s']:.2f} GB/s, plain loopback "
         f"TCP {result['tcp_gb_s']:.2f} GB/s: {result['cross_host_fraction_of_tcp']:.2f} of TCP "
         f"({result['cross_host_new_file_fraction_of_tcp']:.2f} into a new file, a run's first two versions)"
+    )
+    print(
+        f"beyond loopback (a digest per version): the fetch {result['cross_host_digest_gb_s']:.2f} GB/s, the writer's "
+        f"write {result['write_digest_s'] * 1e3:.0f} ms against {result['write_s'] * 1e3:.0f} ms unhashed"
     )
     for g in result["generator_sync"]:
         print(

@@ -353,6 +353,23 @@ class FileDigest:
             self.map.close()
 
 
+class NoDigest:
+    """FileDigest's stand-in where no digest is wanted: nothing hashed, `hexdigest()` None."""
+
+    def written(self, upto: int) -> None:
+        pass
+
+    def hexdigest(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def digest_of(fd: int, size: int, hashed: bool) -> FileDigest | NoDigest:
+    return FileDigest(fd, size) if hashed else NoDigest()
+
+
 def file_digest(path: str | Path) -> str:
     """`FileDigest` of the file at `path`."""
     fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
@@ -367,11 +384,11 @@ def safetensors_size(state_dict: dict[str, torch.Tensor]) -> int:
     return 8 + len(raw) + data
 
 
-def write_safetensors(state_dict: dict[str, torch.Tensor], path: str | Path) -> str:
-    """Write `path` with one copy per tensor; returns its `FileDigest`, hashed while later
-    tensors are written. A file of the right size is overwritten in place through its kept
-    mapping; a new one is written with plain writes (a fresh mapping of a new tmpfs file pays
-    a fault per 4 KB page)."""
+def write_safetensors(state_dict: dict[str, torch.Tensor], path: str | Path, hashed: bool = False) -> str | None:
+    """Write `path` with one copy per tensor; returns its `FileDigest` when `hashed` (hashed
+    while later tensors are written), else None. A file of the right size is overwritten in
+    place through its kept mapping; a new one is written with plain writes (a fresh mapping of
+    a new tmpfs file pays a fault per 4 KB page)."""
     header, raw, offset = _header(state_dict)
     size = 8 + len(raw) + offset
     head = len(raw).to_bytes(8, "little") + raw
@@ -379,7 +396,7 @@ def write_safetensors(state_dict: dict[str, torch.Tensor], path: str | Path) -> 
     buf = _mapping(path) if in_place else None
     with open(os.open(path, os.O_RDWR | _NOFOLLOW) if in_place else open_new(path, os.O_RDWR), "r+b") as f:
         f.truncate(size)  # the digest maps it whole
-        digest = FileDigest(f.fileno(), size)
+        digest = digest_of(f.fileno(), size, hashed)
         try:
             _write(f, buf, head, header, state_dict, digest)
         except BaseException:
@@ -388,7 +405,9 @@ def write_safetensors(state_dict: dict[str, torch.Tensor], path: str | Path) -> 
         return digest.hexdigest()
 
 
-def _write(f, buf: torch.Tensor | None, head: bytes, header: dict, state_dict: dict, digest: FileDigest) -> None:
+def _write(
+    f, buf: torch.Tensor | None, head: bytes, header: dict, state_dict: dict, digest: FileDigest | NoDigest
+) -> None:
     """The file's bytes: through `buf` (its kept mapping) when given, else with writes."""
     start = len(head)
     if buf is not None:
@@ -401,7 +420,8 @@ def _write(f, buf: torch.Tensor | None, head: bytes, header: dict, state_dict: d
             buf[start + a : start + b].copy_(t.detach().reshape(-1).contiguous().view(torch.uint8))
         else:
             f.write(memoryview(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy()))
-            f.flush()  # in the file, for the digest's threads to read
+            if isinstance(digest, FileDigest):
+                f.flush()  # in the file, for the digest's threads to read
         digest.written(start + b)
 
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import ipaddress
 import os
 import secrets
 import time
@@ -28,6 +29,7 @@ from torchstore.controller import Controller
 from forge.actor import spawn_procs, stop_procs
 from forge.metrics import Reduce, record_metric
 from forge.shm import (
+    check_safetensors,
     forget_mapping,
     read_safetensors,
     remove_run_dir,
@@ -36,6 +38,13 @@ from forge.shm import (
     write_safetensors,
 )
 from forge.transfer import FileServer, host_cache_dir, host_copy, host_id
+
+
+def _beyond_loopback(host: str) -> bool:
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return host != "localhost"
 
 
 def _make_controller_endpoints_async() -> None:
@@ -95,9 +104,10 @@ class WeightStore:
         the copy in the host's cache is what they map.
         Each fetch carries the run's key, which readers take from the version record: other
         peers of the network get nothing. The record pins the server's IP (no name resolved
-        by readers) and the file's size and digest (hashed as the writer writes it): a host's
-        copy is checked against them, and not reused by the writer meanwhile, before it takes
-        its name. Readers on the writer's host map its file (a private directory) unchecked.
+        by readers) and the file's size, and beyond loopback its digest (hashed as the writer
+        writes it): a host's copy is checked against them, and not reused by the writer
+        meanwhile, before it takes its name. Readers on the writer's host map its file (a
+        private directory) unchecked.
         Files live in the run's directory (`forge.shm.run_dir()` of the process that made
         this WeightStore, which is removed at `stop_store` and swept once its owner is gone)
         and carry a token of this writer. Make the WeightStore in the controller and pass it
@@ -119,6 +129,10 @@ class WeightStore:
         self._token = uuid.uuid4().hex[:8]
         self._secret = secrets.token_hex(16)  # the run's readers learn it from the version records
         self._server: FileServer | None = None
+        # Only a server beyond loopback can be answered for by someone else (a name resolved
+        # elsewhere, a man in the middle): there, versions carry a digest, whose hashing costs
+        # ~0.2 s per 500 MB on this machine's 2 cores; on loopback the pinned port is the writer's.
+        self._networked = _beyond_loopback(self.serve_on)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_server": None}  # the writer's server stays in its process
@@ -150,7 +164,7 @@ class WeightStore:
             spare = self._spare(safetensors_size(state_dict))
             if spare is not None:
                 os.replace(spare, tmp)  # a dropped version's file: its pages are already allocated
-            record["digest"] = await asyncio.to_thread(write_safetensors, state_dict, tmp)
+            record["digest"] = await asyncio.to_thread(write_safetensors, state_dict, tmp, self._networked)
             record["size"] = os.path.getsize(tmp)
             os.replace(tmp, path)  # a reader sees the whole file or none
             record["path"] = str(path)
@@ -191,6 +205,8 @@ class WeightStore:
         loop = asyncio.get_running_loop()
 
         def validate(copy: Path) -> None:  # before the copy takes its name: no reader maps a torn one
+            if rec["digest"] is None:  # a whole file at least (a digest says more)
+                check_safetensors(copy)
             # the writer did not reuse its file while it was sent (else the digest tells)
             asyncio.run_coroutine_threadsafe(self.check_intact(rec["version"]), loop).result()
 

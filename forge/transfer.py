@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from forge.shm import FileDigest, open_new, owned_dir, user_root
+from forge.shm import digest_of, open_new, owned_dir, user_root
 
 _SIZE = struct.Struct("<q")  # the answer's header: the file's size, -1 when there is no such file
 _CHUNK = 8 << 20
@@ -198,7 +198,7 @@ def fetch_file(
                 raise ValueError(f"{where} offered {offered} bytes for {name}; its version record says {size}")
             fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW) if reuse is not None else open_new(tmp, os.O_RDWR)
             try:
-                got = _receive(s, fd, offered, where)
+                got = _receive(s, fd, offered, where, hashed=digest is not None)
             finally:
                 os.close(fd)
         if validate is not None:
@@ -214,10 +214,10 @@ def fetch_file(
     return offered
 
 
-def _receive(s: socket.socket, fd: int, size: int, where: str) -> str:
-    """Exactly `size` bytes into `fd`; their digest, hashed as they arrive."""
+def _receive(s: socket.socket, fd: int, size: int, where: str, hashed: bool) -> str | None:
+    """Exactly `size` bytes into `fd`; their digest, hashed as they arrive, when `hashed`."""
     os.ftruncate(fd, size)
-    digest = FileDigest(fd, size)
+    digest = digest_of(fd, size, hashed)
     buf = memoryview(bytearray(_CHUNK))
     got = 0
     try:
