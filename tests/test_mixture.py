@@ -233,9 +233,9 @@ def test_evals_per_source():
     cfg = load_config(CONFIG, ["eval.prompts=8"], Config)
     samples = held_out(cfg.eval, cfg.task, cfg.dataset.mix)
     assert Counter(s.task for s in samples) == {"reverse": 8, "sort": 8}
-    train = TaskPrompts("reverse", cfg.seed)
-    training = {next(train).prompt for _ in range(200)}
-    assert not training & {s.prompt for s in samples}  # the held-out seed's
+    held, train = TaskPrompts("sort", cfg.eval.seed), TaskPrompts("sort", cfg.seed)
+    sort = [s.prompt for s in samples if s.task == "sort"]
+    assert sort == [next(held).prompt for _ in range(8)] != [next(train).prompt for _ in range(8)]  # held-out seed
     out = asyncio.run(evaluate(EvalConfig(), samples, Greedy, Exact))
     assert out["eval/accuracy"] == 0.5 and out["eval/reverse/accuracy"] == 1.0 and out["eval/sort/accuracy"] == 0.0
     assert out["eval/reverse/prompts"] == 8 and out["eval/sort/reward_mean"] == 0.0
