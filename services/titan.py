@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torchtitan.models.common.attention import FlexAttention
 
-from forge.losses.logprobs import head_logprobs
+from forge.losses.logprobs import chunkable, head_logprobs
 from forge.schema import LoRAConfig
 from services import models
 from services.lora import adapt, add_dropout, is_adapter
@@ -251,9 +251,27 @@ def target_logprobs(
 ) -> torch.Tensor:
     """log p(targets[:, t] | input_ids[:, :t + 1]) for every t, [rows, seq]: Tinker's alignment,
     where a datum names the token each position predicts (usually the next input)."""
-    with _hidden_states(model):
-        hidden = _forward(model, input_ids)
-    return head_logprobs(model.lm_head, hidden, targets, chunk_tokens)[0]
+    return _logprobs(model, input_ids, None, targets, chunk_tokens, False)[0]
+
+
+def _logprobs(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    positions: torch.Tensor | None,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[rows, len(targets)] logprobs of `targets`, the model's outputs at positions 0.. predicting
+    them: from its last hidden states and its head in chunks (forge.losses.logprobs), or, for a
+    head the chunks cannot stand in for (adapters, hooks), from the model's own logits."""
+    n = targets.shape[1]
+    if chunk_tokens > 0 and chunkable(model.lm_head):
+        with _hidden_states(model):
+            hidden = _forward(model, ids, positions)[:, :n]
+        return head_logprobs(model.lm_head, hidden, targets, chunk_tokens, with_entropy)
+    logits = _forward(model, ids, positions)[:, :n]
+    return head_logprobs(torch.nn.Identity(), logits, targets, 0, with_entropy)
 
 
 def token_logprobs(
@@ -280,9 +298,7 @@ def token_logprobs(
         ids = input_ids[start : start + step]
         pos = positions[start : start + step] if positions is not None else None
         route_as(model, routed_experts[start : start + step] if routed_experts is not None else None)
-        with _hidden_states(model):
-            hidden = _forward(model, ids, pos)[:, :-1]
-        lp, ent = head_logprobs(model.lm_head, hidden, ids[:, 1:], chunk_tokens, with_entropy)
+        lp, ent = _logprobs(model, ids, pos, ids[:, 1:], chunk_tokens, with_entropy)
         # An episode's first token has no logprob, packed or not (its "context" is another episode).
         lps.append(_first_zero(lp, pos))
         if with_entropy:

@@ -95,3 +95,28 @@ def test_no_tokens_still_lead_back_to_the_model():
     assert lp.shape == (3, 0) and ent.shape == (3, 0) and lp.requires_grad
     lp.sum().backward()
     assert head.weight.grad is not None and not head.weight.grad.any()
+
+
+def test_a_head_with_adapters_runs_whole_and_keeps_them():
+    """A LoRA head (Tinker's train_unembed) is more than its weight: its logprobs and its
+    adapter's gradient are the module's own, whatever the chunk."""
+
+    class Adapted(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(DIM, VOCAB, bias=False)
+            self.extra = torch.nn.Parameter(torch.zeros(VOCAB))
+
+        def forward(self, x):
+            return super().forward(x) + self.extra
+
+    got = []
+    for chunk in (0, 64):
+        torch.manual_seed(0)
+        head = Adapted()
+        with torch.no_grad():
+            head.extra.fill_(0.5).index_fill_(0, torch.arange(10), 5.0)
+        _, hidden, targets = _case()
+        lp, _ = head_logprobs(head, hidden, targets, chunk)
+        lp.sum().backward()
+        got.append((lp.detach(), head.extra.grad))
+    assert torch.equal(got[0][0], got[1][0]) and got[1][1] is not None and torch.equal(got[0][1], got[1][1])

@@ -5,22 +5,20 @@ not grow with tokens x vocabulary:
 
 The plain computation holds every token's logits at once, and autograd keeps a copy for the
 backward: with Qwen3's 151,936-token vocabulary, 16k tokens are ~10 GB per fp32 copy. Here the
-head runs on `chunk` tokens at a time; each chunk's backward recomputes its logits from its
-hidden states (the only thing kept), so at most one chunk's logits are
-alive, forward or backward. Equal to the plain computation up to float summation order.
+head runs on `chunk` tokens at a time, and the backward recomputes each chunk's logits from
+the hidden states (all that is kept), so at most one chunk's logits are alive, forward or
+backward. Equal to the plain computation up to float summation order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
-Head = Callable[[torch.Tensor], torch.Tensor]
 
-
-def _plain(head: Head, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
+def _plain(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, ...]:
     """All at once, through autograd: it keeps the logits' log-softmax for the backward."""
     logits = head(hidden).float()
     lp = -F.cross_entropy(logits, targets, reduction="none")
@@ -31,57 +29,77 @@ def _plain(head: Head, hidden: torch.Tensor, targets: torch.Tensor, with_entropy
         return lp, -(logp.exp() * logp).sum(-1)
 
 
-class _ChunkLogprobs(torch.autograd.Function):
-    """One chunk: the forward keeps its hidden states only; the backward
-    recomputes the logits and applies d lp / d logits = onehot(target) - softmax itself (one pass
-    over the chunk's softmax, where recomputing through autograd would redo the log-softmax),
-    then backpropagates them through the head. The head's parameters are inputs so that autograd
-    calls the backward whenever any of them trains; their gradients land in .grad through the
-    head's own backward, as activation checkpointing's do."""
+class _ChunkedLogprobs(torch.autograd.Function):
+    """All tokens, `chunk` at a time, as one function of the hidden states and the head's weight
+    (and bias): the forward keeps only its inputs; the backward recomputes each chunk's logits
+    and applies d lp / d logits = onehot(target) - softmax itself (one pass over the chunk's
+    softmax, where recomputing through autograd would redo the log-softmax), then the head's
+    matmuls. One op whatever the number of chunks: FSDP's ranks, whose token counts differ,
+    see the same backward."""
 
     @staticmethod
-    def forward(ctx, head, with_entropy, hidden, targets, *params):
-        with torch.no_grad():
+    def forward(ctx, hidden, targets, weight, bias, chunk, with_entropy):
+        lps, ents = [hidden.new_zeros(0, dtype=torch.float32)], [hidden.new_zeros(0, dtype=torch.float32)]
+        for start in range(0, targets.numel(), chunk):
             # log_softmax upcasts as it reads (no fp32 copy of the logits); the values are _plain's
-            logp = torch.log_softmax(head(hidden), -1, dtype=torch.float32)
-            lp = logp.gather(-1, targets[:, None])[:, 0]
-            ent = -(logp.exp() * logp).sum(-1) if with_entropy else None
-        ctx.head = head
-        ctx.save_for_backward(hidden, targets)
+            logp = torch.log_softmax(F.linear(hidden[start : start + chunk], weight, bias), -1, dtype=torch.float32)
+            lps.append(logp.gather(-1, targets[start : start + chunk, None])[:, 0])
+            if with_entropy:
+                ents.append(-(logp.exp() * logp).sum(-1))
+        ctx.chunk = chunk
+        ctx.save_for_backward(hidden, targets, weight, bias)
+        ent = torch.cat(ents) if with_entropy else None
         if ent is not None:
             ctx.mark_non_differentiable(ent)
-        return lp, ent
+        return torch.cat(lps), ent
 
     @staticmethod
     def backward(ctx, grad_lp, _grad_ent):
-        hidden, targets = ctx.saved_tensors
-        with torch.enable_grad():
-            h = hidden.detach().requires_grad_(ctx.needs_input_grad[2])
-            logits = ctx.head(h)
-            grad = torch.softmax(logits.detach(), -1, dtype=torch.float32).mul_(-grad_lp[:, None])
-            grad.scatter_add_(-1, targets[:, None], grad_lp[:, None])
-            torch.autograd.backward(logits, grad.to(logits.dtype))
-        return (None, None, h.grad, None) + (None,) * (len(ctx.needs_input_grad) - 4)
+        hidden, targets, weight, bias = ctx.saved_tensors
+        want_hidden, _, want_weight, want_bias = ctx.needs_input_grad[:4]
+        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
+        for start in range(0, targets.numel(), ctx.chunk):
+            h, g_lp = hidden[start : start + ctx.chunk], grad_lp[start : start + ctx.chunk, None]
+            logits = F.linear(h, weight, bias)
+            grad = torch.softmax(logits, -1, dtype=torch.float32).mul_(-g_lp)
+            grad = grad.scatter_add_(-1, targets[start : start + ctx.chunk, None], g_lp).to(logits.dtype)
+            del logits
+            if want_hidden:
+                grad_hidden[start : start + ctx.chunk] = grad @ weight
+            if want_weight:
+                grad_weight += grad.T @ h
+            if want_bias:
+                grad_bias += grad.sum(0)
+        return (
+            grad_hidden,
+            None,
+            grad_weight.to(weight.dtype) if want_weight else None,
+            grad_bias.to(bias.dtype) if want_bias else None,
+            None,
+            None,
+        )
+
+
+def chunkable(head: torch.nn.Module) -> bool:
+    """Whether the chunked op can stand in for `head`: a head whose logits are F.linear of its
+    weight and bias alone. Any other (a LoRA head, a Tinker tenant's `train_unembed`; a module
+    with hooks, FSDP's own unit) runs as its model runs it, all at once: the tokens its callers
+    pass at once bound it (the Tinker trainer's `tokens_per_pass`)."""
+    plain = isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
+    return plain and not head._forward_hooks and not head._forward_pre_hooks
 
 
 def head_logprobs(
-    head: Head, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 0, with_entropy: bool = False
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(targets[i] | hidden[i]) under `head`'s logits, shaped as `targets` (hidden:
-    [*targets.shape, dim]), and optionally each distribution's entropy (no grad). `chunk`
-    tokens at a time (0: all at once)."""
+    """log p(targets[i] | hidden[i]) under the logits of the linear `head`, shaped as `targets`
+    (hidden: [*targets.shape, dim]), and optionally each distribution's entropy (no grad).
+    `chunk` tokens at a time (0: all at once; so is a head that is not `chunkable`)."""
     flat, wanted = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    if chunk <= 0 or not wanted.numel():
-        # All at once; so are no tokens at all, whose empty logprobs still lead back through the
-        # model (FSDP's ranks take each backward together, an empty micro-batch's too).
+    if chunk > 0 and chunkable(head):
+        lp, ent = _ChunkedLogprobs.apply(flat, wanted, head.weight, head.bias, chunk, with_entropy)
+    else:
         lp, ent = _plain(head, flat, wanted, with_entropy)
-        return lp.view(targets.shape), (ent.view(targets.shape) if with_entropy else None)
-    params = [p for p in head.parameters() if p.requires_grad] if isinstance(head, torch.nn.Module) else []
-    lps, ents = [], []
-    for start in range(0, wanted.numel(), chunk):
-        lp, ent = _ChunkLogprobs.apply(
-            head, with_entropy, flat[start : start + chunk], wanted[start : start + chunk], *params
-        )
-        lps.append(lp)
-        ents.append(ent)
-    return torch.cat(lps).view(targets.shape), (torch.cat(ents).view(targets.shape) if with_entropy else None)
+    return lp.view(targets.shape), (ent.view(targets.shape) if with_entropy else None)
