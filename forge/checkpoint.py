@@ -18,6 +18,18 @@ def latest(run_dir: str | Path) -> Path | None:
     return done[-1].parent if done else None
 
 
+def set_aside(run_dir: str | Path) -> Path | None:
+    """Before a new run in `run_dir`: an earlier run's checkpoints there move to
+    checkpoints-earlier-N, kept, where neither this run's pruning (newest step names first) nor
+    its crash recovery can take them for its own. Returns where they went."""
+    found = Path(run_dir) / "checkpoints"
+    if not any(found.glob("step_*")):
+        return None
+    target = Path(run_dir) / f"checkpoints-earlier-{1 + len(list(Path(run_dir).glob('checkpoints-earlier-*')))}"
+    found.rename(target)
+    return target
+
+
 def partial_dir(run_dir: str | Path, step: int) -> Path:
     """Where checkpoint `step` is written until it is complete (`save_run_state` renames it):
     a crash or a second Ctrl-C meanwhile leaves no `step_*` directory behind."""

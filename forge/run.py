@@ -83,6 +83,8 @@ class Run:
         self.app, self.cfg, self.dir, self.resume_from = app, cfg, Path(cfg.run_dir), resume_from
         self.show, self.plot_keys, self.pushes_every_step = show or {}, plot_keys, pushes_every_step
         self.dir.mkdir(parents=True, exist_ok=True)
+        if resume_from is None and (earlier := checkpoint.set_aside(self.dir)) is not None:
+            print(f"forge: {self.dir} held an earlier run's checkpoints; moved them to {earlier}", flush=True)
         (self.dir / "config.yaml").write_text(to_yaml(cfg))
         self.step = checkpoint.load_run_state(resume_from)["step"] if resume_from else 0
         self.version = 0

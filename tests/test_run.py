@@ -207,3 +207,18 @@ def test_a_service_that_cannot_go_on_stops_the_run_naming_its_checkpoint(tmp_pat
         r"checkpoint of step 2: forge run --resume",
     ):
         asyncio.run(train(cfg, fail_at=3))
+
+
+def test_a_new_run_sets_an_earlier_runs_checkpoints_aside(tmp_path, capsys):
+    """A new run under an earlier run's name kept its checkpoints beside its own: pruning (newest
+    step names first) deleted the new run's and crash recovery then found none (a run of 300
+    steps, then a new one, lost its step 200 this way). They now move aside, kept."""
+    cfg = config(tmp_path)
+    asyncio.run(train(cfg))
+    cfg.steps = 3
+    asyncio.run(train(cfg))
+    assert sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    assert sorted(p.name for p in (cfg.run_dir / "checkpoints-earlier-1").iterdir()) == ["step_000004", "step_000005"]
+    assert "moved them to" in capsys.readouterr().out
+    asyncio.run(train(cfg, resume_from=checkpoint.step_dir(cfg.run_dir, 2)))  # a resumed run sets nothing aside
+    assert not (cfg.run_dir / "checkpoints-earlier-2").exists()
