@@ -26,7 +26,8 @@ from services.rewards import Rewards
 async def evaluate_model(app_cfg: Any, model: str) -> dict[str, float]:
     """The eval of `model` (an HF directory, a LoRA adapter's PEFT directory, or a run directory
     with its exported model/ of either kind)."""
-    samples = held_out(app_cfg.eval, app_cfg.task)
+    dataset = getattr(app_cfg, "dataset", None)  # a mixture's: each source's eval set (the SFT app has `data`)
+    samples = held_out(app_cfg.eval, app_cfg.task, dataset.mix if dataset else None)
     model = model_dir(model)
     lora, tensors = read_adapter(model) if (model / ADAPTER_CONFIG).is_file() else (None, {})
     gen = await Generator.options(replicas=getattr(app_cfg, "generator_replicas", 1)).as_service(

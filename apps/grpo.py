@@ -25,9 +25,9 @@ from apps.schema import GRPOConfig as Config
 from apps.sft import warm_start
 from forge.buffer import ReplayBuffer
 from forge.config import import_object
-from forge.data import prompt_source
 from forge.losses.advantages import explained_variance, gae, teacher_advantages, whiten
 from forge.metrics import Reduce, metrics_scope, record_metric
+from forge.mixture import Mixture, build_prompts, register
 from forge.rollout import RolloutLoops, Rollouts, SingleTurn
 from forge.run import ActorState, Run
 from forge.service import ReplicaRestored
@@ -88,7 +88,7 @@ async def train(cfg: Config, s: Roles, resume_from: Path | None = None) -> dict[
     comes), naming the checkpoint to resume from."""
     plots = ("distill/reverse_kl", "eval/accuracy") if cfg.algorithm == "distill" else None
     run = Run("grpo", cfg, resume_from, show=progress(cfg), plot_keys=plots)
-    prompts = prompt_source(cfg.dataset, cfg.task, cfg.seed)
+    prompts = build_prompts(cfg.dataset, cfg.task, cfg.seed)  # a Mixture with `dataset.mix`
     if "judge" in cfg.rewards.weights and cfg.dataset.path:  # the rubric's fields, now that the columns are known
         cfg.rewards.check_judge(prompts.rows.column_names)
     prompts.reset()
@@ -98,12 +98,13 @@ async def train(cfg: Config, s: Roles, resume_from: Path | None = None) -> dict[
         max_tokens=cfg.max_episode_tokens,
         dynamic_sampling=cfg.dynamic_sampling,
     )
-    held_out_samples = held_out(cfg.eval, cfg.task) if cfg.eval.enabled else []
+    held_out_samples = held_out(cfg.eval, cfg.task, cfg.dataset.mix) if cfg.eval.enabled else []
     evals = BackgroundEvals(
         cfg.eval, held_out_samples, s.gen, s.eval_rewards or s.rewards, s.weights, run.writer, "grpo"
     )
     loops = RolloutLoops(rollouts(cfg, s), prompts, buffer, s.weights, cfg)
     restored: ReplicaRestored | None = None
+    unregister = register(cfg.run_name, prompts)  # the REPL's handle: forge.mixture.running(run_name)
     try:
         critic = {"critic": s.critic} if s.critic is not None else {}
         await run.start(s.trainer, s.weights, evals, critic, prompts=prompts, buffer=ActorState(buffer))
@@ -113,11 +114,14 @@ async def train(cfg: Config, s: Roles, resume_from: Path | None = None) -> dict[
                     if restored is not None:  # inside the try: the trainer may die again meanwhile
                         restored = await recover(restored, run, loops, buffer)
                     while run.step < cfg.steps:
+                        if isinstance(prompts, Mixture):
+                            prompts.between_steps()  # new weights from dataset.mix_file; mix/weight/NAME
                         await step(cfg, s, run, loops, buffer)
                     await run.finish()
                 except ReplicaRestored as e:
                     restored = e
     finally:
+        unregister()
         await asyncio.shield(buffer.shutdown())
     return run.row
 
@@ -149,7 +153,7 @@ async def step(cfg: Config, s: Roles, run: Run, loops: RolloutLoops, buffer: Any
     if moves:
         await s.weights.push()  # returns once published; the generators load it while they generate
     await buffer.notify_version.call_one(version)
-    record_batch(episodes, run.version, metrics)
+    record_batch(episodes, run.version, metrics, per_source=bool(cfg.dataset.mix))
     wall = time.perf_counter() - t0
     record_metric("tokens_per_s", sum(e.num_response_tokens for e in episodes) / wall)
     for name, seconds in (("wait_s", t1 - t0), ("ref_s", t2 - t1), ("train_s", t3 - t2), ("push_s", wall - (t3 - t0))):
@@ -203,14 +207,20 @@ async def distill(cfg: Config, s: Roles, batch: Batch, episodes: list) -> None:
     record_metric("distill/reverse_kl", float(reverse_kl.sum() / batch.loss_mask.sum().clamp(min=1)))
 
 
-def record_batch(episodes: list, trained_on: int, metrics: dict[str, float]) -> None:
+def record_batch(episodes: list, trained_on: int, metrics: dict[str, float], per_source: bool = False) -> None:
+    """A step's metrics: the trainer's, and the episodes' (with `per_source`, also each data
+    source's reward and accuracy: reward/NAME, accuracy/NAME)."""
     for key, value in metrics.items():
         record_metric(key, value)
     for e in episodes:
         record_metric("reward_mean", e.reward)
         record_metric("reward_std", e.reward, Reduce.STD)
+        if per_source:
+            record_metric(f"reward/{e.task}", e.reward)
         if e.score.correct is not None:
             record_metric("accuracy", e.score.correct)
+            if per_source:
+                record_metric(f"accuracy/{e.task}", e.score.correct)
         record_metric("staleness_mean", trained_on - e.policy_version)
         record_metric("staleness_max", trained_on - e.policy_version, Reduce.MAX)
 

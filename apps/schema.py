@@ -18,6 +18,7 @@ from forge.schema import (
     PreferenceDataConfig,
     RunConfig,
     SFTDataConfig,
+    set_keys,
 )
 from services.schema import (
     AgenticConfig,
@@ -119,17 +120,24 @@ class GRPOConfig(RunConfig):
             raise ConfigError(
                 "config key 'rewards.weights': the 'task' reward scores toy tasks, not a dataset file's rows"
             )
+        datasets = [f"dataset.mix[{i}] ({s.source_name})" for i, s in enumerate(self.dataset.mix or []) if not s.task]
+        if "task" in self.rewards.weights and datasets:
+            raise ConfigError(
+                f"config key 'rewards.weights': the 'task' reward scores toy tasks, not the rows of {', '.join(datasets)}"
+            )
         if self.eval.rewards:
             self.rewards.check_weights(self.eval.rewards, "eval.rewards")
-        if "judge" in self.rewards.weights and not self.dataset.path:  # a dataset file's columns: checked once read
-            self.rewards.check_judge(columns=())
+        if "judge" in self.rewards.weights and not self.dataset.path and not datasets:
+            self.rewards.check_judge(columns=())  # a dataset's columns: checked once read
 
     def _validate_algorithm(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"config key 'algorithm': {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
         if self.algorithm == "distill" and not self.distill.enabled:
             raise ConfigError("config key 'distill.teachers': algorithm 'distill' learns from teachers; name one")
-        sources = [Path(self.dataset.path).stem if self.dataset.path else self.task]
+        sources = [s.source_name for s in self.dataset.mix or []] or [
+            Path(self.dataset.path).stem if self.dataset.path else self.task
+        ]
         for i, teacher in enumerate(self.distill.teachers):
             unknown = [t for t in teacher.tasks if t not in sources]
             if unknown:
@@ -148,6 +156,8 @@ class GRPOConfig(RunConfig):
             )
 
     def _validate_eval(self) -> None:
+        if self.dataset.mix:
+            return self._validate_eval_mix()
         if self.eval.enabled and self.dataset.path and not self.eval.dataset.path:
             raise ConfigError(
                 "config key 'eval.dataset.path': a run on a dataset file evaluates on a file too (its held-out rows)"
@@ -162,6 +172,35 @@ class GRPOConfig(RunConfig):
                 self.dataset.tools_key,
             )
             held.answer_key = self.dataset.answer_key
+
+    def _validate_eval_mix(self) -> None:
+        """A mixture's evals: each source's own held-out set (services/evals.py `held_out_of`); a
+        dataset file's held-out rows are an `eval.dataset.mix` entry named like the source."""
+        names = [s.source_name for s in self.dataset.mix]
+        held = {s.source_name: s for s in self.eval.dataset.mix or []}
+        if set_keys(self.eval.dataset) - {"mix"}:
+            raise ConfigError(
+                "config key 'eval.dataset': a mixture's run evaluates each source; give a source's held-out "
+                "rows as an entry of eval.dataset.mix named like it"
+            )
+        unknown = [n for n in held if n not in names]
+        if unknown:
+            raise ConfigError(f"config key 'eval.dataset.mix': {unknown} not among the run's sources {names}")
+        for source in self.dataset.mix:
+            own = held.get(source.source_name)
+            if own is None and source.path and self.eval.enabled:
+                raise ConfigError(
+                    f"config key 'eval.dataset.mix': source {source.source_name!r} is a dataset file; evaluate it on "
+                    f"held-out rows too (an entry {{name: {source.source_name}, path: ...}})"
+                )
+            if own is not None and not own.messages_key and not own.chat and own.template == DatasetConfig.template:
+                own.template, own.messages_key, own.chat, own.tools_key, own.answer_key = (  # the source's format
+                    source.template,
+                    source.messages_key,
+                    source.chat,
+                    source.tools_key,
+                    source.answer_key,
+                )
 
 
 @dataclass

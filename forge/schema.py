@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import dataclass, field
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from forge import checkpoint
+from forge import checkpoint, tasks
 from forge.config import ConfigError
 
 DEFAULT_BACKENDS = ("console", "jsonl", "tensorboard")
@@ -73,8 +75,18 @@ class DatasetConfig:
     # or that list as a JSON string), shown to the model by its chat template. Chat prompts only.
     tools_key: str = ""
     answer_key: str = "answer"  # the column the reward compares with
+    # A mixture instead of one source (forge/mixture.py): each entry a source's keys (`path`, ...)
+    # or a toy `task`, with its `weight` and `name` (default: its file's stem or its task); prompts
+    # are drawn by weight, rewards, metrics and evals are kept per source (reward/NAME).
+    mix: list[MixSource] | None = None
+    # A YAML or JSON file of {name: weight} the run re-reads between steps when it changes (the
+    # sources it names take those weights). Empty: the weights change only from a REPL.
+    mix_file: str = ""
 
     def validate(self) -> None:
+        if self.mix is not None or self.mix_file:
+            check_mix(self)
+            return
         given = [k for k in ("messages_key", "chat") if getattr(self, k)]
         given += ["template"] if self.template != DatasetConfig.template else []
         if len(given) > 1:
@@ -91,6 +103,105 @@ class DatasetConfig:
             raise ConfigError(f"config key 'dataset.path': {self.path} is not one of {', '.join(FORMATS)}")
         if self.path and not Path(self.path).is_file():
             raise ConfigError(f"config key 'dataset.path': file not found: {self.path}")
+
+
+@dataclass
+class MixSource(DatasetConfig):
+    """One source of a mixture (`dataset.mix[i]`): a source's keys, or a toy `task`, and its weight."""
+
+    weight: float = 1.0  # its share of the prompts: weight / the sum of the weights (>= 0)
+    name: str = ""  # in metrics (reward/NAME) and live weights; default: the file's stem or the task
+    task: str = ""  # a toy task of forge/tasks.py instead of a dataset
+
+    @property
+    def source_name(self) -> str:
+        return self.name or self.task or (Path(self.path).stem if self.path else "")
+
+    def source(self) -> DatasetConfig:
+        """Its dataset keys alone, as a single-source run's `dataset` section."""
+        return DatasetConfig(**{f.name: getattr(self, f.name) for f in fields(DatasetConfig)})
+
+    def check(self, key: str) -> None:
+        """Its keys, named under `key` (dataset.mix[i])."""
+        given = set_keys(self.source())
+        if {"mix", "mix_file"} & given:
+            raise ConfigError(f"config key '{key}': a mixture's source is one source, not a mixture")
+        if self.task and given:
+            raise ConfigError(
+                f"config key '{key}': a toy `task` or a dataset's keys ({', '.join(sorted(given))}), not both"
+            )
+        if not self.task and not given:
+            raise ConfigError(f"config key '{key}': no source; give `task: NAME` (a toy task) or a dataset's keys")
+        if self.task and self.task not in tasks.TASKS:
+            raise ConfigError(
+                f"config key '{key}.task': unknown task {self.task!r}; known: {', '.join(sorted(tasks.TASKS))}"
+            )
+        if not self.weight >= 0:  # NaN too
+            raise ConfigError(f"config key '{key}.weight' must be >= 0, got {self.weight}")
+        if not self.source_name:
+            raise ConfigError(f"config key '{key}.name': name this source (its metrics are reward/NAME)")
+        try:
+            self.source().validate()
+        except ConfigError as e:
+            raise ConfigError(under(str(e), key)) from None
+
+
+def set_keys(cfg: DatasetConfig) -> set[str]:
+    """The keys of a `dataset` section that differ from their defaults."""
+    default = DatasetConfig()
+    return {f.name for f in fields(DatasetConfig) if getattr(cfg, f.name) != getattr(default, f.name)}
+
+
+def under(message: str, key: str) -> str:
+    """A source's error message with its keys named under `key` (dataset.x -> dataset.mix[0].x)."""
+    return re.sub(r"'dataset(?=[.'])", f"'{key}", message)
+
+
+def check_mix(cfg: DatasetConfig) -> None:
+    """A `dataset` section with `mix`: its sources, their names and weights."""
+    if cfg.mix is None:
+        raise ConfigError(
+            "config key 'dataset.mix_file': live weights are a mixture's; list its sources in dataset.mix"
+        )
+    if not cfg.mix:
+        raise ConfigError(
+            "config key 'dataset.mix' is empty: list its sources ({task: NAME, weight: W}, or a dataset's keys and weight)"
+        )
+    single = sorted(set_keys(cfg) - {"mix", "mix_file"})
+    if single:
+        keys = ", ".join(f"'dataset.{k}'" for k in single)
+        raise ConfigError(
+            f"config keys 'dataset.mix' and {keys}: a mixture's sources carry their own keys; move them into its entries"
+        )
+    seen: dict[str, int] = {}
+    for i, source in enumerate(cfg.mix):
+        source.check(f"dataset.mix[{i}]")
+        name = source.source_name
+        if name in seen:
+            raise ConfigError(
+                f"config key 'dataset.mix[{i}].name': {name!r} names dataset.mix[{seen[name]}] too; give each source its own `name`"
+            )
+        seen[name] = i
+    problem = weight_problem({s.source_name: s.weight for s in cfg.mix}, list(seen))
+    if problem:
+        raise ConfigError(f"config key 'dataset.mix': {problem}")
+
+
+def weight_problem(
+    weights: Mapping[str, Any], names: Sequence[str], old: Mapping[str, float] | None = None
+) -> str | None:
+    """What is wrong with new mixture `weights` (for sources `names`; the others keep `old`), or None."""
+    if not isinstance(weights, Mapping) or not weights:
+        return f"expected {{name: weight}} for sources {', '.join(names)}, got {weights!r}"
+    unknown = [n for n in weights if n not in names]
+    if unknown:
+        return f"no source named {', '.join(map(repr, unknown))}; sources: {', '.join(names)}"
+    for name, w in weights.items():
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+            return f"the weight of {name!r} must be a number >= 0, got {w!r}"
+    if not any({**(old or {}), **weights}.values()):
+        return "every weight is 0; at least one source needs weight > 0"
+    return None
 
 
 @dataclass

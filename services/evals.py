@@ -19,6 +19,8 @@ import statistics
 from typing import Any
 
 from forge.data import FilePrompts, TaskPrompts
+from forge.mixture import source_stream, tagged
+from forge.schema import MixSource
 from forge.tasks import Sample
 from forge.types import Batch, Completion, RewardInput, Score
 from services.schema import EvalConfig
@@ -26,15 +28,31 @@ from services.schema import EvalConfig
 log = logging.getLogger("forge")
 
 
-def held_out(cfg: EvalConfig, task: str) -> list[Sample]:
+def held_out(cfg: EvalConfig, task: str, mix: list[MixSource] | None = None) -> list[Sample]:
     """The eval set: `cfg.prompts` prompts of the toy `task` from the held-out seed, or rows
-    of `cfg.dataset.path` (a seeded sample of them; all with prompts: 0)."""
+    of `cfg.dataset.path` (a seeded sample of them; all with prompts: 0). A run's mixture `mix`:
+    each source's own (`held_out_of`), one after another."""
+    if mix:
+        return [s for source in mix for s in held_out_of(cfg, source)]
     if cfg.dataset.path:
         stream = FilePrompts(cfg.dataset, cfg.seed)
         count = len(stream.rows) if cfg.prompts == 0 else min(cfg.prompts, len(stream.rows))
     else:
         stream, count = TaskPrompts(task, cfg.seed), cfg.prompts or 64
     return [stream.sample(i) for i in range(count)]
+
+
+def held_out_of(cfg: EvalConfig, source: MixSource) -> list[Sample]:
+    """A mixture source's eval set, tagged with its name: the `eval.dataset.mix` entry of that
+    name, else the source itself from the held-out seed (a toy task's held-out prompts);
+    `cfg.prompts` of them (a file's: all with prompts: 0)."""
+    own = {s.source_name: s for s in cfg.dataset.mix or []}.get(source.source_name, source)
+    stream = source_stream(own, cfg.seed, "eval.dataset.mix")
+    rows = getattr(stream, "rows", None)
+    count = cfg.prompts or 64
+    if rows is not None:
+        count = len(rows) if cfg.prompts == 0 else min(cfg.prompts, len(rows))
+    return [tagged(stream.sample(i), source) for i in range(count)]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -63,7 +81,23 @@ async def evaluate(cfg: EvalConfig, samples: list[Sample], gen: Any, rewards: An
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         log.warning("forge: eval: %d of %d prompts failed; the first: %s", len(failed), len(samples), failed[0])
-    return summarize(cfg, [r for r in results if not isinstance(r, BaseException)], asked=len(samples))
+    out = summarize(cfg, [r for r in results if not isinstance(r, BaseException)], asked=len(samples))
+    return {**out, **per_source(cfg, samples, results)}
+
+
+def per_source(cfg: EvalConfig, samples: list[Sample], results: list[Any]) -> dict[str, float]:
+    """With prompts of several data sources (a mixture's), each one's metrics too:
+    eval/NAME/accuracy, eval/NAME/reward_mean, ..."""
+    names = list(dict.fromkeys(s.task for s in samples))
+    if len(names) < 2:
+        return {}
+    out = {}
+    for name in names:
+        mine = [r for s, r in zip(samples, results) if s.task == name]
+        ok = [r for r in mine if not isinstance(r, BaseException)]
+        for key, value in summarize(cfg, ok, asked=len(mine)).items():
+            out[f"eval/{name}/{key.removeprefix('eval/')}"] = value
+    return out
 
 
 def summarize(

@@ -62,5 +62,6 @@ def math(s: RewardInput) -> dict[str, float]:
 
 @inline
 def task(s: RewardInput) -> float:
-    """The sample's toy task's own score (forge/tasks.py; partial credit)."""
-    return get_task(s.task["task"]).score(s.completion, s.answer)
+    """The sample's toy task's own score (forge/tasks.py; partial credit). A mixture's source
+    named otherwise keeps its toy task in `toy_task`."""
+    return get_task(s.task.get("toy_task") or s.task["task"]).score(s.completion, s.answer)

@@ -1,0 +1,177 @@
+"""A mixture of prompt sources (`dataset.mix`) as one torchdata node, its weights changeable
+while the run goes on.
+
+    prompts = build_prompts(cfg.dataset, cfg.task, cfg.seed)   # a Mixture, or one source's stream
+    running("grpo_mix_tiny").set_weights({"sort": 2.0})        # from a REPL in the run's process
+
+Each source is the stream a single-source run of it would read (`forge.data.prompt_source`, the
+run's seed), its samples tagged with the source's name (`Sample.task`, then `Episode.task`), so
+rewards, metrics and evals are kept per source. New weights come from `set_weights` or from
+`dataset.mix_file`, re-read between steps when it changes; each change is a console line, and
+every step records the weights in force (`mix/weight/NAME`). A checkpoint holds the draw count,
+the weights, the watched file's mtime and each source's position: a resumed run draws the same
+next prompts under the same weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from torchdata.nodes import BaseNode
+from tqdm import tqdm
+
+from forge.config import ConfigError
+from forge.data import IndexedPrompts, prompt_source
+from forge.metrics import record_metric
+from forge.schema import DatasetConfig, MixSource, under, weight_problem
+from forge.tasks import Sample
+
+_RUNNING: dict[str, Mixture] = {}  # run name -> its mixture, while the run trains (`running`)
+
+
+def source_stream(source: MixSource, seed: int, key: str = "dataset.mix") -> IndexedPrompts:
+    """One mixture source's prompt stream, as a single-source run of it would read it."""
+    try:
+        return prompt_source(source.source(), source.task, seed)
+    except ConfigError as e:
+        raise ConfigError(under(str(e), key)) from None
+
+
+def tagged(sample: Sample, source: MixSource) -> Sample:
+    """`sample` as its source's: Sample.task is the source's name (a renamed toy task keeps its
+    own in `toy_task`, for the `task` reward)."""
+    name = source.source_name
+    if sample.task == name:
+        return sample
+    meta = {**sample.meta, "toy_task": source.task} if source.task else sample.meta
+    return dataclasses.replace(sample, task=name, meta=meta)
+
+
+def build_prompts(dataset: DatasetConfig, task: str, seed: int = 0) -> BaseNode[Sample]:
+    """A run's prompt stream: the mixture `dataset.mix` names, else its one source."""
+    if not dataset.mix:
+        return prompt_source(dataset, task, seed)
+    streams = {s.source_name: source_stream(s, seed, f"dataset.mix[{i}]") for i, s in enumerate(dataset.mix)}
+    return Mixture(
+        streams,
+        {s.source_name: s.weight for s in dataset.mix},
+        seed,
+        sources={s.source_name: s for s in dataset.mix},
+        watch=dataset.mix_file or None,
+    )
+
+
+class Mixture(BaseNode[Sample]):
+    """Prompts drawn from named sources by weight; the weights may change between draws."""
+
+    # torchdata's MultiNodeWeightedSampler fixes its weights when built (no API changes them, its
+    # state replays pre-drawn picks under whatever weights it is rebuilt with, and it refuses a
+    # weight of 0, a paused source), so draw i picks its source from (seed, i) and the weights in force.
+    def __init__(
+        self,
+        streams: Mapping[str, BaseNode[Sample]],
+        weights: Mapping[str, float],
+        seed: int = 0,
+        sources: Mapping[str, MixSource] | None = None,
+        watch: str | Path | None = None,
+        say: Callable[[str], None] = tqdm.write,
+    ):
+        super().__init__()
+        self.streams, self.seed, self.say = dict(streams), seed, say
+        self.sources = dict(sources or {})
+        self.initial = {name: float(weights[name]) for name in self.streams}
+        self.watch = Path(watch) if watch else None
+        self.weights, self.draws, self.mtime = dict(self.initial), 0, None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.streams)
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        state = initial_state or {}
+        self.draws = state.get("draws", 0)
+        self.weights = dict(state.get("weights", self.initial))
+        self.mtime = state.get("mtime")
+        for name, stream in self.streams.items():
+            stream.reset(state["sources"][name] if state else None)
+
+    def next(self) -> Sample:
+        rng = random.Random(f"{self.seed}:mix:{self.draws}")
+        self.draws += 1
+        [name] = rng.choices(self.names, weights=[self.weights[n] for n in self.names])  # weight 0: never
+        sample = next(self.streams[name])
+        return tagged(sample, self.sources[name]) if name in self.sources else sample
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "draws": self.draws,
+            "weights": dict(self.weights),
+            "mtime": self.mtime,
+            "sources": {name: stream.state_dict() for name, stream in self.streams.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # a run's checkpoint part (forge/run.py)
+        self.reset(state)
+
+    def set_weights(self, weights: Mapping[str, Any], origin: str = "set_weights") -> bool:
+        """New weights for the sources `weights` names (the others keep theirs), from the next
+        draw on. Bad ones (an unknown name, a negative weight, all zero) are refused with a
+        console line and the old weights stay. Returns whether they were taken."""
+        now = ", ".join(f"{n}={w:g}" for n, w in self.weights.items())
+        problem = weight_problem(weights, self.names, self.weights)
+        if problem:
+            self.say(f"forge: mix weights from {origin} refused: {problem}; the run keeps {now}")
+            return False
+        self.weights.update({name: float(w) for name, w in weights.items()})
+        new = ", ".join(f"{n}={w:g}" for n, w in self.weights.items())
+        self.say(f"forge: mix weights from {origin}: {new} (were {now}) from draw {self.draws}")
+        return True
+
+    def poll(self) -> None:
+        """Take the watched file's weights if it changed since last read (or since the checkpoint)."""
+        if self.watch is None:
+            return
+        try:
+            mtime = self.watch.stat().st_mtime_ns
+        except FileNotFoundError:
+            return
+        if mtime == self.mtime:
+            return
+        self.mtime = mtime
+        try:
+            weights = yaml.safe_load(self.watch.read_text())  # JSON is YAML too
+        except (OSError, yaml.YAMLError) as e:
+            self.say(
+                f"forge: mix weights from {self.watch} refused: unreadable ({type(e).__name__}); the run keeps them"
+            )
+            return
+        self.set_weights(weights if weights is not None else {}, str(self.watch))
+
+    def between_steps(self) -> None:
+        """The training loop's hook, before each step: the watched file, and the weights in force
+        as this step's metrics (mix/weight/NAME)."""
+        self.poll()
+        for name, weight in self.weights.items():
+            record_metric(f"mix/weight/{name}", weight)
+
+
+def running(run_name: str) -> Mixture:
+    """The mixture of run `run_name` while it trains in this process: the REPL's handle
+    (`running(name).set_weights({...})`)."""
+    if run_name not in _RUNNING:
+        raise KeyError(f"no run {run_name!r} with a mixture is training here; running: {', '.join(_RUNNING) or 'none'}")
+    return _RUNNING[run_name]
+
+
+def register(run_name: str, prompts: BaseNode[Sample]) -> Callable[[], None]:
+    """Make a run's mixture reachable by `running` while it trains; returns the undo."""
+    if not isinstance(prompts, Mixture):
+        return lambda: None
+    _RUNNING[run_name] = prompts
+    return lambda: _RUNNING.pop(run_name, None)

@@ -1,0 +1,249 @@
+"""Mixtures of prompt sources (`dataset.mix`): sampling by weight, live weight changes (the REPL's
+`set_weights`, the watched `dataset.mix_file`), checkpoint round trips, config errors, and the
+per-source metrics and evals."""
+
+import asyncio
+import json
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+from apps.grpo import Config, record_batch
+from forge.config import ConfigError, load_config, to_yaml
+from forge.data import TaskPrompts
+from forge.metrics import _drain, reduce_states
+from forge.mixture import Mixture, build_prompts, register, running
+from forge.schema import DatasetConfig, MixSource
+from forge.types import Completion, Episode, RewardInput, Score
+from services.evals import evaluate, held_out
+from services.rewards import builtin
+from services.schema import EvalConfig
+
+CONFIG = "configs/grpo_mix_tiny.yaml"
+
+
+def mixture(weights: dict[str, float], seed: int = 0, **kw) -> Mixture:
+    sources = {name: MixSource(task=name, weight=w) for name, w in weights.items()}
+    return Mixture({n: TaskPrompts(n, seed) for n in weights}, weights, seed, sources=sources, **kw)
+
+
+def shares(node: Mixture, n: int) -> dict[str, float]:
+    counts = Counter(next(node).task for _ in range(n))
+    return {name: counts[name] / n for name in node.names}
+
+
+def test_fixed_weights_give_their_shares_and_each_source_reads_its_own_stream():
+    node = mixture({"reverse": 3.0, "sort": 1.0, "add": 0.0})
+    drawn = [next(node) for _ in range(4000)]
+    got = Counter(s.task for s in drawn)
+    assert got["reverse"] / 4000 == pytest.approx(0.75, abs=0.03)
+    assert got["sort"] / 4000 == pytest.approx(0.25, abs=0.03)
+    assert got["add"] == 0  # weight 0: a paused source
+    # Each source's prompts are, in order, what a run of that source alone reads.
+    alone = TaskPrompts("sort", 0)
+    assert [s.prompt for s in drawn if s.task == "sort"][:50] == [next(alone).prompt for _ in range(50)]
+    assert all(s.prompt.startswith("sort ") for s in drawn if s.task == "sort")
+
+
+def test_a_weight_change_takes_effect_at_once_and_is_logged():
+    lines = []
+    node = mixture({"reverse": 3.0, "sort": 1.0}, say=lines.append)
+    shares(node, 100)
+    assert node.set_weights({"sort": 3.0}, "the REPL")
+    assert lines == ["forge: mix weights from the REPL: reverse=3, sort=3 (were reverse=3, sort=1) from draw 100"]
+    assert shares(node, 4000)["sort"] == pytest.approx(0.5, abs=0.03)
+    assert node.set_weights({"reverse": 0.0})
+    assert shares(node, 200) == {"reverse": 0.0, "sort": 1.0}
+
+
+@pytest.mark.parametrize(
+    "weights, problem",
+    [
+        ({"sorted": 1.0}, "no source named 'sorted'; sources: reverse, sort"),
+        ({"sort": -1.0}, "the weight of 'sort' must be a number >= 0, got -1.0"),
+        ({"reverse": 0, "sort": 0}, "every weight is 0"),
+        ({"sort": "lots"}, "the weight of 'sort' must be a number >= 0, got 'lots'"),
+        ({"sort": float("nan")}, "the weight of 'sort' must be a number >= 0"),
+        ([1, 2], "expected {name: weight} for sources reverse, sort"),
+    ],
+)
+def test_a_bad_weight_is_refused_with_a_line_and_the_old_weights_stay(weights, problem):
+    lines = []
+    node = mixture({"reverse": 3.0, "sort": 1.0}, say=lines.append)
+    assert not node.set_weights(weights, "the REPL")
+    assert len(lines) == 1 and problem in lines[0]
+    assert lines[0].startswith("forge: mix weights from the REPL refused: ")
+    assert lines[0].endswith("the run keeps reverse=3, sort=1")
+    assert node.weights == {"reverse": 3.0, "sort": 1.0}
+
+
+def test_the_watched_file_is_read_when_it_changes_and_weights_are_recorded_each_step(tmp_path):
+    lines, path = [], tmp_path / "mix.yaml"
+    node = mixture({"reverse": 3.0, "sort": 1.0}, watch=path, say=lines.append)
+    _drain()
+    node.between_steps()  # no file yet: the config's weights
+    assert lines == [] and reduce_states([_drain()]) == {"mix/weight/reverse": 3.0, "mix/weight/sort": 1.0}
+
+    path.write_text("sort: 2\n")
+    node.between_steps()
+    assert node.weights == {"reverse": 3.0, "sort": 2.0} and lines[-1].startswith(f"forge: mix weights from {path}: ")
+    assert reduce_states([_drain()]) == {"mix/weight/reverse": 3.0, "mix/weight/sort": 2.0}
+    node.between_steps()  # unchanged file: not read again
+    assert len(lines) == 1
+
+    path.write_text(json.dumps({"reverse": -1}))  # JSON too; refused
+    os.utime(path, ns=(1, 1))  # a new mtime, whatever the clock's resolution
+    node.between_steps()
+    assert "refused: the weight of 'reverse' must be a number >= 0, got -1" in lines[-1]
+    assert node.weights == {"reverse": 3.0, "sort": 2.0}
+    path.write_text("{sort: [")
+    os.utime(path, ns=(2, 2))
+    node.between_steps()
+    assert "refused: unreadable" in lines[-1] and node.weights == {"reverse": 3.0, "sort": 2.0}
+
+
+def test_a_checkpoint_round_trip_gives_the_same_next_prompts_and_weights(tmp_path):
+    path = tmp_path / "mix.yaml"
+    path.write_text("sort: 2\n")
+    node = mixture({"reverse": 3.0, "sort": 1.0}, seed=5, watch=path, say=lambda _: None)
+    node.reset()
+    [next(node) for _ in range(37)]
+    node.poll()
+    [next(node) for _ in range(10)]
+    node.set_weights({"reverse": 1.0})  # the REPL, after the file
+    torch.save(node.state_dict(), tmp_path / "state.pt")  # as a checkpoint holds it (forge/run.py)
+    after = [next(node) for _ in range(50)]
+
+    resumed = mixture({"reverse": 3.0, "sort": 1.0}, seed=5, watch=path, say=lambda _: None)
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False))
+    resumed.poll()  # the file has not changed since the checkpoint: the REPL's weights stay
+    assert resumed.weights == {"reverse": 1.0, "sort": 2.0}
+    assert [next(resumed) for _ in range(50)] == after
+    assert {s.task for s in after} == {"reverse", "sort"}
+
+
+def test_the_config_builds_a_mixture_the_repl_can_reach():
+    cfg = load_config(CONFIG, [], Config)
+    prompts = build_prompts(cfg.dataset, cfg.task, cfg.seed)
+    assert isinstance(prompts, Mixture) and prompts.weights == {"reverse": 3.0, "sort": 1.0}
+    assert str(prompts.watch) == "runs/grpo_mix_tiny/mix_weights.yaml"
+    unregister = register(cfg.run_name, prompts)
+    assert running("grpo_mix_tiny") is prompts
+    unregister()
+    with pytest.raises(KeyError, match="no run 'grpo_mix_tiny' with a mixture"):
+        running("grpo_mix_tiny")
+    assert not isinstance(build_prompts(DatasetConfig(), "add"), Mixture)
+
+
+def test_a_file_source_and_a_renamed_toy_task_carry_their_names(tmp_path):
+    rows = tmp_path / "questions.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(4)))
+    cfg = load_config(
+        CONFIG,
+        [f"dataset.mix=[{{path: {rows}, weight: 1}}, {{task: add, name: sums, weight: 1}}]", "eval.every=0"],
+        Config,
+    )
+    node = build_prompts(cfg.dataset, cfg.task, cfg.seed)
+    drawn = {s.task: s for s in (next(node) for _ in range(40))}
+    assert set(drawn) == {"questions", "sums"}
+    assert drawn["questions"].prompt.startswith("q")
+    sums = drawn["sums"]
+    row = RewardInput(sums.row(), sums.answer, "stop")
+    assert row.task["task"] == "sums" and builtin.task(row) == 1.0  # the `task` reward finds its toy task
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("dataset.mix=[{task: reverse, weight: -1}]", "config key 'dataset.mix[0].weight' must be >= 0, got -1.0"),
+        (
+            "dataset.mix=[{task: reverse, weight: 0}, {task: sort, weight: 0}]",
+            "config key 'dataset.mix': every weight is 0",
+        ),
+        ("dataset.mix=[{task: sort}, {task: sort}]", "config key 'dataset.mix[1].name': 'sort' names dataset.mix[0]"),
+        ("dataset.mix=[]", "config key 'dataset.mix' is empty"),
+        ("dataset.mix=null", "config key 'dataset.mix_file': live weights are a mixture's"),
+        ("dataset.template='Q: {question}'", "config keys 'dataset.mix' and 'dataset.template'"),
+        ("dataset.mix=[{task: sorting}]", "config key 'dataset.mix[0].task': unknown task 'sorting'; known: add,"),
+        ("dataset.mix=[{weight: 1}]", "config key 'dataset.mix[0]': no source"),
+        ("dataset.mix=[{task: add, path: x.jsonl}]", "config key 'dataset.mix[0]': a toy `task` or a dataset's keys"),
+        ("dataset.mix=[{path: x.jsonl}]", "config key 'dataset.mix[0].path': file not found: x.jsonl"),
+        ("dataset.mix=[{path: x.txt}]", "config key 'dataset.mix[0].path': x.txt is not one of"),
+        ("dataset.mix=[{task: add, mix_file: m.yaml}]", "config key 'dataset.mix[0]': a mixture's source is one"),
+        ("eval.dataset.mix=[{task: add}]", "config key 'eval.dataset.mix': ['add'] not among the run's sources"),
+        (
+            "distill.teachers=[{path: m, tasks: [add]}]",
+            "['add'] not among the run's data sources ['reverse', 'sort']",
+        ),
+    ],
+)
+def test_a_bad_mixture_config_names_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, [override], Config)
+    assert message in str(e.value)
+
+
+def test_dataset_sources_need_held_out_rows_and_the_task_reward_needs_toy_tasks(tmp_path):
+    rows = tmp_path / "train.jsonl"
+    rows.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    mix = f"dataset.mix=[{{path: {rows}}}, {{task: add}}]"
+    with pytest.raises(ConfigError, match="config key 'eval.dataset.mix': source 'train' is a dataset file"):
+        load_config(CONFIG, [mix], Config)
+    with pytest.raises(ConfigError, match=r"the 'task' reward scores toy tasks, not the rows of dataset.mix\[0\]"):
+        load_config(CONFIG, [mix, "rewards.weights={task: 1.0}", "eval.every=0"], Config)
+    cfg = load_config(CONFIG, [mix, f"eval.dataset.mix=[{{name: train, path: {rows}}}]"], Config)
+    assert [s.task for s in held_out(cfg.eval, cfg.task, cfg.dataset.mix)][-3:] == ["add"] * 3
+
+
+def test_per_source_rewards_and_accuracy_beside_the_overall_ones():
+    episodes = [
+        Episode([1, 2], [0, 1], [0.0, 0.0], score=Score(r, correct=c), task=t)
+        for r, c, t in [(1.0, 1.0, "reverse"), (0.5, 0.0, "reverse"), (0.0, 0.0, "sort"), (0.2, None, "sort")]
+    ]
+    _drain()
+    record_batch(episodes, 0, {}, per_source=True)
+    row = reduce_states([_drain()])
+    assert row["reward_mean"] == pytest.approx(0.425)
+    assert row["reward/reverse"] == pytest.approx(0.75) and row["reward/sort"] == pytest.approx(0.1)
+    assert row["accuracy/reverse"] == 0.5 and row["accuracy/sort"] == 0.0  # sort's unknown one left out
+    record_batch(episodes, 0, {})
+    assert not [k for k in reduce_states([_drain()]) if "/" in k]  # one source: the overall ones alone
+
+
+class Greedy:
+    """A generator that answers each prompt right when it is a `reverse` one."""
+
+    class generate:
+        @staticmethod
+        async def route(prompt, n, sampling, tools=None):
+            text = prompt[4:-1][::-1] if prompt.startswith("rev ") else "x"
+            return [Completion([1], [2], [0.0], text, "stop", policy_version=3)] * n
+
+
+class Exact:
+    class score:
+        @staticmethod
+        async def route(inputs):
+            return [Score(float(i.completion == i.answer)) for i in inputs]
+
+
+def test_evals_per_source():
+    cfg = load_config(CONFIG, ["eval.prompts=8"], Config)
+    samples = held_out(cfg.eval, cfg.task, cfg.dataset.mix)
+    assert Counter(s.task for s in samples) == {"reverse": 8, "sort": 8}
+    held, train = TaskPrompts("sort", cfg.eval.seed), TaskPrompts("sort", cfg.seed)
+    sort = [s.prompt for s in samples if s.task == "sort"]
+    assert sort == [next(held).prompt for _ in range(8)] != [next(train).prompt for _ in range(8)]  # held-out seed
+    out = asyncio.run(evaluate(EvalConfig(), samples, Greedy, Exact))
+    assert out["eval/accuracy"] == 0.5 and out["eval/reverse/accuracy"] == 1.0 and out["eval/sort/accuracy"] == 0.0
+    assert out["eval/reverse/prompts"] == 8 and out["eval/sort/reward_mean"] == 0.0
+
+
+def test_a_saved_config_loads_again_as_the_same_mixture(tmp_path):
+    """`forge run --resume` reads the run's config.yaml: each source's keys written out in full."""
+    cfg = load_config(CONFIG, [], Config)
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    again = load_config(tmp_path / "config.yaml", [], Config)
+    assert again.dataset.mix == cfg.dataset.mix and again.dataset.mix_file == cfg.dataset.mix_file
