@@ -3,9 +3,10 @@ imported): `APPS` maps each app's name (a config's `app:` key, apps/NAME.py) to 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import importlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from forge import tasks
 from forge.config import ConfigError, import_object
@@ -41,7 +42,7 @@ ALGORITHMS = ("grpo", "ppo", "distill")
 class GRPOConfig(RunConfig):
     app: str = "grpo"
     run_name: str = "grpo"
-    task: str = "reverse"  # a generated toy task (forge/tasks.py), unless `dataset` names a file
+    task: str = "reverse"  # a generated toy task (forge/tasks.py), unless `dataset` names a source
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     group_size: int = 8
@@ -104,24 +105,30 @@ class GRPOConfig(RunConfig):
             raise ConfigError(
                 "config keys 'rollout' and 'agentic': an agent or environment makes the rollouts; set one of them"
             )
-        if not self.dataset.path:
+        if not self.dataset.enabled:
             try:
                 tasks.get_task(self.task)
             except ValueError as e:
-                raise ConfigError(f"config key 'task': {e} (or give a file in 'dataset.path')") from None
+                raise ConfigError(
+                    f"config key 'task': {e} (or give a source: dataset.path, dataset.hf, dataset.reasoning_gym)"
+                ) from None
         self._validate_rewards()
         self._validate_eval()
         self._validate_algorithm()
+        self._check_sources()
         import_object("rollout", self.rollout)  # last: importing it loads torch (the default's module)
 
     def _validate_rewards(self) -> None:
-        if "task" in self.rewards.weights and self.dataset.path:
+        if "task" in self.rewards.weights and self.dataset.enabled:
+            raise ConfigError("config key 'rewards.weights': the 'task' reward scores toy tasks, not a dataset's rows")
+        if "reasoning_gym" in self.rewards.weights and self.dataset.kind != "reasoning_gym":
             raise ConfigError(
-                "config key 'rewards.weights': the 'task' reward scores toy tasks, not a dataset file's rows"
+                "config key 'rewards.weights.reasoning_gym': it scores reasoning-gym entries; the run's prompts "
+                f"are {self.dataset.source_name or 'the toy task ' + self.task} (set dataset.reasoning_gym.task)"
             )
         if self.eval.rewards:
             self.rewards.check_weights(self.eval.rewards, "eval.rewards")
-        if "judge" in self.rewards.weights and not self.dataset.path:  # a dataset file's columns: checked once read
+        if "judge" in self.rewards.weights and not self.dataset.enabled:  # a dataset's columns: checked once read
             self.rewards.check_judge(columns=())
 
     def _validate_algorithm(self) -> None:
@@ -129,7 +136,7 @@ class GRPOConfig(RunConfig):
             raise ConfigError(f"config key 'algorithm': {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
         if self.algorithm == "distill" and not self.distill.enabled:
             raise ConfigError("config key 'distill.teachers': algorithm 'distill' learns from teachers; name one")
-        sources = [Path(self.dataset.path).stem if self.dataset.path else self.task]
+        sources = [self.dataset.source_name or self.task]
         for i, teacher in enumerate(self.distill.teachers):
             unknown = [t for t in teacher.tasks if t not in sources]
             if unknown:
@@ -148,12 +155,20 @@ class GRPOConfig(RunConfig):
             )
 
     def _validate_eval(self) -> None:
-        if self.eval.enabled and self.dataset.path and not self.eval.dataset.path:
+        if self.eval.enabled and self.dataset.kind == "file" and not self.eval.dataset.enabled:
             raise ConfigError(
                 "config key 'eval.dataset.path': a run on a dataset file evaluates on a file too (its held-out rows)"
             )
+        if self.eval.enabled and self.dataset.kind == "hf" and not self.eval.dataset.enabled:
+            raise ConfigError(
+                "config key 'eval.dataset.hf': a run on a Hugging Face dataset evaluates on held-out rows too "
+                "(e.g. eval.dataset.hf with eval.dataset.split: test)"
+            )
+        if self.dataset.kind == "reasoning_gym" and not self.eval.dataset.enabled:
+            # the run's generator, and prompt format, from the held-out seed (eval.seed)
+            self.eval.dataset = copy.deepcopy(self.dataset)
         held = self.eval.dataset
-        if held.path and not held.messages_key and not held.chat and held.template == DatasetConfig.template:
+        if held.enabled and not held.messages_key and not held.chat and held.template == DatasetConfig.template:
             # the run's prompt format, unless the eval's file has its own
             held.template, held.messages_key, held.chat, held.tools_key = (
                 self.dataset.template,
@@ -162,6 +177,18 @@ class GRPOConfig(RunConfig):
                 self.dataset.tools_key,
             )
             held.answer_key = self.dataset.answer_key
+
+    def _check_sources(self) -> None:
+        """Load the run's and the eval's sources once (a file's or dataset's rows, a generator's
+        first entry), so a missing split or column fails here, before anything is spawned."""
+        if not self.dataset.enabled:
+            return
+        # Imported here: the data libraries (datasets, reasoning_gym, torchdata) are for runs
+        # that use them, and a config of a toy task is checked without them.
+        data = importlib.import_module("forge.data")
+        data.prompt_source(self.dataset, self.task, self.seed)
+        if self.eval.enabled and self.eval.dataset.enabled:
+            data.prompt_source(self.eval.dataset, self.task, self.eval.seed, key="eval.dataset")
 
 
 @dataclass

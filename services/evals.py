@@ -18,7 +18,7 @@ import math
 import statistics
 from typing import Any
 
-from forge.data import FilePrompts, TaskPrompts
+from forge.data import prompt_source
 from forge.tasks import Sample
 from forge.types import Batch, Completion, RewardInput, Score
 from services.schema import EvalConfig
@@ -27,13 +27,14 @@ log = logging.getLogger("forge")
 
 
 def held_out(cfg: EvalConfig, task: str) -> list[Sample]:
-    """The eval set: `cfg.prompts` prompts of the toy `task` from the held-out seed, or rows
-    of `cfg.dataset.path` (a seeded sample of them; all with prompts: 0)."""
-    if cfg.dataset.path:
-        stream = FilePrompts(cfg.dataset, cfg.seed)
-        count = len(stream.rows) if cfg.prompts == 0 else min(cfg.prompts, len(stream.rows))
+    """The eval set: `cfg.prompts` prompts of `cfg.dataset`'s source (a file's or a Hugging Face
+    dataset's rows: a seeded sample of them, all with prompts: 0; a reasoning-gym generator's
+    entries from the held-out seed), else of the toy `task` from the held-out seed."""
+    stream = prompt_source(cfg.dataset, task, cfg.seed, key="eval.dataset")
+    if stream.size is None:  # endless: a toy task, a reasoning-gym generator without a size
+        count = cfg.prompts or 64
     else:
-        stream, count = TaskPrompts(task, cfg.seed), cfg.prompts or 64
+        count = stream.size if cfg.prompts == 0 else min(cfg.prompts, stream.size)
     return [stream.sample(i) for i in range(count)]
 
 
