@@ -198,10 +198,10 @@ class ReasoningGymPrompts(RowPrompts):
 
     def _generator(self, chunk: int) -> Any:
         """The generator of chunk `chunk` of the endless stream (or the sized set, chunk 0): its
-        seed is seed + chunk x GYM_CHUNK, so entry i of a generator that seeds entry idx from
-        seed + idx (reasoning-gym's convention) is the entry i of one unbounded generator."""
+        seed is gym_seed(seed) + chunk x GYM_CHUNK, so for a generator that seeds entry idx from
+        seed + idx (reasoning-gym's convention) the chunks are one unbounded generator."""
         if self._made[0] != chunk:
-            seed = self.seed + chunk * sources.GYM_CHUNK
+            seed = sources.gym_seed(self.seed) + chunk * sources.GYM_CHUNK
             self._made = (chunk, sources.gym_generator(self.gym, seed, self.gym.size or sources.GYM_CHUNK, self.key))
         return self._made[1]
 
@@ -216,7 +216,7 @@ class GymTask(Task):
 
     def __init__(self, cfg: ReasoningGymConfig, seed: int = 0):
         self.name = cfg.task
-        self.generator = sources.gym_generator(cfg, seed, sources.GYM_CHUNK, "data.reasoning_gym")
+        self.generator = sources.gym_generator(cfg, sources.gym_seed(seed), sources.GYM_CHUNK, "data.reasoning_gym")
 
     def make(self, rng: random.Random) -> tuple[str, str]:
         entry = self.generator[rng.randrange(sources.GYM_CHUNK)]

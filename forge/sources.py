@@ -7,6 +7,7 @@ forge/data.py makes prompt streams of both."""
 from __future__ import annotations
 
 import difflib
+import random
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,14 @@ GYM_COLUMNS = ("question", "answer", "metadata")  # a reasoning-gym entry's keys
 # reasoning-gym's are sized), seeded so that together they are one unbounded generator.
 GYM_CHUNK = 10_000
 GYM_OWN_KEYS = ("seed", "size")  # a generator config's keys that forge sets
+
+
+def gym_seed(seed: int) -> int:
+    """The reasoning-gym seed of a forge stream's `seed`. Generators seed entry idx from
+    seed + idx, so streams of seeds 0 and 1 would be one stream shifted by one entry (and a
+    run's stream would reach its evals' after eval.seed entries): a hash spreads them apart,
+    below 2**31 as numpy's seeding (pool_matrix's) needs seed + idx < 2**32."""
+    return random.Random(f"reasoning_gym:{seed}").randrange(2**31)
 
 
 def load_rows(cfg: DatasetConfig, key: str = "dataset") -> datasets.Dataset:
