@@ -4,6 +4,7 @@ from the same data position)."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import string
@@ -23,6 +24,9 @@ from forge.schema import (
     SFTDataConfig,
 )
 from forge.tasks import Sample, Task, chat_tokens, end_of_turn, get_task, preference_pair
+
+log = logging.getLogger("forge")
+GYM_RETRIES = 20  # a generator's entries in a row that may fail before its stream stops the run
 
 
 class IndexedPrompts(BaseNode[Sample]):
@@ -85,34 +89,39 @@ class TaskPrompts(IndexedPrompts):
 
 class RowPrompts(IndexedPrompts):
     """Prompts made from rows (a mapping of columns each) as the `dataset` section's prompt keys
-    say: `template`, `chat` or `messages_key`, and `tools_key`. A subclass says which row sample
-    i reads (`row`); the section's columns are checked against `columns` and the first row here,
-    so a wrong key fails before the run, not mid-run."""
+    say: `template`, `chat` or `messages_key`, and `tools_key`. A subclass gives the row at a
+    position (`entry`); sample i reads position i of an endless source, else a position
+    reshuffled each epoch. The section's columns are checked against `columns` and the first
+    row here, so a wrong key fails before the run, not mid-run."""
 
-    def __init__(self, cfg: DatasetConfig, columns: list[str], count: int, seed: int, key: str, where: str):
+    def __init__(self, cfg: DatasetConfig, columns: list[str], size: int | None, seed: int, key: str, where: str):
         super().__init__(seed)
         self.cfg, self.key, self.where, self.name = cfg, key, where, cfg.source_name
-        self.columns = list(columns)
+        self.columns, self.size = list(columns), size
+        count = "endless" if size is None else size
         # A field may index its column ({test_list[0]}): the column is the name before [ or .
         texts = [m["content"] for m in cfg.chat] or [cfg.template]
         fields = [name for text in texts for _, name, _, _ in string.Formatter().parse(text) if name]
         prompt = {cfg.messages_key} if cfg.messages_key else {re.split(r"[.\[]", name)[0] for name in fields}
         wanted = prompt | {cfg.answer_key} | ({cfg.tools_key} if cfg.tools_key else set())
         missing = wanted - set(columns)
-        if missing or not count:
+        if missing or size == 0:
             raise ConfigError(
                 f"config key '{key}': {where} has {count} rows and columns {columns}; missing {sorted(missing)}"
             )
-        if cfg.messages_key or cfg.tools_key:
-            first, at = self.row(0)
-            if cfg.messages_key:
-                self._messages(first, at)  # a column of plain strings fails here, not mid-run
-            if cfg.tools_key:
-                self._tools(first, at)
+        if cfg.messages_key:
+            self._messages(self.entry(0), 0)  # a column of plain strings fails here, not mid-run
+        if cfg.tools_key:
+            self._tools(self.entry(0), 0)
+
+    def entry(self, at: int) -> dict[str, Any]:
+        """The source's row at position `at`."""
+        raise NotImplementedError
 
     def row(self, i: int) -> tuple[dict[str, Any], int]:
         """Sample i's row and its position in the source (for errors)."""
-        raise NotImplementedError
+        at = i if self.size is None else self.shuffled(i, self.size)
+        return self.entry(at), at
 
     def meta(self, row: dict[str, Any]) -> dict[str, Any]:
         """What goes with the sample to its rewards besides prompt, answer and task."""
@@ -168,11 +177,9 @@ class FilePrompts(RowPrompts):
         self.rows = sources.load_rows(cfg, key) if rows is None else rows
         where = cfg.path or f"{cfg.hf}{':' + cfg.subset if cfg.subset else ''} ({cfg.split or 'train'})"
         super().__init__(cfg, self.rows.column_names, len(self.rows), seed, key, where)
-        self.size = len(self.rows)
 
-    def row(self, i: int) -> tuple[dict[str, Any], int]:
-        at = self.shuffled(i, len(self.rows))
-        return self.rows[at], at
+    def entry(self, at: int) -> dict[str, Any]:
+        return self.rows[at]
 
 
 class ReasoningGymPrompts(RowPrompts):
@@ -186,15 +193,27 @@ class ReasoningGymPrompts(RowPrompts):
         self.gym, self._made = cfg.reasoning_gym, (-1, None)
         self.spec = {"task": self.gym.task, "config": dict(self.gym.config)}
         where = f"reasoning-gym task {self.gym.task}"
-        super().__init__(cfg, list(sources.GYM_COLUMNS), self.gym.size or sources.GYM_CHUNK, seed, key, where)
-        self.size = self.gym.size or None
+        super().__init__(cfg, list(sources.GYM_COLUMNS), self.gym.size or None, seed, key, where)
 
-    def row(self, i: int) -> tuple[dict[str, Any], int]:
-        if self.gym.size:
-            at = self.shuffled(i, self.gym.size)
-            return self._generator(0)[at], at
-        chunk, at = divmod(i, sources.GYM_CHUNK)
-        return self._generator(chunk)[at], i
+    def entry(self, at: int) -> dict[str, Any]:
+        """The generator's entry `at`; one it fails to make (basic_arithmetic's default config
+        divides by zero now and then) is replaced by the next it makes, so a library's bug in
+        one entry costs that entry, not the run."""
+        span = self.gym.size or sources.GYM_CHUNK
+        chunk, first = divmod(at, span)
+        generator = self._generator(chunk)
+        for k in range(GYM_RETRIES):
+            try:
+                return generator[(first + k) % span]
+            except Exception as e:  # noqa: BLE001 - whatever a generator raises on an entry
+                log.warning(
+                    "forge: reasoning-gym %s failed on entry %d (%s: %s); the next one instead",
+                    self.gym.task,
+                    at + k,
+                    type(e).__name__,
+                    e,
+                )
+        raise RuntimeError(f"reasoning-gym {self.gym.task}: {GYM_RETRIES} entries in a row from {at} failed")
 
     def _generator(self, chunk: int) -> Any:
         """The generator of chunk `chunk` of the endless stream (or the sized set, chunk 0): its

@@ -143,7 +143,7 @@ def test_save_to_disk_directories(tmp_path):
 
     datasets.Dataset.from_dict(qa(4)).save_to_disk(tmp_path / "plain")
     node = FilePrompts(DatasetConfig(path=str(tmp_path / "plain"), template="Q: {question}"), seed=2)
-    assert sorted(s.prompt for s in resumes(node, k=2, more=4)) == [f"Q: q{i}" for i in range(4)]
+    assert sorted(s.prompt for s in resumes(node, k=4, more=4)) == [f"Q: q{i}" for i in range(4)]
     assert node.sample(0).task == "plain" and node.size == 4
     split = datasets.DatasetDict(
         {"train": datasets.Dataset.from_dict(qa(3)), "test": datasets.Dataset.from_dict(qa(2, 10))}
@@ -350,3 +350,33 @@ def test_sft_examples_from_a_reasoning_gym_generator():
     bad = ReasoningGymConfig(task="basic_arithmetic", config={"terms": 2})
     with pytest.raises(ConfigError, match="config key 'data.reasoning_gym.config.terms': not a key"):
         SFTDataConfig(reasoning_gym=bad).validate()
+
+
+def test_reasoning_gym_entry_the_generator_fails_on_is_replaced_by_the_next(monkeypatch, caplog):
+    """A generator that raises on an entry (basic_arithmetic's default config divides by zero
+    now and then) costs that entry, the next one in its place, not the run; always failing stops it."""
+    real = sources.gym_generator
+
+    class Flaky:
+        def __init__(self, *args):
+            self.inner = real(*args)
+
+        def __getitem__(self, j):
+            if j == 1:
+                raise ZeroDivisionError("integer division or modulo by zero")
+            return self.inner[j]
+
+    monkeypatch.setattr(sources, "gym_generator", lambda *a: Flaky(*a))
+    node = prompt_source(DatasetConfig(reasoning_gym=ARITHMETIC), "reverse", seed=0)
+    assert node.sample(1) == node.sample(2) != node.sample(0)
+    assert "basic_arithmetic failed on entry 1 (ZeroDivisionError" in caplog.text
+
+    class Broken(Flaky):  # past its first entry (which the config check makes)
+        def __getitem__(self, j):
+            if j:
+                raise ValueError("no")
+            return self.inner[j]
+
+    monkeypatch.setattr(sources, "gym_generator", lambda *a: Broken(*a))
+    with pytest.raises(RuntimeError, match="reasoning-gym basic_arithmetic: 20 entries in a row from 5 failed"):
+        ReasoningGymPrompts(DatasetConfig(reasoning_gym=ARITHMETIC)).sample(5)
