@@ -4,6 +4,7 @@ from the same data position)."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import string
@@ -12,13 +13,26 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
+from forge import sources
 from forge.config import ConfigError
-from forge.schema import FORMATS, DatasetConfig, PreferenceDataConfig, RowsConfig, SFTDataConfig
-from forge.tasks import Sample, chat_tokens, end_of_turn, get_task, preference_pair
+from forge.schema import (
+    FORMATS,
+    DatasetConfig,
+    PreferenceDataConfig,
+    ReasoningGymConfig,
+    RowsConfig,
+    SFTDataConfig,
+)
+from forge.tasks import Sample, Task, chat_tokens, end_of_turn, get_task, preference_pair
+
+log = logging.getLogger("forge")
+GYM_RETRIES = 20  # a generator's entries in a row that may fail before its stream stops the run
 
 
 class IndexedPrompts(BaseNode[Sample]):
     """An endless prompt stream where sample i depends only on (seed, i): the index is the state."""
+
+    size: int | None = None  # how many distinct samples (a dataset's rows); None: endless
 
     def __init__(self, seed: int = 0):
         super().__init__()
@@ -53,9 +67,13 @@ class IndexedPrompts(BaseNode[Sample]):
         return self._order[1][i]
 
 
-def prompt_source(dataset: DatasetConfig, task: str, seed: int = 0) -> IndexedPrompts:
-    """A run's prompt stream: the source `dataset` names, else the toy `task`'s samples."""
-    return FilePrompts(dataset, seed) if dataset.path else TaskPrompts(task, seed)
+def prompt_source(dataset: DatasetConfig, task: str, seed: int = 0, key: str = "dataset") -> IndexedPrompts:
+    """A run's prompt stream: the source `dataset` names (a file or save_to_disk directory, a
+    Hugging Face dataset, a reasoning-gym generator), else the toy `task`'s samples. `key`: the
+    config key errors name (an eval's: eval.dataset)."""
+    if dataset.kind == "reasoning_gym":
+        return ReasoningGymPrompts(dataset, seed, key)
+    return FilePrompts(dataset, seed, key) if dataset.enabled else TaskPrompts(task, seed)
 
 
 class TaskPrompts(IndexedPrompts):
@@ -69,40 +87,54 @@ class TaskPrompts(IndexedPrompts):
         return self.task.sample(random.Random(f"{self.seed}:{i}"))
 
 
-class FilePrompts(IndexedPrompts):
-    """Rows of a local dataset file (through HF `datasets`), reshuffled each epoch from the seed."""
+class RowPrompts(IndexedPrompts):
+    """Prompts made from rows (a mapping of columns each) as the `dataset` section's prompt keys
+    say: `template`, `chat` or `messages_key`, and `tools_key`. A subclass gives the row at a
+    position (`entry`); sample i reads position i of an endless source, else a position
+    reshuffled each epoch. The section's columns are checked against `columns` and the first
+    row here, so a wrong key fails before the run, not mid-run."""
 
-    def __init__(self, cfg: DatasetConfig, seed: int = 0):
-        import datasets
-
+    def __init__(self, cfg: DatasetConfig, columns: list[str], size: int | None, seed: int, key: str, where: str):
         super().__init__(seed)
-        cfg.validate()
-        self.rows = datasets.load_dataset(FORMATS[Path(cfg.path).suffix], data_files=cfg.path, split="train")
+        self.cfg, self.key, self.where, self.name = cfg, key, where, cfg.source_name
+        self.columns, self.size = list(columns), size
+        count = "endless" if size is None else size
         # A field may index its column ({test_list[0]}): the column is the name before [ or .
         texts = [m["content"] for m in cfg.chat] or [cfg.template]
         fields = [name for text in texts for _, name, _, _ in string.Formatter().parse(text) if name]
         prompt = {cfg.messages_key} if cfg.messages_key else {re.split(r"[.\[]", name)[0] for name in fields}
         wanted = prompt | {cfg.answer_key} | ({cfg.tools_key} if cfg.tools_key else set())
-        missing = wanted - set(self.rows.column_names)
-        if missing or not len(self.rows):
+        missing = wanted - set(columns)
+        if missing or size == 0:
             raise ConfigError(
-                f"config key 'dataset': {cfg.path} has {len(self.rows)} rows and columns "
-                f"{self.rows.column_names}; missing {sorted(missing)}"
+                f"config key '{key}': {where} has {count} rows and columns {columns}; missing {sorted(missing)}"
             )
-        self.cfg = cfg
         if cfg.messages_key:
-            self._messages(self.rows[0], 0)  # a column of plain strings fails here, not mid-run
+            self._messages(self.entry(0), 0)  # a column of plain strings fails here, not mid-run
         if cfg.tools_key:
-            self._tools(self.rows[0], 0)
+            self._tools(self.entry(0), 0)
+
+    def entry(self, at: int) -> dict[str, Any]:
+        """The source's row at position `at`."""
+        raise NotImplementedError
+
+    def row(self, i: int) -> tuple[dict[str, Any], int]:
+        """Sample i's row and its position in the source (for errors)."""
+        at = i if self.size is None else self.shuffled(i, self.size)
+        return self.entry(at), at
+
+    def meta(self, row: dict[str, Any]) -> dict[str, Any]:
+        """What goes with the sample to its rewards besides prompt, answer and task."""
+        return dict(row)
 
     def sample(self, i: int) -> Sample:
-        at = self.shuffled(i, len(self.rows))
-        row = self.rows[at]
+        row, at = self.row(i)
+        answer = row[self.cfg.answer_key]
         return Sample(
             prompt=self._prompt(row, at),
-            answer=str(row[self.cfg.answer_key]),
-            task=Path(self.cfg.path).stem,
-            meta=dict(row),
+            answer="" if answer is None else str(answer),
+            task=self.name,
+            meta=self.meta(row),
             tools=self._tools(row, at) if self.cfg.tools_key else None,
         )
 
@@ -115,7 +147,7 @@ class FilePrompts(IndexedPrompts):
         messages = row[self.cfg.messages_key]
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ConfigError(
-                f"config key 'dataset.messages_key': row {at} of {self.cfg.path} holds {str(messages)[:60]!r} in "
+                f"config key '{self.key}.messages_key': row {at} of {self.where} holds {str(messages)[:60]!r} in "
                 f"column '{self.cfg.messages_key}', not a list of chat messages ({{role, content}})"
             )
         return [{k: v for k, v in m.items() if v is not None} for m in messages]  # datasets fills absent keys with None
@@ -130,10 +162,85 @@ class FilePrompts(IndexedPrompts):
             isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)
         ):
             raise ConfigError(
-                f"config key 'dataset.tools_key': row {at} of {self.cfg.path} holds {str(raw)[:60]!r} "
+                f"config key '{self.key}.tools_key': row {at} of {self.where} holds {str(raw)[:60]!r} "
                 f"in column '{self.cfg.tools_key}', not a list of OpenAI tools ({{type: function, function: {{name, ...}}}})"
             )
         return tools or None
+
+
+class FilePrompts(RowPrompts):
+    """Rows of a `datasets.Dataset`: a local file's, a save_to_disk directory's or a Hugging Face
+    dataset's (`rows`, else loaded as `cfg` says), reshuffled each epoch from the seed."""
+
+    def __init__(self, cfg: DatasetConfig, seed: int = 0, key: str = "dataset", rows: Any = None):
+        cfg.validate()
+        self.rows = sources.load_rows(cfg, key) if rows is None else rows
+        where = cfg.path or f"{cfg.hf}{':' + cfg.subset if cfg.subset else ''} ({cfg.split or 'train'})"
+        super().__init__(cfg, self.rows.column_names, len(self.rows), seed, key, where)
+
+    def entry(self, at: int) -> dict[str, Any]:
+        return self.rows[at]
+
+
+class ReasoningGymPrompts(RowPrompts):
+    """A reasoning-gym generator's entries ({question, answer, metadata}): `size` of them,
+    reshuffled each epoch, or endless. Entry i comes from (seed, i) alone, so the index is the
+    whole state. Each sample carries its entry and the generator's name and config (its meta),
+    which the `reasoning_gym` reward scores it with."""
+
+    def __init__(self, cfg: DatasetConfig, seed: int = 0, key: str = "dataset"):
+        cfg.validate()
+        self.gym, self._made = cfg.reasoning_gym, (-1, None)
+        self.spec = {"task": self.gym.task, "config": dict(self.gym.config)}
+        where = f"reasoning-gym task {self.gym.task}"
+        super().__init__(cfg, list(sources.GYM_COLUMNS), self.gym.size or None, seed, key, where)
+
+    def entry(self, at: int) -> dict[str, Any]:
+        """The generator's entry `at`; one it fails to make (basic_arithmetic's default config
+        divides by zero now and then) is replaced by the next it makes, so a library's bug in
+        one entry costs that entry, not the run."""
+        span = self.gym.size or sources.GYM_CHUNK
+        chunk, first = divmod(at, span)
+        generator = self._generator(chunk)
+        for k in range(GYM_RETRIES):
+            try:
+                return generator[(first + k) % span]
+            except Exception as e:  # noqa: BLE001 - whatever a generator raises on an entry
+                log.warning(
+                    "forge: reasoning-gym %s failed on entry %d (%s: %s); the next one instead",
+                    self.gym.task,
+                    at + k,
+                    type(e).__name__,
+                    e,
+                )
+        raise RuntimeError(f"reasoning-gym {self.gym.task}: {GYM_RETRIES} entries in a row from {at} failed")
+
+    def _generator(self, chunk: int) -> Any:
+        """The generator of chunk `chunk` of the endless stream (or the sized set, chunk 0): its
+        seed is gym_seed(seed) + chunk x GYM_CHUNK, so for a generator that seeds entry idx from
+        seed + idx (reasoning-gym's convention) the chunks are one unbounded generator."""
+        if self._made[0] != chunk:
+            seed = sources.gym_seed(self.seed) + chunk * sources.GYM_CHUNK
+            size, key = self.gym.size or sources.GYM_CHUNK, f"{self.key}.reasoning_gym"
+            self._made = (chunk, sources.gym_generator(self.gym, seed, size, key))
+        return self._made[1]
+
+    def meta(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "reasoning_gym": self.spec}
+
+
+class GymTask(Task):
+    """A reasoning-gym generator as a toy task, for the supervised apps' examples: a sample is
+    one of its first GYM_CHUNK entries from `seed`, drawn by the sample's RNG; its question the
+    prompt, its answer the answer (corrupted by the toy tasks' `noise` as theirs are)."""
+
+    def __init__(self, cfg: ReasoningGymConfig, seed: int = 0):
+        self.name = cfg.task
+        self.generator = sources.gym_generator(cfg, sources.gym_seed(seed), sources.GYM_CHUNK, "data.reasoning_gym")
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        entry = self.generator[rng.randrange(sources.GYM_CHUNK)]
+        return entry["question"], str(entry["answer"])
 
 
 class TokenizedRows(IndexedPrompts):
@@ -160,6 +267,8 @@ class SFTExamples(TokenizedRows):
 
     def __init__(self, cfg: SFTDataConfig, tokenizer: Any, task: str, seed: int = 0):
         super().__init__(cfg, tokenizer, task, seed)
+        if cfg.reasoning_gym.task:
+            self.task = GymTask(cfg.reasoning_gym, seed)
         if self.rows is not None:
             columns = set(self.rows.column_names)
             if cfg.messages_key not in columns and not {cfg.prompt_key, cfg.completion_key} <= columns:

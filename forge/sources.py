@@ -1,0 +1,143 @@
+"""The libraries a run's prompt rows come from, behind forge.schema.DatasetConfig: HF `datasets`
+loads a local file, a `save_to_disk` directory or a Hugging Face dataset by name (offline: from
+the local cache) as one `datasets.Dataset`; reasoning-gym's own factory makes a procedural
+generator. Every failure is a ConfigError naming the config key and what there is instead.
+forge/data.py makes prompt streams of both."""
+
+from __future__ import annotations
+
+import difflib
+import random
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import datasets
+import reasoning_gym
+from huggingface_hub import constants as hub_constants
+from reasoning_gym.factory import DATASETS as GYM_TASKS
+
+from forge.config import ConfigError
+from forge.schema import FORMATS, DatasetConfig, ReasoningGymConfig
+
+GYM_COLUMNS = ("question", "answer", "metadata")  # a reasoning-gym entry's keys: a row's columns
+# An endless generator is made in chunks of this many entries (each its own generator object, as
+# reasoning-gym's are sized), seeded so that together they are one unbounded generator.
+GYM_CHUNK = 10_000
+GYM_OWN_KEYS = ("seed", "size")  # a generator config's keys that forge sets
+
+
+def gym_seed(seed: int) -> int:
+    """The reasoning-gym seed of a forge stream's `seed`. Generators seed entry idx from
+    seed + idx, so streams of seeds 0 and 1 would be one stream shifted by one entry (and a
+    run's stream would reach its evals' after eval.seed entries): a hash spreads them apart,
+    below 2**31 as numpy's seeding (pool_matrix's) needs seed + idx < 2**32."""
+    return random.Random(f"reasoning_gym:{seed}").randrange(2**31)
+
+
+def load_rows(cfg: DatasetConfig, key: str = "dataset") -> datasets.Dataset:
+    """The rows `cfg` names: its `hf` dataset, its save_to_disk directory, or its file."""
+    if cfg.hf:
+        return _hub_rows(cfg, key)
+    if Path(cfg.path).is_dir():
+        try:
+            saved = datasets.load_from_disk(cfg.path)
+        except FileNotFoundError as e:
+            raise ConfigError(f"config key '{key}.path': {_first_line(e)}") from None
+        return _split(saved, cfg, key, cfg.path)
+    return datasets.load_dataset(FORMATS[Path(cfg.path).suffix], data_files=cfg.path, split="train")
+
+
+def _hub_rows(cfg: DatasetConfig, key: str) -> datasets.Dataset:
+    """`datasets.load_dataset(hf, subset)`, all its splits (so a missing one can name the others),
+    then the split."""
+    try:
+        loaded = datasets.load_dataset(cfg.hf, cfg.subset or None)
+    except ValueError as e:  # a config it lacks: "BuilderConfig 'x' not found. Available: [...]"
+        if cfg.subset and cfg.subset in str(e):
+            raise ConfigError(f"config key '{key}.subset': {cfg.hf}: {_first_line(e)}") from None
+        raise ConfigError(f"config key '{key}.hf': {cfg.hf}: {_first_line(e)}") from None
+    except (FileNotFoundError, ConnectionError, OSError) as e:  # DatasetNotFoundError is a FileNotFoundError
+        cached = cached_datasets()
+        close = difflib.get_close_matches(cfg.hf, cached, n=3, cutoff=0.5)
+        raise ConfigError(
+            f"config key '{key}.hf': cannot load {cfg.hf!r} ({_first_line(e)[:120]}); "
+            f"{'close: ' + ', '.join(close) + '; ' if close else ''}"
+            f"in the local cache: {', '.join(cached[:10]) or 'none'}"
+        ) from None
+    return _split(loaded, cfg, key, cfg.hf)
+
+
+def _split(loaded: Any, cfg: DatasetConfig, key: str, where: str) -> datasets.Dataset:
+    """`loaded`'s split `cfg.split` (empty: train), or `loaded` itself when it has no splits."""
+    if isinstance(loaded, datasets.Dataset):
+        if cfg.split:
+            raise ConfigError(f"config key '{key}.split': {where} is one dataset without splits; unset it")
+        return loaded
+    split = cfg.split or "train"
+    if split not in loaded:
+        raise ConfigError(
+            f"config key '{key}.split': {where} has no split {split!r}; its splits: {', '.join(loaded) or 'none'}"
+        )
+    return loaded[split]
+
+
+def cached_datasets() -> list[str]:
+    """The Hugging Face datasets in the local caches (the hub's and `datasets`'), by name."""
+    hub = {d.name[len("datasets--") :].replace("--", "/") for d in Path(hub_constants.HF_HUB_CACHE).glob("datasets--*")}
+    prepared = {d.name.replace("___", "/") for d in Path(datasets.config.HF_DATASETS_CACHE).glob("*___*")}
+    return sorted(hub | prepared)
+
+
+def check_reasoning_gym(cfg: ReasoningGymConfig, key: str = "dataset.reasoning_gym") -> None:
+    """A known task, its generator's config keys, a size >= 0, and a generator that makes an entry."""
+    if not cfg.task:
+        raise ConfigError(
+            f"config key '{key}.task': name a reasoning-gym task (e.g. {', '.join(sorted(GYM_TASKS)[:5])})"
+        )
+    config_class = gym_config_class(cfg.task, key)
+    known = sorted(f.name for f in fields(config_class) if f.name not in GYM_OWN_KEYS)
+    for name in cfg.config:
+        if name in GYM_OWN_KEYS:
+            raise ConfigError(
+                f"config key '{key}.config.{name}': forge sets it: the seed is the run's `seed` (evals': "
+                f"`eval.seed`), the size {key}.size"
+            )
+        if name not in known:
+            raise ConfigError(
+                f"config key '{key}.config.{name}': not a key of {cfg.task}'s generator "
+                f"({config_class.__name__}); its keys: {', '.join(known)}"
+            )
+    if cfg.size < 0:
+        raise ConfigError(f"config key '{key}.size' must be >= 0 (0: endless), got {cfg.size}")
+    generator = gym_generator(cfg, 0, cfg.size or 1, key)
+    try:
+        generator[0]
+    except Exception as e:  # noqa: BLE001 - a generator's own failure on this config, whatever it is
+        raise ConfigError(f"config key '{key}.config': {cfg.task} fails to generate: {type(e).__name__}: {e}") from None
+
+
+def gym_config_class(task: str, key: str = "dataset.reasoning_gym") -> type:
+    """The config dataclass of reasoning-gym task `task`; an unknown one names the closest."""
+    if task not in GYM_TASKS:
+        close = difflib.get_close_matches(task, GYM_TASKS, n=5, cutoff=0.5) or sorted(GYM_TASKS)[:5]
+        raise ConfigError(
+            f"config key '{key}.task': no reasoning-gym task {task!r}; close: {', '.join(close)} "
+            f"(all {len(GYM_TASKS)}: reasoning_gym.factory.DATASETS)"
+        )
+    return GYM_TASKS[task][1]
+
+
+def gym_generator(cfg: ReasoningGymConfig, seed: int, size: int, key: str = "dataset.reasoning_gym") -> Any:
+    """The task's generator (a reasoning_gym ProceduralDataset) of `size` entries from `seed`;
+    a config its generator rejects (its validate's assertions) names the key."""
+    try:
+        return reasoning_gym.create_dataset(cfg.task, **cfg.config, seed=seed, size=size)
+    except (AssertionError, TypeError, ValueError) as e:
+        raise ConfigError(
+            f"config key '{key}.config': {cfg.task} rejects {cfg.config}: {type(e).__name__}: {e}"
+        ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
