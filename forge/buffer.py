@@ -69,7 +69,14 @@ class ReplayBuffer(ForgeActor):
         self.dynamic_sampling = dynamic_sampling
         self.groups: deque[list[Episode]] = deque()
         self.changed = asyncio.Condition()
-        self.stats = {"added": 0, "dropped_stale": 0, "dropped_filtered": 0, "dropped_lost": 0, "dropped_rewound": 0, "sampled": 0}
+        self.stats = {
+            "added": 0,
+            "dropped_stale": 0,
+            "dropped_filtered": 0,
+            "dropped_lost": 0,
+            "dropped_rewound": 0,
+            "sampled": 0,
+        }
         self.lost: list[tuple[int, int]] = []  # (after, upto]: versions of a trainer that died
         self.version = 0  # the next batch's policy version
         self.admitted: defaultdict[int, int] = defaultdict(int)  # on-policy: version -> groups started or kept

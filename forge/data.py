@@ -4,7 +4,6 @@ from the same data position)."""
 from __future__ import annotations
 
 import json
-import logging
 import random
 import re
 import string
@@ -13,20 +12,15 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from forge import sources
 from forge.config import ConfigError
 from forge.schema import (
     FORMATS,
     DatasetConfig,
     PreferenceDataConfig,
-    ReasoningGymConfig,
     RowsConfig,
     SFTDataConfig,
 )
-from forge.tasks import Sample, Task, chat_tokens, end_of_turn, get_task, preference_pair
-
-log = logging.getLogger("forge")
-GYM_RETRIES = 20  # a generator's entries in a row that may fail before its stream stops the run
+from forge.tasks import Sample, chat_tokens, end_of_turn, get_task, preference_pair
 
 
 class IndexedPrompts(BaseNode[Sample]):
@@ -72,6 +66,8 @@ def prompt_source(dataset: DatasetConfig, task: str, seed: int = 0, key: str = "
     Hugging Face dataset, a reasoning-gym generator), else the toy `task`'s samples. `key`: the
     config key errors name (an eval's: eval.dataset)."""
     if dataset.kind == "reasoning_gym":
+        from forge.sources import ReasoningGymPrompts  # see FilePrompts
+
         return ReasoningGymPrompts(dataset, seed, key)
     return FilePrompts(dataset, seed, key) if dataset.enabled else TaskPrompts(task, seed)
 
@@ -173,6 +169,10 @@ class FilePrompts(RowPrompts):
     dataset's (`rows`, else loaded as `cfg` says), reshuffled each epoch from the seed."""
 
     def __init__(self, cfg: DatasetConfig, seed: int = 0, key: str = "dataset", rows: Any = None):
+        # Imported where used: forge.sources loads datasets and reasoning_gym (about 4 s, sympy and
+        # a hundred generators), which a toy-task run should not pay for.
+        from forge import sources
+
         cfg.validate()
         self.rows = sources.load_rows(cfg, key) if rows is None else rows
         where = cfg.path or f"{cfg.hf}{':' + cfg.subset if cfg.subset else ''} ({cfg.split or 'train'})"
@@ -180,67 +180,6 @@ class FilePrompts(RowPrompts):
 
     def entry(self, at: int) -> dict[str, Any]:
         return self.rows[at]
-
-
-class ReasoningGymPrompts(RowPrompts):
-    """A reasoning-gym generator's entries ({question, answer, metadata}): `size` of them,
-    reshuffled each epoch, or endless. Entry i comes from (seed, i) alone, so the index is the
-    whole state. Each sample carries its entry and the generator's name and config (its meta),
-    which the `reasoning_gym` reward scores it with."""
-
-    def __init__(self, cfg: DatasetConfig, seed: int = 0, key: str = "dataset"):
-        cfg.validate()
-        self.gym, self._made = cfg.reasoning_gym, (-1, None)
-        self.spec = {"task": self.gym.task, "config": dict(self.gym.config)}
-        where = f"reasoning-gym task {self.gym.task}"
-        super().__init__(cfg, list(sources.GYM_COLUMNS), self.gym.size or None, seed, key, where)
-
-    def entry(self, at: int) -> dict[str, Any]:
-        """The generator's entry `at`; one it fails to make (basic_arithmetic's default config
-        divides by zero now and then) is replaced by the next it makes, so a library's bug in
-        one entry costs that entry, not the run."""
-        span = self.gym.size or sources.GYM_CHUNK
-        chunk, first = divmod(at, span)
-        generator = self._generator(chunk)
-        for k in range(GYM_RETRIES):
-            try:
-                return generator[(first + k) % span]
-            except Exception as e:  # noqa: BLE001 - whatever a generator raises on an entry
-                log.warning(
-                    "forge: reasoning-gym %s failed on entry %d (%s: %s); the next one instead",
-                    self.gym.task,
-                    at + k,
-                    type(e).__name__,
-                    e,
-                )
-        raise RuntimeError(f"reasoning-gym {self.gym.task}: {GYM_RETRIES} entries in a row from {at} failed")
-
-    def _generator(self, chunk: int) -> Any:
-        """The generator of chunk `chunk` of the endless stream (or the sized set, chunk 0): its
-        seed is gym_seed(seed) + chunk x GYM_CHUNK, so for a generator that seeds entry idx from
-        seed + idx (reasoning-gym's convention) the chunks are one unbounded generator."""
-        if self._made[0] != chunk:
-            seed = sources.gym_seed(self.seed) + chunk * sources.GYM_CHUNK
-            size, key = self.gym.size or sources.GYM_CHUNK, f"{self.key}.reasoning_gym"
-            self._made = (chunk, sources.gym_generator(self.gym, seed, size, key))
-        return self._made[1]
-
-    def meta(self, row: dict[str, Any]) -> dict[str, Any]:
-        return {**row, "reasoning_gym": self.spec}
-
-
-class GymTask(Task):
-    """A reasoning-gym generator as a toy task, for the supervised apps' examples: a sample is
-    one of its first GYM_CHUNK entries from `seed`, drawn by the sample's RNG; its question the
-    prompt, its answer the answer (corrupted by the toy tasks' `noise` as theirs are)."""
-
-    def __init__(self, cfg: ReasoningGymConfig, seed: int = 0):
-        self.name = cfg.task
-        self.generator = sources.gym_generator(cfg, sources.gym_seed(seed), sources.GYM_CHUNK, "data.reasoning_gym")
-
-    def make(self, rng: random.Random) -> tuple[str, str]:
-        entry = self.generator[rng.randrange(sources.GYM_CHUNK)]
-        return entry["question"], str(entry["answer"])
 
 
 class TokenizedRows(IndexedPrompts):
@@ -268,6 +207,8 @@ class SFTExamples(TokenizedRows):
     def __init__(self, cfg: SFTDataConfig, tokenizer: Any, task: str, seed: int = 0):
         super().__init__(cfg, tokenizer, task, seed)
         if cfg.reasoning_gym.task:
+            from forge.sources import GymTask  # see FilePrompts
+
             self.task = GymTask(cfg.reasoning_gym, seed)
         if self.rows is not None:
             columns = set(self.rows.column_names)

@@ -178,7 +178,9 @@ class DatasetConfig:
         if self.reasoning_gym.task or self.reasoning_gym.config or self.reasoning_gym.size:
             # Imported here: reasoning_gym loads sympy and its hundred generators, which a config
             # without one should not pay for.
-            importlib.import_module("forge.sources").check_reasoning_gym(self.reasoning_gym, "dataset.reasoning_gym")
+            from forge.sources import check_reasoning_gym
+
+            check_reasoning_gym(self.reasoning_gym, "dataset.reasoning_gym")
 
 
 @dataclass
@@ -318,8 +320,10 @@ class SFTDataConfig(RowsConfig):
             raise ConfigError(f"config key 'data.pack_to' must be >= 0, got {self.pack_to}")
         if self.reasoning_gym.task and self.path:
             raise ConfigError("config keys data.path, data.reasoning_gym.task: each is a source of examples; set one")
-        if self.reasoning_gym.task:  # imported here as in DatasetConfig
-            importlib.import_module("forge.sources").check_reasoning_gym(self.reasoning_gym, "data.reasoning_gym")
+        if self.reasoning_gym.task:
+            from forge.sources import check_reasoning_gym  # imported here as in DatasetConfig
+
+            check_reasoning_gym(self.reasoning_gym, "data.reasoning_gym")
 
 
 @dataclass

@@ -2,11 +2,12 @@
 loads a local file, a `save_to_disk` directory or a Hugging Face dataset by name (offline: from
 the local cache) as one `datasets.Dataset`; reasoning-gym's own factory makes a procedural
 generator. Every failure is a ConfigError naming the config key and what there is instead.
-forge/data.py makes prompt streams of both."""
+forge.data.prompt_source makes prompt streams of both."""
 
 from __future__ import annotations
 
 import difflib
+import logging
 import random
 from dataclasses import fields
 from pathlib import Path
@@ -18,8 +19,12 @@ from huggingface_hub import constants as hub_constants
 from reasoning_gym.factory import DATASETS as GYM_TASKS
 
 from forge.config import ConfigError
+from forge.data import RowPrompts
 from forge.schema import FORMATS, DatasetConfig, ReasoningGymConfig
+from forge.tasks import Task
 
+log = logging.getLogger("forge")
+GYM_RETRIES = 20  # a generator's entries in a row that may fail before its stream stops the run
 GYM_COLUMNS = ("question", "answer", "metadata")  # a reasoning-gym entry's keys: a row's columns
 # An endless generator is made in chunks of this many entries (each its own generator object, as
 # reasoning-gym's are sized), seeded so that together they are one unbounded generator.
@@ -141,3 +146,64 @@ def gym_generator(cfg: ReasoningGymConfig, seed: int, size: int, key: str = "dat
 
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+class ReasoningGymPrompts(RowPrompts):
+    """A reasoning-gym generator's entries ({question, answer, metadata}): `size` of them,
+    reshuffled each epoch, or endless. Entry i comes from (seed, i) alone, so the index is the
+    whole state. Each sample carries its entry and the generator's name and config (its meta),
+    which the `reasoning_gym` reward scores it with."""
+
+    def __init__(self, cfg: DatasetConfig, seed: int = 0, key: str = "dataset"):
+        cfg.validate()
+        self.gym, self._made = cfg.reasoning_gym, (-1, None)
+        self.spec = {"task": self.gym.task, "config": dict(self.gym.config)}
+        where = f"reasoning-gym task {self.gym.task}"
+        super().__init__(cfg, list(GYM_COLUMNS), self.gym.size or None, seed, key, where)
+
+    def entry(self, at: int) -> dict[str, Any]:
+        """The generator's entry `at`; one it fails to make (basic_arithmetic's default config
+        divides by zero now and then) is replaced by the next it makes, so a library's bug in
+        one entry costs that entry, not the run."""
+        span = self.gym.size or GYM_CHUNK
+        chunk, first = divmod(at, span)
+        generator = self._generator(chunk)
+        for k in range(GYM_RETRIES):
+            try:
+                return generator[(first + k) % span]
+            except Exception as e:  # noqa: BLE001 - whatever a generator raises on an entry
+                log.warning(
+                    "forge: reasoning-gym %s failed on entry %d (%s: %s); the next one instead",
+                    self.gym.task,
+                    at + k,
+                    type(e).__name__,
+                    e,
+                )
+        raise RuntimeError(f"reasoning-gym {self.gym.task}: {GYM_RETRIES} entries in a row from {at} failed")
+
+    def _generator(self, chunk: int) -> Any:
+        """The generator of chunk `chunk` of the endless stream (or the sized set, chunk 0): its
+        seed is gym_seed(seed) + chunk x GYM_CHUNK, so for a generator that seeds entry idx from
+        seed + idx (reasoning-gym's convention) the chunks are one unbounded generator."""
+        if self._made[0] != chunk:
+            seed = gym_seed(self.seed) + chunk * GYM_CHUNK
+            size, key = self.gym.size or GYM_CHUNK, f"{self.key}.reasoning_gym"
+            self._made = (chunk, gym_generator(self.gym, seed, size, key))
+        return self._made[1]
+
+    def meta(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "reasoning_gym": self.spec}
+
+
+class GymTask(Task):
+    """A reasoning-gym generator as a toy task, for the supervised apps' examples: a sample is
+    one of its first GYM_CHUNK entries from `seed`, drawn by the sample's RNG; its question the
+    prompt, its answer the answer (corrupted by the toy tasks' `noise` as theirs are)."""
+
+    def __init__(self, cfg: ReasoningGymConfig, seed: int = 0):
+        self.name = cfg.task
+        self.generator = gym_generator(cfg, gym_seed(seed), GYM_CHUNK, "data.reasoning_gym")
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        entry = self.generator[rng.randrange(GYM_CHUNK)]
+        return entry["question"], str(entry["answer"])

@@ -7,8 +7,9 @@ import pytest
 
 from forge import sources
 from forge.config import ConfigError
-from forge.data import FilePrompts, ReasoningGymPrompts, TaskPrompts, prompt_source
+from forge.data import FilePrompts, TaskPrompts, prompt_source
 from forge.schema import DatasetConfig, ReasoningGymConfig
+from forge.sources import ReasoningGymPrompts
 
 
 def gsm8k_like(path, n=5):

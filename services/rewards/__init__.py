@@ -33,9 +33,10 @@ from typing import Any
 from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
+from forge.config import import_object
 from forge.env import call
 from forge.types import RewardInput, RewardUnavailable, Score, check_reward
-from services.rewards import builtin, gym
+from services.rewards import builtin
 from services.rewards.code_tests import CodeTests
 from services.rewards.judge import Judge
 from services.rewards.reward_model import RewardModel
@@ -54,7 +55,8 @@ REWARDS: dict[str, Callable[[RewardsConfig], RewardFn]] = {
     "judge": lambda cfg: Judge(cfg.judge),
     "code_tests": lambda cfg: CodeTests(cfg.code_tests),
     "reward_model": lambda cfg: RewardModel(cfg.reward_model),
-    "reasoning_gym": lambda cfg: gym.score,
+    # By name, as a user's reward is: reasoning_gym takes ~2 s to import, for runs that use it.
+    "reasoning_gym": lambda cfg: import_object("rewards.weights.reasoning_gym", "services.rewards.gym:score"),
 }
 
 

@@ -1,6 +1,6 @@
 """The `reasoning_gym` reward: the sample's reasoning-gym generator scores the model's answer
 with its own `score_answer(answer, entry)`. The sample carries its entry (question, answer,
-metadata) and its generator's task and config (forge.data.ReasoningGymPrompts puts them in its
+metadata) and its generator's task and config (forge.sources.ReasoningGymPrompts puts them in its
 meta), so no answer column is needed and each task keeps its own notion of right."""
 
 from __future__ import annotations
