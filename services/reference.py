@@ -17,8 +17,8 @@ from forge.types import Batch
 
 
 class Reference(ForgeActor):
-    """Frozen torchtitan model; `logprobs` runs `chunk_rows` rows at a time so the full-vocab
-    logits of a whole batch never exist at once."""
+    """Frozen torchtitan model; `logprobs` runs `chunk_rows` rows at a time (their activations)
+    and its head a chunk of tokens at a time (titan.token_logprobs)."""
 
     @classmethod
     def check_args(cls, model: str | Path, chunk_rows: int = 8) -> None:

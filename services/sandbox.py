@@ -10,8 +10,8 @@ Each run gets:
   that slot's processes (root, which runs everything on these machines, ignores the limit);
 - rlimits: address space (`memory_limit_MB`), CPU seconds, processes, file size, open files;
 - a cgroup per slot: its memory, its processes and its CPU (`cpu_cores`) as a whole;
-- a seccomp filter (services/sandbox_seccomp.py): no namespaces, keyrings, ptrace, mounts, bpf,
-  perf, modules or io_uring;
+- a seccomp filter (services/sandbox_seccomp.py): an allow-list of what programs and their tools
+  use; no namespaces, keyrings, ptrace, mounts, bpf, perf, modules or io_uring;
 - a scrubbed environment and a fresh working directory;
 - where the kernel allows it (root or CAP_SYS_ADMIN), new network, pid, mount and IPC
   namespaces: no network (its own loopback, down), a /proc that shows only its own processes,

@@ -608,7 +608,8 @@ class TinkerConfig:
     max_request_bytes: int = 16 << 20
     max_datums: int = 1024  # per forward_backward request
     max_tokens: int = 65536  # per forward_backward request, over its datums
-    # The trainer's passes over a request hold at most this many tokens (their logits: x vocab size).
+    # The trainer's passes over a request hold at most this many tokens (their activations; the
+    # head's logits are a chunk of tokens at a time whatever the pass, titan.LOGPROB_CHUNK).
     tokens_per_pass: int = 8192
     max_seq_len: int = 4096  # one datum
     max_samples: int = 64  # num_samples of one sample request

@@ -7,6 +7,8 @@ and the trainer benchmark lives here or in services/models/layers.py, each with 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torchtitan.models.common.attention import FlexAttention
 
+from forge.losses.logprobs import chunkable, head_logprobs
 from forge.schema import LoRAConfig
 from services import models
 from services.lora import adapt, add_dropout, is_adapter
@@ -31,6 +34,9 @@ def packed_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
 
 
+# Tokens whose logits are alive at once in token_logprobs (forward and backward): 2048 x Qwen3's
+# 151,936-token vocabulary is 1.2 GB of fp32 logits, whatever the batch.
+LOGPROB_CHUNK = 2048
 SCORE_HEAD = "score.weight"  # HF's *ForSequenceClassification head: Linear(hidden, num_labels, bias=False)
 
 
@@ -228,12 +234,44 @@ def _forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor 
     return model(ids, positions=positions, attention_masks=packed_causal_mask(positions))
 
 
-def target_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+@contextmanager
+def _hidden_states(model: torch.nn.Module) -> Iterator[None]:
+    """The model's forward returns its last hidden states (after the final norm), not logits:
+    the head runs in head_logprobs, a chunk of tokens at a time. torchtitan's decoders (and its
+    transformers backend) skip their head on this flag, as its ChunkedLossWrapper has them."""
+    model._skip_lm_head = True
+    try:
+        yield
+    finally:
+        model._skip_lm_head = False
+
+
+def target_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = LOGPROB_CHUNK
+) -> torch.Tensor:
     """log p(targets[:, t] | input_ids[:, :t + 1]) for every t, [rows, seq]: Tinker's alignment,
     where a datum names the token each position predicts (usually the next input)."""
-    logits = _forward(model, input_ids).float()
-    flat = logits.reshape(-1, logits.shape[-1])
-    return -torch.nn.functional.cross_entropy(flat, targets.reshape(-1), reduction="none").view_as(targets)
+    return _logprobs(model, input_ids, None, targets, chunk_tokens, False)[0]
+
+
+def _logprobs(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    positions: torch.Tensor | None,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[rows, len(targets)] logprobs of `targets`, the model's outputs at positions 0.. predicting
+    them: from its last hidden states and its head in chunks (forge.losses.logprobs), or, for a
+    head the chunks cannot stand in for (adapters, hooks), from the model's own logits."""
+    n = targets.shape[1]
+    if chunk_tokens > 0 and chunkable(model.lm_head):
+        with _hidden_states(model):
+            hidden = _forward(model, ids, positions)[:, :n]
+        return head_logprobs(model.lm_head, hidden, targets, chunk_tokens, with_entropy)
+    logits = _forward(model, ids, positions)[:, :n]
+    return head_logprobs(torch.nn.Identity(), logits, targets, 0, with_entropy)
 
 
 def token_logprobs(
@@ -243,14 +281,16 @@ def token_logprobs(
     with_entropy: bool = False,
     positions: torch.Tensor | None = None,
     routed_experts: torch.Tensor | None = None,
+    chunk_tokens: int = LOGPROB_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token t | tokens < t) for every t, token-aligned ([rows, seq], 0 at t=0), and
     optionally the entropy of each of those next-token distributions (no grad). On packed rows
     (`positions`, see `collate`) each episode sees only itself. A MoE replays `routed_experts`
     (the generator's routing, Batch.routed_experts) where given.
 
-    cross_entropy on the logits avoids a second [rows, seq, vocab] log-softmax tensor;
-    `chunk_rows` bounds the logits alive at once (the reference model, under no_grad)."""
+    The head and its log-softmax run `chunk_tokens` tokens at a time, forward and backward
+    (forge.losses.logprobs; 0: all at once); `chunk_rows` bounds the rows in one forward
+    (the reference model, under no_grad)."""
     rows = input_ids.shape[0]
     step = chunk_rows or rows
     lps, ents = [], []
@@ -258,16 +298,15 @@ def token_logprobs(
         ids = input_ids[start : start + step]
         pos = positions[start : start + step] if positions is not None else None
         route_as(model, routed_experts[start : start + step] if routed_experts is not None else None)
-        logits = _forward(model, ids, pos)[:, :-1].float()
-        flat = logits.reshape(-1, logits.shape[-1])
-        lp = -torch.nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
-        lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+        lp, ent = _logprobs(model, ids, pos, ids[:, 1:], chunk_tokens, with_entropy)
         # An episode's first token has no logprob, packed or not (its "context" is another episode).
-        lps.append(lp if pos is None else lp.masked_fill(pos == 0, 0.0))
+        lps.append(_first_zero(lp, pos))
         if with_entropy:
-            with torch.no_grad():
-                logp = torch.log_softmax(logits, -1)
-                ent = -(logp.exp() * logp).sum(-1)
-            ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
-            ents.append(ent if pos is None else ent.masked_fill(pos == 0, 0.0))
+            ents.append(_first_zero(ent, pos))
     return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+def _first_zero(values: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """[rows, seq - 1] next-token values token-aligned: 0 at t = 0 and at each packed episode's start."""
+    values = torch.nn.functional.pad(values, (1, 0))
+    return values if positions is None else values.masked_fill(positions == 0, 0.0)

@@ -342,8 +342,8 @@ class Trainer(ForgeActor):
     ) -> tuple[list[list[float]], float]:
         """Tenant `name`'s target logprobs of every datum (each its own length) and the summed
         loss; with `backward`, its gradients grow by the loss's (they add up until `optim_step`).
-        Each forward holds at most `tokens_per_pass` tokens (rows x the longest): the logits of
-        a request, whatever its size, fit in memory; the loss is a sum, so passes add up to it."""
+        Each forward holds at most `tokens_per_pass` tokens (rows x the longest): the activations
+        of a request, whatever its size, fit in memory; the loss is a sum, so passes add up to it."""
         cfg = loss_config(loss, config)
         self._tenants().activate(name)
         rows = datums.input_ids.shape[0]

@@ -59,6 +59,7 @@ def test_generation_quick_writes_json(tmp_path):
             marks=pytest.mark.slow,
         ),
         ("trainer", ("bare_torchtitan_step_s", "forge_train_step_s")),
+        ("logprobs", ("peak_memory_ratio", "step_time_ratio")),
         pytest.param("gateway", ("gateway_fraction_of_direct", "added_latency_ms_p99"), marks=pytest.mark.slow),
         ("sandbox", ("fraction_of_bare", "fraction_of_bare_exec", "fraction_of_bare_fresh")),
         pytest.param(
@@ -78,6 +79,8 @@ def test_quick_benchmark_writes_json(tmp_path, name, positive):
         assert 0 < data[key] < float("inf"), (key, data[key])
     if name == "trainer":  # forge's step is the bare step plus its overhead
         assert data["forge_train_step_s"] == pytest.approx(data["bare_torchtitan_step_s"] * (1 + data["overhead"]))
+    if name == "logprobs":  # the same logprobs and gradients, in a fraction of the memory
+        assert data["max_logprob_diff"] <= 1e-5 and data["max_grad_diff"] <= 1e-5 and data["peak_memory_ratio"] < 0.5
     if name == "sandbox":
         assert data["rows"] and all(r["runs"] > 0 and r["sandbox_runs_per_s"] > 0 for r in data["rows"].values())
     if name == "weight_sync":

@@ -123,3 +123,22 @@ def test_other_causal_lms_load_through_the_transformers_backend(tmp_path, model_
         models.of({"model_type": "mixtral", "num_local_experts": 8})
     with pytest.raises(ValueError, match="model_type 'vit' is not supported"):
         models.of({"model_type": "vit"})  # transformers has no causal LM of it
+
+
+def test_a_family_gives_the_same_logprobs_and_gradients_with_its_head_in_chunks(tiny):
+    """token_logprobs with the head run 7 tokens at a time (a chunk that does not divide the
+    rows, packed rows too) against all at once: logprobs, entropies and every gradient within
+    1e-5 (fp32)."""
+    ids = torch.randint(5, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(15), torch.arange(25)]).repeat(2).reshape(2, 40)
+    model = titan.load_hf_model(tiny)
+    got = []
+    for chunk in (0, 7):
+        model.zero_grad()
+        lp, ent = titan.token_logprobs(model, ids, with_entropy=True, positions=positions, chunk_tokens=chunk)
+        (lp * torch.linspace(-1, 1, 40)).sum().backward()
+        got.append((lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (lp0, ent0, g0), (lp7, ent7, g7) = got
+    assert (lp0 - lp7).abs().max().item() <= 1e-5 and (ent0 - ent7).abs().max().item() <= 1e-5
+    assert (lp0[positions == 0] == 0).all() and (lp7[positions == 0] == 0).all()
+    assert g0.keys() == g7.keys() and all((g0[n] - g7[n]).abs().max().item() <= 1e-5 for n in g0)

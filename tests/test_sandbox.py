@@ -5,6 +5,7 @@ opens on 127.0.0.1."""
 
 import asyncio
 import base64
+import hashlib
 import os
 import shutil
 import signal
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 import pytest
@@ -684,6 +686,77 @@ def test_a_program_cannot_reach_the_kernels_surface(loop, sandbox):
     assert still == "works 7", r
     r = run(loop, sandbox, "print(open('/proc/self/status').read())")
     assert "Seccomp:\t2" in r.stdout, r
+
+
+UNLISTED = """\
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def call(nr, *args):
+    return ctypes.get_errno() if libc.syscall(nr, *args) == -1 else 0
+print({"sysfs": call(139, 3), "personality": call(135, 0xFFFFFFFF), "modify_ldt": call(154, 0, None, 0)})
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the program's syscall numbers are x86_64's")
+def test_a_syscall_on_no_list_is_not_there_for_a_program(loop, sandbox):
+    """The filter is an allow-list: syscalls that are on neither list (sysfs, personality,
+    modify_ldt; under a denylist all three ran and returned 0) fail with ENOSYS, as on a kernel
+    without them."""
+    r = run(loop, sandbox, UNLISTED)
+    assert r.status == "ok" and eval(r.stdout) == {"sysfs": 38, "personality": 38, "modify_ldt": 38}, r
+
+
+# What programs and their tools do, each of which needs its syscalls on the allow-list.
+PYTHON_WORKLOAD = """\
+import asyncio, concurrent.futures, hashlib, mmap, multiprocessing, os, select, signal, socket
+import sqlite3, subprocess, tempfile, threading, time, zlib
+def square(x):
+    return x * x
+a, b = socket.socketpair()
+a.sendall(b"ping")
+got = b.recv(4)
+with multiprocessing.get_context("fork").Pool(2) as pool:
+    squares = pool.map(square, range(4))
+with concurrent.futures.ThreadPoolExecutor(4) as ex:
+    threads = sum(ex.map(square, range(4)))
+with tempfile.TemporaryDirectory() as d:
+    db = sqlite3.connect(os.path.join(d, "x.db"))
+    db.execute("create table t (x)"); db.execute("insert into t values (1)"); db.commit()
+    rows = db.execute("select count(*) from t").fetchone()[0]
+    with open(os.path.join(d, "m"), "w+b") as f:
+        f.write(b"0" * 4096); f.flush()
+        m = mmap.mmap(f.fileno(), 4096); m[0:1] = b"1"; mapped = m[0:1]; m.close()
+    os.rename(os.path.join(d, "m"), os.path.join(d, "n")); os.symlink("n", os.path.join(d, "l"))
+    listed = sorted(os.listdir(d))
+signal.signal(signal.SIGALRM, lambda *_: None); signal.setitimer(signal.ITIMER_REAL, 0.01); time.sleep(0.05)
+ep = select.epoll(); ep.register(a.fileno(), select.EPOLLOUT); polled = len(ep.poll(0.1))
+sub = subprocess.run(["python3", "-c", "print(6 * 7)"], capture_output=True, text=True).stdout.strip()
+loop = asyncio.new_event_loop(); ran = loop.run_until_complete(asyncio.sleep(0.01, "asyncio")); loop.close()
+print(got, squares, threads, rows, mapped, listed, polled, sub, ran, hashlib.sha256(zlib.compress(b"x")).hexdigest()[:4])
+"""
+BASH_WORKLOAD = """\
+set -euo pipefail
+printf 'b\\na\\nc\\n' > in.txt
+sort in.txt | tr a-z A-Z | head -2 | paste -sd, -
+cat in.txt | wc -l; sed -n 2p in.txt; grep -c . in.txt; wc -l < in.txt
+mkdir -p d/e && cp in.txt d/e/ && find d -type f | xargs cat | md5sum | cut -c1-4
+tar czf d.tgz d && tar tzf d.tgz | wc -l; ln -s in.txt l && readlink l && stat -c %s in.txt
+(sleep 0.01 & wait); seq 3 | while read -r i; do echo -n "$i"; done; echo; date +%Y > /dev/null; echo ok
+"""
+
+
+def test_python_and_bash_with_their_tools_run_under_the_allow_list(loop, sandbox):
+    """Threads, fork pools, sockets, epoll, asyncio, timers, mmap, sqlite, subprocesses; and a
+    bash pipeline of coreutils, sed, grep, find, tar, gzip: every syscall they make is allowed."""
+    r = run(loop, sandbox, PYTHON_WORKLOAD)
+    assert r.status == "ok" and r.stdout == (
+        "b'ping' [0, 1, 4, 9] 14 1 b'1' ['l', 'n', 'x.db'] 1 42 asyncio "
+        + hashlib.sha256(zlib.compress(b"x")).hexdigest()[:4]
+        + "\n"
+    ), r
+    r = run(loop, sandbox, BASH_WORKLOAD, language="bash")
+    md5 = hashlib.md5(b"b\na\nc\n").hexdigest()[:4]
+    assert r.status == "ok" and r.stdout == f"A,B\n3\na\n3\n3\n{md5}\n3\nin.txt\n6\n123\nok\n", r
 
 
 # Four processes busy for 2 s of wall time: the cores they got, from their CPU time.
