@@ -89,8 +89,8 @@ async def train(cfg: Config, s: Roles, resume_from: Path | None = None) -> dict[
     plots = ("distill/reverse_kl", "eval/accuracy") if cfg.algorithm == "distill" else None
     run = Run("grpo", cfg, resume_from, show=progress(cfg), plot_keys=plots)
     prompts = build_prompts(cfg.dataset, cfg.task, cfg.seed)  # a Mixture with `dataset.mix`
-    if "judge" in cfg.rewards.weights and cfg.dataset.path:  # the rubric's fields, now that the columns are known
-        cfg.rewards.check_judge(prompts.rows.column_names)
+    if "judge" in cfg.rewards.weights and cfg.dataset.enabled:  # one source's rubric fields, now its columns are known
+        cfg.rewards.check_judge(prompts.columns)
     prompts.reset()
     buffer = await ReplayBuffer.options().as_actor(
         capacity=cfg.groups_per_step * (cfg.max_staleness + 1),

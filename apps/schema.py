@@ -3,9 +3,10 @@ imported): `APPS` maps each app's name (a config's `app:` key, apps/NAME.py) to 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import importlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from forge import tasks
 from forge.config import ConfigError, import_object
@@ -42,7 +43,7 @@ ALGORITHMS = ("grpo", "ppo", "distill")
 class GRPOConfig(RunConfig):
     app: str = "grpo"
     run_name: str = "grpo"
-    task: str = "reverse"  # a generated toy task (forge/tasks.py), unless `dataset` names a file
+    task: str = "reverse"  # a generated toy task (forge/tasks.py), unless `dataset` names a source
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     group_size: int = 8
@@ -105,29 +106,45 @@ class GRPOConfig(RunConfig):
             raise ConfigError(
                 "config keys 'rollout' and 'agentic': an agent or environment makes the rollouts; set one of them"
             )
-        if not self.dataset.path:
+        if not self.dataset.enabled:
             try:
                 tasks.get_task(self.task)
             except ValueError as e:
-                raise ConfigError(f"config key 'task': {e} (or give a file in 'dataset.path')") from None
+                raise ConfigError(
+                    f"config key 'task': {e} (or give a source: dataset.path, dataset.hf, dataset.reasoning_gym)"
+                ) from None
         self._validate_rewards()
         self._validate_eval()
         self._validate_algorithm()
+        self._check_sources()
         import_object("rollout", self.rollout)  # last: importing it loads torch (the default's module)
 
+    def _sources(self) -> dict[str, DatasetConfig]:
+        """The run's prompt sources by config key: a mixture's entries (dataset.mix[i]), else `dataset`."""
+        if self.dataset.mix:
+            return {f"dataset.mix[{i}]": source for i, source in enumerate(self.dataset.mix)}
+        return {"dataset": self.dataset}
+
     def _validate_rewards(self) -> None:
-        if "task" in self.rewards.weights and self.dataset.path:
+        sources = self._sources()
+        rows = [f"{key} ({s.source_name})" for key, s in sources.items() if s.enabled]
+        if "task" in self.rewards.weights and rows:
             raise ConfigError(
-                "config key 'rewards.weights': the 'task' reward scores toy tasks, not a dataset file's rows"
+                f"config key 'rewards.weights': the 'task' reward scores toy tasks, not the rows of {', '.join(rows)}"
             )
-        datasets = [f"dataset.mix[{i}] ({s.source_name})" for i, s in enumerate(self.dataset.mix or []) if not s.task]
-        if "task" in self.rewards.weights and datasets:
+        others = [
+            f"{key} ({s.source_name or 'the toy task ' + self.task})"
+            for key, s in sources.items()
+            if s.kind != "reasoning_gym"
+        ]
+        if "reasoning_gym" in self.rewards.weights and others:
             raise ConfigError(
-                f"config key 'rewards.weights': the 'task' reward scores toy tasks, not the rows of {', '.join(datasets)}"
+                "config key 'rewards.weights.reasoning_gym': it scores reasoning-gym entries, not the prompts of "
+                f"{', '.join(others)} (a source needs reasoning_gym.task)"
             )
         if self.eval.rewards:
             self.rewards.check_weights(self.eval.rewards, "eval.rewards")
-        if "judge" in self.rewards.weights and not self.dataset.path and not datasets:
+        if "judge" in self.rewards.weights and not any(s.enabled for s in sources.values()):
             self.rewards.check_judge(columns=())  # a dataset's columns: checked once read
 
     def _validate_algorithm(self) -> None:
@@ -135,9 +152,7 @@ class GRPOConfig(RunConfig):
             raise ConfigError(f"config key 'algorithm': {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
         if self.algorithm == "distill" and not self.distill.enabled:
             raise ConfigError("config key 'distill.teachers': algorithm 'distill' learns from teachers; name one")
-        sources = [s.source_name for s in self.dataset.mix or []] or [
-            Path(self.dataset.path).stem if self.dataset.path else self.task
-        ]
+        sources = [s.source_name or self.task for s in self._sources().values()]
         for i, teacher in enumerate(self.distill.teachers):
             unknown = [t for t in teacher.tasks if t not in sources]
             if unknown:
@@ -158,12 +173,20 @@ class GRPOConfig(RunConfig):
     def _validate_eval(self) -> None:
         if self.dataset.mix:
             return self._validate_eval_mix()
-        if self.eval.enabled and self.dataset.path and not self.eval.dataset.path:
+        if self.eval.enabled and self.dataset.kind == "file" and not self.eval.dataset.enabled:
             raise ConfigError(
                 "config key 'eval.dataset.path': a run on a dataset file evaluates on a file too (its held-out rows)"
             )
+        if self.eval.enabled and self.dataset.kind == "hf" and not self.eval.dataset.enabled:
+            raise ConfigError(
+                "config key 'eval.dataset.hf': a run on a Hugging Face dataset evaluates on held-out rows too "
+                "(e.g. eval.dataset.hf with eval.dataset.split: test)"
+            )
+        if self.dataset.kind == "reasoning_gym" and not self.eval.dataset.enabled:
+            # the run's generator, and prompt format, from the held-out seed (eval.seed)
+            self.eval.dataset = copy.deepcopy(self.dataset)
         held = self.eval.dataset
-        if held.path and not held.messages_key and not held.chat and held.template == DatasetConfig.template:
+        if held.enabled and not held.messages_key and not held.chat and held.template == DatasetConfig.template:
             # the run's prompt format, unless the eval's file has its own
             held.template, held.messages_key, held.chat, held.tools_key = (
                 self.dataset.template,
@@ -175,7 +198,8 @@ class GRPOConfig(RunConfig):
 
     def _validate_eval_mix(self) -> None:
         """A mixture's evals: each source's own held-out set (services/evals.py `held_out_of`); a
-        dataset file's held-out rows are an `eval.dataset.mix` entry named like the source."""
+        dataset file's or Hugging Face dataset's held-out rows are an `eval.dataset.mix` entry
+        named like the source."""
         names = [s.source_name for s in self.dataset.mix]
         held = {s.source_name: s for s in self.eval.dataset.mix or []}
         if set_keys(self.eval.dataset) - {"mix"}:
@@ -188,10 +212,11 @@ class GRPOConfig(RunConfig):
             raise ConfigError(f"config key 'eval.dataset.mix': {unknown} not among the run's sources {names}")
         for source in self.dataset.mix:
             own = held.get(source.source_name)
-            if own is None and source.path and self.eval.enabled:
+            rows = {"file": "a dataset file", "hf": "a Hugging Face dataset"}.get(source.kind)
+            if own is None and rows and self.eval.enabled:
                 raise ConfigError(
-                    f"config key 'eval.dataset.mix': source {source.source_name!r} is a dataset file; evaluate it on "
-                    f"held-out rows too (an entry {{name: {source.source_name}, path: ...}})"
+                    f"config key 'eval.dataset.mix': source {source.source_name!r} is {rows}; evaluate it on "
+                    f"held-out rows too (an entry {{name: {source.source_name}, {source.kind}: ...}})"
                 )
             if own is not None and not own.messages_key and not own.chat and own.template == DatasetConfig.template:
                 own.template, own.messages_key, own.chat, own.tools_key, own.answer_key = (  # the source's format
@@ -201,6 +226,24 @@ class GRPOConfig(RunConfig):
                     source.tools_key,
                     source.answer_key,
                 )
+
+    def _check_sources(self) -> None:
+        """Load the run's and the eval's sources once (a file's or dataset's rows, a generator's
+        first entry; each of a mixture's), so a missing split or column fails here, before
+        anything is spawned."""
+        run = {key: s for key, s in self._sources().items() if s.enabled}
+        mix = {f"eval.dataset.mix[{i}]": s for i, s in enumerate(self.eval.dataset.mix or [])}
+        held = {key: s for key, s in {"eval.dataset": self.eval.dataset, **mix}.items() if s.enabled}
+        held = held if self.eval.enabled else {}
+        if not run and not held:
+            return
+        # Imported here: the data libraries (datasets, reasoning_gym, torchdata) are for runs
+        # that use them, and a config of a toy task is checked without them.
+        data = importlib.import_module("forge.data")
+        for key, source in run.items():
+            data.prompt_source(source, self.task, self.seed, key=key)
+        for key, source in held.items():
+            data.prompt_source(source, self.task, self.eval.seed, key=key)
 
 
 @dataclass

@@ -128,7 +128,8 @@ def evals(cfg: SupervisedConfig, roles: SupervisedRoles, run: Run) -> Background
 
 def warm_start(model_dir: Path, spec: TinyModelSpec) -> float:
     """The supervised warm start of `model_dir`, in place: a run of the SFT app (the Trainer
-    service) on fresh samples of the spec's task, answers `sft_noise`-corrupted. Returns the
+    service) on fresh samples of the spec's task (or its reasoning-gym generator), answers
+    `sft_noise`-corrupted. Returns the
     final loss. It runs on its own event loop in a thread, as model resolution may happen
     inside an app's running loop."""
     cfg = Config(
@@ -136,7 +137,7 @@ def warm_start(model_dir: Path, spec: TinyModelSpec) -> float:
         runs_dir=str(model_dir.parent),
         seed=spec.seed,
         task=spec.task,
-        data=SFTDataConfig(noise=spec.sft_noise, system=spec.sft_system),
+        data=SFTDataConfig(noise=spec.sft_noise, system=spec.sft_system, reasoning_gym=spec.sft_reasoning_gym),
         model=ModelConfig(path=str(model_dir)),
         steps=spec.sft_steps,
         batch_size=spec.sft_batch_size,

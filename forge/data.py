@@ -13,12 +13,20 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from forge.config import ConfigError
-from forge.schema import FORMATS, DatasetConfig, PreferenceDataConfig, RowsConfig, SFTDataConfig
+from forge.schema import (
+    FORMATS,
+    DatasetConfig,
+    PreferenceDataConfig,
+    RowsConfig,
+    SFTDataConfig,
+)
 from forge.tasks import Sample, chat_tokens, end_of_turn, get_task, preference_pair
 
 
 class IndexedPrompts(BaseNode[Sample]):
     """An endless prompt stream where sample i depends only on (seed, i): the index is the state."""
+
+    size: int | None = None  # how many distinct samples (a dataset's rows); None: endless
 
     def __init__(self, seed: int = 0):
         super().__init__()
@@ -53,9 +61,15 @@ class IndexedPrompts(BaseNode[Sample]):
         return self._order[1][i]
 
 
-def prompt_source(dataset: DatasetConfig, task: str, seed: int = 0) -> IndexedPrompts:
-    """A run's prompt stream: the source `dataset` names, else the toy `task`'s samples."""
-    return FilePrompts(dataset, seed) if dataset.path else TaskPrompts(task, seed)
+def prompt_source(dataset: DatasetConfig, task: str, seed: int = 0, key: str = "dataset") -> IndexedPrompts:
+    """A run's prompt stream: the source `dataset` names (a file or save_to_disk directory, a
+    Hugging Face dataset, a reasoning-gym generator), else the toy `task`'s samples. `key`: the
+    config key errors name (an eval's: eval.dataset)."""
+    if dataset.kind == "reasoning_gym":
+        from forge.sources import ReasoningGymPrompts  # see FilePrompts
+
+        return ReasoningGymPrompts(dataset, seed, key)
+    return FilePrompts(dataset, seed, key) if dataset.enabled else TaskPrompts(task, seed)
 
 
 class TaskPrompts(IndexedPrompts):
@@ -69,40 +83,54 @@ class TaskPrompts(IndexedPrompts):
         return self.task.sample(random.Random(f"{self.seed}:{i}"))
 
 
-class FilePrompts(IndexedPrompts):
-    """Rows of a local dataset file (through HF `datasets`), reshuffled each epoch from the seed."""
+class RowPrompts(IndexedPrompts):
+    """Prompts made from rows (a mapping of columns each) as the `dataset` section's prompt keys
+    say: `template`, `chat` or `messages_key`, and `tools_key`. A subclass gives the row at a
+    position (`entry`); sample i reads position i of an endless source, else a position
+    reshuffled each epoch. The section's columns are checked against `columns` and the first
+    row here, so a wrong key fails before the run, not mid-run."""
 
-    def __init__(self, cfg: DatasetConfig, seed: int = 0):
-        import datasets
-
+    def __init__(self, cfg: DatasetConfig, columns: list[str], size: int | None, seed: int, key: str, where: str):
         super().__init__(seed)
-        cfg.validate()
-        self.rows = datasets.load_dataset(FORMATS[Path(cfg.path).suffix], data_files=cfg.path, split="train")
+        self.cfg, self.key, self.where, self.name = cfg, key, where, cfg.source_name
+        self.columns, self.size = list(columns), size
+        count = "endless" if size is None else size
         # A field may index its column ({test_list[0]}): the column is the name before [ or .
         texts = [m["content"] for m in cfg.chat] or [cfg.template]
         fields = [name for text in texts for _, name, _, _ in string.Formatter().parse(text) if name]
         prompt = {cfg.messages_key} if cfg.messages_key else {re.split(r"[.\[]", name)[0] for name in fields}
         wanted = prompt | {cfg.answer_key} | ({cfg.tools_key} if cfg.tools_key else set())
-        missing = wanted - set(self.rows.column_names)
-        if missing or not len(self.rows):
+        missing = wanted - set(columns)
+        if missing or size == 0:
             raise ConfigError(
-                f"config key 'dataset': {cfg.path} has {len(self.rows)} rows and columns "
-                f"{self.rows.column_names}; missing {sorted(missing)}"
+                f"config key '{key}': {where} has {count} rows and columns {columns}; missing {sorted(missing)}"
             )
-        self.cfg = cfg
         if cfg.messages_key:
-            self._messages(self.rows[0], 0)  # a column of plain strings fails here, not mid-run
+            self._messages(self.entry(0), 0)  # a column of plain strings fails here, not mid-run
         if cfg.tools_key:
-            self._tools(self.rows[0], 0)
+            self._tools(self.entry(0), 0)
+
+    def entry(self, at: int) -> dict[str, Any]:
+        """The source's row at position `at`."""
+        raise NotImplementedError
+
+    def row(self, i: int) -> tuple[dict[str, Any], int]:
+        """Sample i's row and its position in the source (for errors)."""
+        at = i if self.size is None else self.shuffled(i, self.size)
+        return self.entry(at), at
+
+    def meta(self, row: dict[str, Any]) -> dict[str, Any]:
+        """What goes with the sample to its rewards besides prompt, answer and task."""
+        return dict(row)
 
     def sample(self, i: int) -> Sample:
-        at = self.shuffled(i, len(self.rows))
-        row = self.rows[at]
+        row, at = self.row(i)
+        answer = row[self.cfg.answer_key]
         return Sample(
             prompt=self._prompt(row, at),
-            answer=str(row[self.cfg.answer_key]),
-            task=Path(self.cfg.path).stem,
-            meta=dict(row),
+            answer="" if answer is None else str(answer),
+            task=self.name,
+            meta=self.meta(row),
             tools=self._tools(row, at) if self.cfg.tools_key else None,
         )
 
@@ -115,7 +143,7 @@ class FilePrompts(IndexedPrompts):
         messages = row[self.cfg.messages_key]
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ConfigError(
-                f"config key 'dataset.messages_key': row {at} of {self.cfg.path} holds {str(messages)[:60]!r} in "
+                f"config key '{self.key}.messages_key': row {at} of {self.where} holds {str(messages)[:60]!r} in "
                 f"column '{self.cfg.messages_key}', not a list of chat messages ({{role, content}})"
             )
         return [{k: v for k, v in m.items() if v is not None} for m in messages]  # datasets fills absent keys with None
@@ -130,10 +158,28 @@ class FilePrompts(IndexedPrompts):
             isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)
         ):
             raise ConfigError(
-                f"config key 'dataset.tools_key': row {at} of {self.cfg.path} holds {str(raw)[:60]!r} "
+                f"config key '{self.key}.tools_key': row {at} of {self.where} holds {str(raw)[:60]!r} "
                 f"in column '{self.cfg.tools_key}', not a list of OpenAI tools ({{type: function, function: {{name, ...}}}})"
             )
         return tools or None
+
+
+class FilePrompts(RowPrompts):
+    """Rows of a `datasets.Dataset`: a local file's, a save_to_disk directory's or a Hugging Face
+    dataset's (`rows`, else loaded as `cfg` says), reshuffled each epoch from the seed."""
+
+    def __init__(self, cfg: DatasetConfig, seed: int = 0, key: str = "dataset", rows: Any = None):
+        # Imported where used: forge.sources loads datasets and reasoning_gym (about 4 s, sympy and
+        # a hundred generators), which a toy-task run should not pay for.
+        from forge import sources
+
+        cfg.validate()
+        self.rows = sources.load_rows(cfg, key) if rows is None else rows
+        where = cfg.path or f"{cfg.hf}{':' + cfg.subset if cfg.subset else ''} ({cfg.split or 'train'})"
+        super().__init__(cfg, self.rows.column_names, len(self.rows), seed, key, where)
+
+    def entry(self, at: int) -> dict[str, Any]:
+        return self.rows[at]
 
 
 class TokenizedRows(IndexedPrompts):
@@ -160,6 +206,10 @@ class SFTExamples(TokenizedRows):
 
     def __init__(self, cfg: SFTDataConfig, tokenizer: Any, task: str, seed: int = 0):
         super().__init__(cfg, tokenizer, task, seed)
+        if cfg.reasoning_gym.task:
+            from forge.sources import GymTask  # see FilePrompts
+
+            self.task = GymTask(cfg.reasoning_gym, seed)
         if self.rows is not None:
             columns = set(self.rows.column_names)
             if cfg.messages_key not in columns and not {cfg.prompt_key, cfg.completion_key} <= columns:

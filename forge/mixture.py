@@ -52,7 +52,7 @@ def tagged(sample: Sample, source: MixSource) -> Sample:
     return dataclasses.replace(sample, task=name, meta=meta)
 
 
-def build_prompts(dataset: DatasetConfig, task: str, seed: int = 0) -> BaseNode[Sample]:
+def build_prompts(dataset: DatasetConfig, task: str, seed: int = 0) -> IndexedPrompts | Mixture:
     """A run's prompt stream: the mixture `dataset.mix` names, else its one source."""
     if not dataset.mix:
         return prompt_source(dataset, task, seed)

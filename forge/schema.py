@@ -59,10 +59,37 @@ FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "cs
 
 
 @dataclass
-class DatasetConfig:
-    """Prompts from a local file instead of a generated toy task (e.g. GSM8K as parquet/jsonl)."""
+class ReasoningGymConfig:
+    """A reasoning-gym generator as a prompt source (`dataset.reasoning_gym`): each entry's
+    `question` is the prompt's `{question}` (through `template` or `chat`), its `answer` the
+    sample's answer, and the whole entry goes with the sample (its meta) for the `reasoning_gym`
+    reward, the generator's own `score_answer`."""
 
-    path: str = ""  # empty: the config's toy `task`
+    task: str = ""  # a registered reasoning-gym dataset (reasoning_gym.factory.DATASETS), e.g. basic_arithmetic
+    # The generator's config keys (its config dataclass's, e.g. {min_terms: 2, max_terms: 2});
+    # not `seed` or `size`: the stream's seed (the run's `seed`, evals' `eval.seed`) and `size` below.
+    config: dict[str, Any] = field(default_factory=dict)
+    # How many distinct entries: a fixed set, reshuffled each epoch like a file's rows; 0: endless,
+    # entry i generated from (seed, i) alone, so a resumed run continues where it stopped.
+    size: int = 0
+
+
+@dataclass
+class DatasetConfig:
+    """Where a run's prompts come from, instead of a generated toy task: one source of `path` (a
+    local file or a `save_to_disk` directory), `hf` (a Hugging Face dataset by name) or
+    `reasoning_gym`, or a mixture of sources (`mix`); and how a row becomes a prompt (`template`,
+    `chat`, `messages_key`)."""
+
+    # A local file (.jsonl/.json/.parquet/.csv, e.g. GSM8K), or a directory that
+    # `datasets.Dataset(Dict).save_to_disk` wrote. Empty (and no other source): the config's toy `task`.
+    path: str = ""
+    # A Hugging Face dataset by name (or a local dataset directory), through `datasets.load_dataset`:
+    # offline (HF_HUB_OFFLINE=1, or no hub reachable) it loads from the local cache.
+    hf: str = ""
+    subset: str = ""  # hf: the dataset's config name (load_dataset's `name`, e.g. "main" for openai/gsm8k)
+    split: str = ""  # hf, or a DatasetDict directory: which split; empty: train
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)  # task: a procedural generator
     template: str = "{question}"  # a raw-text prompt: the row's columns formatted in
     # The column that holds each row's prompt as chat messages ([{role, content}, ...], a system
     # turn too: TRL's conversational format); the generator renders them with the model's chat
@@ -75,13 +102,37 @@ class DatasetConfig:
     # or that list as a JSON string), shown to the model by its chat template. Chat prompts only.
     tools_key: str = ""
     answer_key: str = "answer"  # the column the reward compares with
-    # A mixture instead of one source (forge/mixture.py): each entry a source's keys (`path`, ...)
-    # or a toy `task`, with its `weight` and `name` (default: its file's stem or its task); prompts
-    # are drawn by weight, rewards, metrics and evals are kept per source (reward/NAME).
+    # A mixture instead of one source (forge/mixture.py): each entry a source's keys (`path`, `hf`,
+    # `reasoning_gym`, ...) or a toy `task`, with its `weight` and `name` (default: its task or
+    # source's name); prompts are drawn by weight, rewards, metrics and evals kept per source (reward/NAME).
     mix: list[MixSource] | None = None
     # A YAML or JSON file of {name: weight} the run re-reads between steps when it changes (the
     # sources it names take those weights). Empty: the weights change only from a REPL.
     mix_file: str = ""
+
+    @property
+    def kind(self) -> str:
+        """Which source the section names: file (a file or a save_to_disk directory), hf,
+        reasoning_gym, or "" (none: the toy task)."""
+        given = self.sources()
+        return given[0] if given else ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kind)
+
+    @property
+    def source_name(self) -> str:
+        """A sample's `task`: the file's (directory's) stem, the hf dataset's last name part, the
+        reasoning-gym task; "" with no source. Per-source metrics and teachers key on it."""
+        if self.kind == "file":
+            return Path(self.path).stem if Path(self.path).suffix in FORMATS else Path(self.path).name
+        if self.kind == "hf":
+            return Path(self.hf.rstrip("/")).name
+        return self.reasoning_gym.task
+
+    def sources(self) -> list[str]:
+        return [k for k, v in (("file", self.path), ("hf", self.hf), ("reasoning_gym", self.reasoning_gym.task)) if v]
 
     def validate(self) -> None:
         if self.mix is not None or self.mix_file:
@@ -99,10 +150,37 @@ class DatasetConfig:
             )
         if any(set(m) != {"role", "content"} for m in self.chat):
             raise ConfigError(f"config key 'dataset.chat': each message is {{role, content}}, got {self.chat}")
-        if self.path and Path(self.path).suffix not in FORMATS:
-            raise ConfigError(f"config key 'dataset.path': {self.path} is not one of {', '.join(FORMATS)}")
-        if self.path and not Path(self.path).is_file():
-            raise ConfigError(f"config key 'dataset.path': file not found: {self.path}")
+        self._validate_source()
+
+    def _validate_source(self) -> None:
+        keys = {"file": "dataset.path", "hf": "dataset.hf", "reasoning_gym": "dataset.reasoning_gym.task"}
+        if len(self.sources()) > 1:
+            raise ConfigError(
+                f"config keys {', '.join(keys[k] for k in self.sources())}: each is a source of prompts; set one of them"
+            )
+        where = Path(self.path)
+        if self.path and not where.is_dir():  # a save_to_disk directory's splits are checked when it loads
+            if not where.suffix and not where.exists():
+                raise ConfigError(f"config key 'dataset.path': no such file or directory: {self.path}")
+            if where.suffix not in FORMATS:
+                raise ConfigError(
+                    f"config key 'dataset.path': {self.path} is not one of {', '.join(FORMATS)} or a save_to_disk directory"
+                )
+            if not where.is_file():
+                raise ConfigError(f"config key 'dataset.path': file not found: {self.path}")
+        if self.subset and not self.hf:
+            raise ConfigError("config key 'dataset.subset': a Hugging Face dataset's config name; set dataset.hf")
+        if self.split and not (self.hf or (self.path and where.is_dir())):
+            raise ConfigError(
+                "config key 'dataset.split': a split of a Hugging Face dataset (dataset.hf) or of a "
+                "save_to_disk directory (dataset.path)"
+            )
+        if self.reasoning_gym.task or self.reasoning_gym.config or self.reasoning_gym.size:
+            # Imported here: reasoning_gym loads sympy and its hundred generators, which a config
+            # without one should not pay for.
+            from forge.sources import check_reasoning_gym
+
+            check_reasoning_gym(self.reasoning_gym, "dataset.reasoning_gym")
 
 
 @dataclass
@@ -110,12 +188,13 @@ class MixSource(DatasetConfig):
     """One source of a mixture (`dataset.mix[i]`): a source's keys, or a toy `task`, and its weight."""
 
     weight: float = 1.0  # its share of the prompts: weight / the sum of the weights (>= 0)
-    name: str = ""  # in metrics (reward/NAME) and live weights; default: the file's stem or the task
+    name: str = ""  # in metrics (reward/NAME) and live weights; default: the task, or its source's name
     task: str = ""  # a toy task of forge/tasks.py instead of a dataset
 
     @property
     def source_name(self) -> str:
-        return self.name or self.task or (Path(self.path).stem if self.path else "")
+        """Its `name`, else its toy task, else its source's (file stem, hf name, reasoning-gym task)."""
+        return self.name or self.task or super().source_name
 
     def source(self) -> DatasetConfig:
         """Its dataset keys alone, as a single-source run's `dataset` section."""
@@ -231,11 +310,20 @@ class SFTDataConfig(RowsConfig):
     completion_key: str = "completion"
     pack_to: int = 0  # examples packed into rows of up to this many tokens, each seeing only itself; 0: one per row
     noise: float = 0.0  # toy task only: this fraction of answer characters (or digits) replaced at random
+    # With no file: a reasoning-gym generator's entries (question -> answer) in place of the toy
+    # task's, `noise` and `system` as for it (a tiny model's warm start on the task GRPO then trains).
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
 
     def validate(self) -> None:
         super().validate()
         if self.pack_to < 0:
             raise ConfigError(f"config key 'data.pack_to' must be >= 0, got {self.pack_to}")
+        if self.reasoning_gym.task and self.path:
+            raise ConfigError("config keys data.path, data.reasoning_gym.task: each is a source of examples; set one")
+        if self.reasoning_gym.task:
+            from forge.sources import check_reasoning_gym  # imported here as in DatasetConfig
+
+            check_reasoning_gym(self.reasoning_gym, "data.reasoning_gym")
 
 
 @dataclass

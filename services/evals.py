@@ -18,7 +18,7 @@ import math
 import statistics
 from typing import Any
 
-from forge.data import FilePrompts, TaskPrompts
+from forge.data import IndexedPrompts, prompt_source
 from forge.mixture import source_stream, tagged
 from forge.schema import MixSource
 from forge.tasks import Sample
@@ -29,30 +29,32 @@ log = logging.getLogger("forge")
 
 
 def held_out(cfg: EvalConfig, task: str, mix: list[MixSource] | None = None) -> list[Sample]:
-    """The eval set: `cfg.prompts` prompts of the toy `task` from the held-out seed, or rows
-    of `cfg.dataset.path` (a seeded sample of them; all with prompts: 0). A run's mixture `mix`:
-    each source's own (`held_out_of`), one after another."""
+    """The eval set: `cfg.prompts` prompts of `cfg.dataset`'s source (a file's or a Hugging Face
+    dataset's rows: a seeded sample of them, all with prompts: 0; a reasoning-gym generator's
+    entries from the held-out seed), else of the toy `task` from the held-out seed. A run's
+    mixture `mix`: each source's own (`held_out_of`), one after another."""
     if mix:
         return [s for source in mix for s in held_out_of(cfg, source)]
-    if cfg.dataset.path:
-        stream = FilePrompts(cfg.dataset, cfg.seed)
-        count = len(stream.rows) if cfg.prompts == 0 else min(cfg.prompts, len(stream.rows))
-    else:
-        stream, count = TaskPrompts(task, cfg.seed), cfg.prompts or 64
-    return [stream.sample(i) for i in range(count)]
+    return first(prompt_source(cfg.dataset, task, cfg.seed, key="eval.dataset"), cfg.prompts)
 
 
 def held_out_of(cfg: EvalConfig, source: MixSource) -> list[Sample]:
     """A mixture source's eval set, tagged with its name: the `eval.dataset.mix` entry of that
-    name, else the source itself from the held-out seed (a toy task's held-out prompts);
-    `cfg.prompts` of them (a file's: all with prompts: 0)."""
+    name, else the source itself from the held-out seed (a toy task's or a generator's held-out
+    prompts); `cfg.prompts` of them, as `held_out`'s."""
     own = {s.source_name: s for s in cfg.dataset.mix or []}.get(source.source_name, source)
     stream = source_stream(own, cfg.seed, "eval.dataset.mix")
-    rows = getattr(stream, "rows", None)
-    count = cfg.prompts or 64
-    if rows is not None:
-        count = len(rows) if cfg.prompts == 0 else min(cfg.prompts, len(rows))
-    return [tagged(stream.sample(i), source) for i in range(count)]
+    return [tagged(s, source) for s in first(stream, cfg.prompts)]
+
+
+def first(stream: IndexedPrompts, prompts: int) -> list[Sample]:
+    """The first `prompts` samples of `stream`: 64 with prompts: 0 if it is endless; if sized (a
+    dataset's rows, reshuffled from the seed), at most its size, all with prompts: 0."""
+    if stream.size is None:  # endless: a toy task, a reasoning-gym generator without a size
+        count = prompts or 64
+    else:
+        count = stream.size if prompts == 0 else min(prompts, stream.size)
+    return [stream.sample(i) for i in range(count)]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

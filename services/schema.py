@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from forge.config import ConfigError, import_object, require_file
-from forge.schema import ADAPTER_CONFIG, SCORE_LOSS_NAMES, DatasetConfig, LoRAConfig, LossConfig
+from forge.schema import (
+    ADAPTER_CONFIG,
+    SCORE_LOSS_NAMES,
+    DatasetConfig,
+    LoRAConfig,
+    LossConfig,
+    ReasoningGymConfig,
+)
 from services import models
 
 log = logging.getLogger("forge")
@@ -52,6 +59,9 @@ class TinyModelSpec:
     # Warm start on chat prompts (this system turn, the task as the user's turn), as a chat-format
     # dataset (`forge make-dataset --system`) prompts it; None: on raw text.
     sft_system: str | None = None
+    # Warm start on this reasoning-gym generator's examples (question -> answer) instead of `task`'s
+    # (e.g. a GRPO config's ${dataset.reasoning_gym}); empty task: the toy task's.
+    sft_reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
 
 
 @dataclass
@@ -316,7 +326,7 @@ class CodeTestsConfig:
 
 
 # The built-in rewards' names (services.rewards.REWARDS; tests/test_rewards.py checks they agree).
-REWARD_NAMES = ("exact", "math", "format", "task", "judge", "code_tests", "reward_model")
+REWARD_NAMES = ("exact", "math", "format", "task", "judge", "code_tests", "reward_model", "reasoning_gym")
 
 
 @dataclass
@@ -410,7 +420,8 @@ class TeacherConfig:
 
     path: str = ""  # an HF checkpoint directory (e.g. another run's `model/`)
     weight: float = 1.0  # its share of the teachers' mixed logprob
-    # the data sources it scores (a sample's `task`: a toy task's name, a dataset file's stem);
+    # the data sources it scores (a sample's `task`: a toy task's name, a dataset file's stem, a
+    # Hugging Face dataset's name, a reasoning-gym task);
     # empty: all of them
     tasks: list[str] = field(default_factory=list)
 
@@ -481,8 +492,10 @@ class EvalConfig:
 
     every: int = 0  # steps between evals during training (0: none)
     before_train: bool = False  # evaluate the starting policy (step 0)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # a local file; empty: the toy task
-    seed: int = 1_000_003  # the toy task's held-out prompts come from this seed (training: `seed`)
+    # Its own source (a file, save_to_disk directory or HF dataset: held-out rows); empty: a GRPO
+    # run's reasoning-gym source (from `seed` below), else the toy task.
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    seed: int = 1_000_003  # toy tasks' and reasoning-gym's held-out prompts come from this seed (training: `seed`)
     prompts: int = 64  # how many held-out prompts (a file: a seeded sample of its rows; 0: all)
     n: int = 1  # samples per prompt
     k: list[int] = field(default_factory=lambda: [1])  # eval/pass@k for each k (k <= n)

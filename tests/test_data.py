@@ -1,12 +1,15 @@
-"""Prompt streams: generated toy tasks and local dataset files, both resumable."""
+"""Prompt streams: generated toy tasks, local dataset files and save_to_disk directories, Hugging
+Face datasets by name, reasoning-gym generators; all resumable, and each bad key named."""
 
 import json
 
 import pytest
 
+from forge import sources
 from forge.config import ConfigError
-from forge.data import FilePrompts, TaskPrompts
-from forge.schema import DatasetConfig
+from forge.data import FilePrompts, TaskPrompts, prompt_source
+from forge.schema import DatasetConfig, ReasoningGymConfig
+from forge.sources import ReasoningGymPrompts
 
 
 def gsm8k_like(path, n=5):
@@ -113,3 +116,268 @@ def test_tools_column(tmp_path):
         FilePrompts(DatasetConfig(path=str(bad), messages_key="prompt", tools_key="tools"))
     with pytest.raises(ConfigError, match="tools are shown by a chat template"):
         DatasetConfig(path=str(path), template="{prompt}", tools_key="tools").validate()
+
+
+def resumes(node, k: int = 3, more: int = 4) -> list:
+    """The `more` samples after the first `k`, read again by a fresh stream that loads the state
+    the first one had after `k` (as a resumed run's does from its checkpoint)."""
+    node.reset()
+    for _ in range(k):
+        next(node)
+    state = node.get_state()
+    after = [next(node) for _ in range(more)]
+    fresh = prompt_source(node.cfg, "reverse", node.seed)
+    fresh.load_state_dict(state)
+    assert [next(fresh) for _ in range(more)] == after
+    return after
+
+
+def qa(n: int, offset: int = 0) -> dict:
+    return {"question": [f"q{i + offset}" for i in range(n)], "answer": [str(i + offset) for i in range(n)]}
+
+
+def test_save_to_disk_directories(tmp_path):
+    """`dataset.path` may be a `save_to_disk` directory: one dataset, or splits (`dataset.split`,
+    default train); the sample's `task` is the directory's name; a missing split names the
+    splits there are."""
+    import datasets
+
+    datasets.Dataset.from_dict(qa(4)).save_to_disk(tmp_path / "plain")
+    node = FilePrompts(DatasetConfig(path=str(tmp_path / "plain"), template="Q: {question}"), seed=2)
+    assert sorted(s.prompt for s in resumes(node, k=4, more=4)) == [f"Q: q{i}" for i in range(4)]
+    assert node.sample(0).task == "plain" and node.size == 4
+    split = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict(qa(3)), "test": datasets.Dataset.from_dict(qa(2, 10))}
+    )
+    split.save_to_disk(tmp_path / "gsm")
+    assert len(FilePrompts(DatasetConfig(path=str(tmp_path / "gsm"))).rows) == 3  # train
+    test = FilePrompts(DatasetConfig(path=str(tmp_path / "gsm"), split="test"))
+    assert sorted(test.sample(i).answer for i in range(2)) == ["10", "11"]
+    with pytest.raises(
+        ConfigError, match=r"config key 'dataset.split': .*gsm has no split 'validation'; its splits: train, test"
+    ):
+        FilePrompts(DatasetConfig(path=str(tmp_path / "gsm"), split="validation"))
+    with pytest.raises(ConfigError, match="config key 'dataset.split': .*plain is one dataset without splits"):
+        FilePrompts(DatasetConfig(path=str(tmp_path / "plain"), split="test"))
+    with pytest.raises(ConfigError, match="config key 'dataset.path': no such file or directory"):
+        DatasetConfig(path=str(tmp_path / "nope")).validate()
+    with pytest.raises(ConfigError, match="config key 'dataset.split': a split of a Hugging Face dataset"):
+        DatasetConfig(path=str(gsm8k_like(tmp_path / "t.jsonl")), split="test").validate()
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No hub: `datasets` and huggingface_hub as with HF_HUB_OFFLINE=1 (read at their import)."""
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def test_hugging_face_dataset_by_name(tmp_path, offline):
+    """`dataset.hf`: whatever `datasets.load_dataset` loads by name, offline here (a local
+    dataset directory of split files stands in for the hub's cache), its `split`; the prompt
+    keys work on its rows as on a file's; a missing split names those there are, a name that
+    does not load names the key."""
+    repo = tmp_path / "hub" / "gsm_tiny"
+    repo.mkdir(parents=True)
+    for split, rows in (("train", qa(5)), ("test", qa(3, 100))):
+        lines = [json.dumps({"question": q, "answer": a}) for q, a in zip(rows["question"], rows["answer"])]
+        (repo / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    chat = [{"role": "user", "content": "{question}?"}]
+    cfg = DatasetConfig(hf=str(repo), split="test", chat=chat)
+    node = prompt_source(cfg, "reverse", seed=1)
+    got = resumes(node, k=1, more=2)
+    assert {s.prompt[0]["content"] for s in got} <= {"q100?", "q101?", "q102?"} and got[0].task == "gsm_tiny"
+    assert len(prompt_source(DatasetConfig(hf=str(repo)), "reverse").rows) == 5  # train by default
+    with pytest.raises(
+        ConfigError, match=r"config key 'dataset.split': .*gsm_tiny has no split 'validation'; its splits: "
+    ):
+        prompt_source(DatasetConfig(hf=str(repo), split="validation"), "reverse")
+    with pytest.raises(ConfigError, match=r"config key 'dataset': .*missing \['problem'\]"):
+        prompt_source(DatasetConfig(hf=str(repo), template="{problem}"), "reverse")
+    with pytest.raises(ConfigError, match="config key 'dataset.hf': cannot load 'nobody-here/no-such-dataset'"):
+        prompt_source(DatasetConfig(hf="nobody-here/no-such-dataset"), "reverse")
+    with pytest.raises(ConfigError, match="config key 'dataset.subset': a Hugging Face dataset's config name"):
+        DatasetConfig(path=str(gsm8k_like(tmp_path / "t.jsonl")), subset="main").validate()
+
+
+ARITHMETIC = ReasoningGymConfig(  # configs/grpo_rg_tiny.yaml's: "Calculate 12 + 7." -> "19"
+    task="basic_arithmetic",
+    config={
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 2,
+        "operators": ["+"],
+        "allow_parentheses": False,
+        "allow_negation": False,
+    },
+)
+
+
+def test_reasoning_gym_endless_is_one_unbounded_generator(monkeypatch):
+    """`dataset.reasoning_gym` without a size: endless, entry i from (seed, i) alone: in chunks
+    that together are reasoning-gym's own generator (of the seed's gym_seed), so a resumed
+    stream (its index) goes on with the same prompts; another seed's stream is another, not
+    the same shifted. Samples carry the task's name and the entry."""
+    import reasoning_gym
+
+    monkeypatch.setattr(sources, "GYM_CHUNK", 4)  # chunk boundaries at 4 and 8
+    node = prompt_source(DatasetConfig(reasoning_gym=ARITHMETIC), "reverse", seed=3)
+    assert isinstance(node, ReasoningGymPrompts) and node.size is None
+    got = [node.sample(i) for i in range(10)]
+    own = reasoning_gym.create_dataset("basic_arithmetic", **ARITHMETIC.config, seed=sources.gym_seed(3), size=10)
+    assert [(s.prompt, s.answer) for s in got] == [(own[i]["question"], own[i]["answer"]) for i in range(10)]
+    assert got[0].task == "basic_arithmetic" and got[0].prompt.startswith("Calculate ")
+    assert got[0].meta["reasoning_gym"] == {"task": "basic_arithmetic", "config": ARITHMETIC.config}
+    assert got[0].meta["metadata"] == own[0]["metadata"]
+    resumes(node, k=3, more=6)  # across a chunk boundary
+    other = prompt_source(DatasetConfig(reasoning_gym=ARITHMETIC), "reverse", seed=4)
+    theirs = [other.sample(i).prompt for i in range(10)]
+    assert theirs != [s.prompt for s in got] and theirs[:9] != [s.prompt for s in got[1:]]  # not shifted by one
+
+
+def test_reasoning_gym_sized_set_epochs_and_resume():
+    """With `size`: that many entries, each once per epoch, reshuffled each epoch; resumable."""
+    sized = ReasoningGymConfig(task=ARITHMETIC.task, config=ARITHMETIC.config, size=5)
+    node = prompt_source(DatasetConfig(reasoning_gym=sized, template="{question} ="), "reverse", seed=1)
+    assert node.size == 5
+    node.reset()
+    first = [next(node).prompt for _ in range(10)]
+    assert sorted(first[:5]) == sorted(first[5:]) and first[:5] != first[5:]
+    assert all(p.endswith(". =") for p in first)
+    resumes(node, k=4, more=3)
+
+
+@pytest.mark.parametrize(
+    "gym, message",
+    [
+        (
+            {"task": "spell_backwards"},
+            "config key 'dataset.reasoning_gym.task': no reasoning-gym task 'spell_backwards'; close: spell_backward",
+        ),
+        (
+            {"task": "basic_arithmetic", "config": {"min_term": 2}},
+            "config key 'dataset.reasoning_gym.config.min_term': not a key of basic_arithmetic's generator "
+            "(BasicArithmeticDatasetConfig); its keys: ",
+        ),
+        (
+            {"task": "basic_arithmetic", "config": {"min_terms": 0}},
+            "config key 'dataset.reasoning_gym.config': basic_arithmetic rejects {'min_terms': 0}: "
+            "AssertionError: min_terms must be positive",
+        ),
+        (
+            {"task": "basic_arithmetic", "config": {"seed": 1}},
+            "config key 'dataset.reasoning_gym.config.seed': forge sets it",
+        ),
+        ({"task": "basic_arithmetic", "size": -1}, "config key 'dataset.reasoning_gym.size' must be >= 0"),
+        ({"config": {"min_terms": 2}}, "config key 'dataset.reasoning_gym.task': name a reasoning-gym task"),
+    ],
+)
+def test_reasoning_gym_errors_name_the_key(gym, message):
+    with pytest.raises(ConfigError) as e:
+        DatasetConfig(reasoning_gym=ReasoningGymConfig(**gym)).validate()
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_one_source_and_its_columns(tmp_path):
+    path = str(gsm8k_like(tmp_path / "t.jsonl"))
+    with pytest.raises(ConfigError, match="config keys dataset.path, dataset.reasoning_gym.task: each is a source"):
+        DatasetConfig(path=path, reasoning_gym=ARITHMETIC).validate()
+    with pytest.raises(
+        ConfigError, match=r"config key 'dataset': reasoning-gym task basic_arithmetic .*missing \['problem'\]"
+    ):
+        prompt_source(DatasetConfig(reasoning_gym=ARITHMETIC, template="{problem}"), "reverse")
+    assert DatasetConfig(path=path).source_name == "t" and DatasetConfig(hf="openai/gsm8k").source_name == "gsm8k"
+    assert DatasetConfig(reasoning_gym=ARITHMETIC).source_name == "basic_arithmetic" and not DatasetConfig().enabled
+
+
+def test_grpo_config_checks_sources_and_evaluates_reasoning_gym_from_the_held_out_seed(tmp_path):
+    """Loading a GRPO config loads its sources (a bad split or column fails before anything is
+    spawned, naming its key, the eval's too); a reasoning-gym run evaluates on its generator
+    from `eval.seed`, prompts the training stream does not start with."""
+    from apps.grpo import Config
+    from forge.config import load_config
+    from services.evals import held_out
+
+    gym = ["dataset.reasoning_gym.task=basic_arithmetic", "dataset.reasoning_gym.config={max_digits: 2}"]
+    cfg = load_config("configs/grpo_tiny.yaml", [*gym, "eval.every=10", "eval.prompts=8"], Config)
+    assert cfg.eval.dataset.reasoning_gym == cfg.dataset.reasoning_gym
+    evals = held_out(cfg.eval, cfg.task)
+    train = prompt_source(cfg.dataset, cfg.task, cfg.seed)
+    assert len(evals) == 8 and evals[0].task == "basic_arithmetic"
+    assert not {s.prompt for s in evals} & {train.sample(i).prompt for i in range(64)}
+    with pytest.raises(ConfigError, match="config key 'dataset.reasoning_gym.task': no reasoning-gym task 'chain_sun'"):
+        load_config("configs/grpo_tiny.yaml", ["dataset.reasoning_gym.task=chain_sun"], Config)
+    with pytest.raises(ConfigError, match="config key 'eval.dataset.reasoning_gym.config.digits': not a key"):
+        load_config(
+            "configs/grpo_tiny.yaml",
+            [*gym, "eval.dataset.reasoning_gym={task: chain_sum, config: {digits: 1}}"],
+            Config,
+        )
+    rows = gsm8k_like(tmp_path / "train.jsonl")
+    with pytest.raises(ConfigError, match=r"config key 'dataset': .*train.jsonl has 5 rows .*missing \['problem'\]"):
+        load_config("configs/grpo_tiny.yaml", [f"dataset.path={rows}", "dataset.template='{problem}'"], Config)
+    with pytest.raises(ConfigError, match=r"config key 'eval.dataset': .*missing \['problem'\]"):
+        load_config(
+            "configs/grpo_tiny.yaml",
+            [f"dataset.path={rows}", "eval.every=5", f"eval.dataset.path={rows}", "eval.dataset.template='{problem}'"],
+            Config,
+        )
+
+
+def test_sft_examples_from_a_reasoning_gym_generator():
+    """`data.reasoning_gym` (the tiny model's warm start, `model.tiny.sft_reasoning_gym`): SFT
+    examples are the generator's question, then its answer as the loss tokens, `noise` applied
+    as to a toy task's; a bad generator key is named under `data`."""
+    import re
+
+    from forge.data import SFTExamples
+    from forge.schema import SFTDataConfig
+    from services.tiny_model import build_tokenizer
+
+    tok = build_tokenizer()
+    examples = SFTExamples(SFTDataConfig(reasoning_gym=ARITHMETIC), tok, "add", seed=0)
+    for i in range(5):
+        ids, mask = examples.sample(i)
+        prompt = tok.decode([t for t, m in zip(ids, mask) if not m], skip_special_tokens=True)
+        answer = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=True)
+        a, b = map(int, re.fullmatch(r"Calculate (\d+) \+ (\d+)\.", prompt).groups())
+        assert answer == str(a + b)
+    noisy = SFTExamples(SFTDataConfig(reasoning_gym=ARITHMETIC, noise=1.0), tok, "add", seed=0)
+    assert [noisy.sample(i)[0] for i in range(8)] != [examples.sample(i)[0] for i in range(8)]
+    bad = ReasoningGymConfig(task="basic_arithmetic", config={"terms": 2})
+    with pytest.raises(ConfigError, match="config key 'data.reasoning_gym.config.terms': not a key"):
+        SFTDataConfig(reasoning_gym=bad).validate()
+
+
+def test_reasoning_gym_entry_the_generator_fails_on_is_replaced_by_the_next(monkeypatch, caplog):
+    """A generator that raises on an entry (basic_arithmetic's default config divides by zero
+    now and then) costs that entry, the next one in its place, not the run; always failing stops it."""
+    real = sources.gym_generator
+
+    class Flaky:
+        def __init__(self, *args):
+            self.inner = real(*args)
+
+        def __getitem__(self, j):
+            if j == 1:
+                raise ZeroDivisionError("integer division or modulo by zero")
+            return self.inner[j]
+
+    monkeypatch.setattr(sources, "gym_generator", lambda *a: Flaky(*a))
+    node = prompt_source(DatasetConfig(reasoning_gym=ARITHMETIC), "reverse", seed=0)
+    assert node.sample(1) == node.sample(2) != node.sample(0)
+    assert "basic_arithmetic failed on entry 1 (ZeroDivisionError" in caplog.text
+
+    class Broken(Flaky):  # past its first entry (which the config check makes)
+        def __getitem__(self, j):
+            if j:
+                raise ValueError("no")
+            return self.inner[j]
+
+    monkeypatch.setattr(sources, "gym_generator", lambda *a: Broken(*a))
+    with pytest.raises(RuntimeError, match="reasoning-gym basic_arithmetic: 20 entries in a row from 5 failed"):
+        ReasoningGymPrompts(DatasetConfig(reasoning_gym=ARITHMETIC)).sample(5)

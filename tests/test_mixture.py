@@ -14,7 +14,7 @@ from apps.grpo import Config, record_batch
 from forge.config import ConfigError, load_config, to_yaml
 from forge.data import TaskPrompts
 from forge.metrics import _drain, reduce_states
-from forge.mixture import Mixture, build_prompts, register, running
+from forge.mixture import Mixture, build_prompts, register, running, source_stream
 from forge.schema import DatasetConfig, MixSource
 from forge.types import Completion, Episode, RewardInput, Score
 from services.evals import evaluate, held_out
@@ -195,6 +195,42 @@ def test_dataset_sources_need_held_out_rows_and_the_task_reward_needs_toy_tasks(
         load_config(CONFIG, [mix, "rewards.weights={task: 1.0}", "eval.every=0"], Config)
     cfg = load_config(CONFIG, [mix, f"eval.dataset.mix=[{{name: train, path: {rows}}}]"], Config)
     assert [s.task for s in held_out(cfg.eval, cfg.task, cfg.dataset.mix)][-3:] == ["add"] * 3
+
+
+def test_hugging_face_and_reasoning_gym_sources_in_a_mixture(tmp_path, monkeypatch):
+    """Entries of the other source kinds: named by their source (the hf dataset's name, the
+    generator's task); an hf source needs held-out rows, a generator's are its own from eval.seed;
+    the reasoning_gym reward needs generators only; a missing column fails at load, naming its entry."""
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    repo = tmp_path / "gsm_tiny"
+    repo.mkdir()
+    for split, n in (("train", 5), ("test", 3)):
+        lines = [json.dumps({"question": f"{split} q{i}", "answer": str(i)}) + "\n" for i in range(n)]
+        (repo / f"{split}.jsonl").write_text("".join(lines))
+    gym = "{reasoning_gym: {task: basic_arithmetic, config: {max_digits: 2}}}"
+    mix = f"dataset.mix=[{{hf: {repo}}}, {gym}]"
+    with pytest.raises(ConfigError, match="config key 'eval.dataset.mix': source 'gsm_tiny' is a Hugging Face"):
+        load_config(CONFIG, [mix], Config)
+    held = f"eval.dataset.mix=[{{name: gsm_tiny, hf: {repo}, split: test}}]"
+    cfg = load_config(CONFIG, [mix, held, "eval.prompts=4"], Config)
+    assert [s.source_name for s in cfg.dataset.mix] == ["gsm_tiny", "basic_arithmetic"]
+    node = build_prompts(cfg.dataset, cfg.task, cfg.seed)
+    assert {next(node).task for _ in range(40)} == {"gsm_tiny", "basic_arithmetic"}
+    evals = held_out(cfg.eval, cfg.task, cfg.dataset.mix)
+    assert [s.task for s in evals] == ["gsm_tiny"] * 3 + ["basic_arithmetic"] * 4  # all 3 test rows
+    assert all(s.prompt.startswith("test q") for s in evals[:3])
+    train = source_stream(cfg.dataset.mix[1], cfg.seed)
+    assert not {s.prompt for s in evals[3:]} & {train.sample(i).prompt for i in range(64)}  # eval.seed's
+    with pytest.raises(ConfigError, match=r"not the prompts of dataset.mix\[0\] \(gsm_tiny\)"):
+        load_config(CONFIG, [mix, held, "rewards.weights={reasoning_gym: 1.0}"], Config)
+    two = f"dataset.mix=[{gym}, {{reasoning_gym: {{task: chain_sum}}}}]"
+    assert load_config(CONFIG, [two, "rewards.weights={reasoning_gym: 1.0}"], Config).dataset.mix[1].weight == 1.0
+    with pytest.raises(ConfigError, match=r"config key 'dataset.mix\[0\]': .*missing \['problem'\]"):
+        load_config(CONFIG, [f"dataset.mix=[{{hf: {repo}, template: '{{problem}}'}}, {gym}]", held], Config)
 
 
 def test_per_source_rewards_and_accuracy_beside_the_overall_ones():

@@ -200,7 +200,46 @@ def test_every_reward_is_finite_and_within_its_declared_range():
 def test_built_in_rewards_declare_their_range():
     assert sorted(REWARDS) == sorted(REWARD_NAMES)  # the names a config is checked against
     built = build_rewards(RewardsConfig(dict.fromkeys(REWARDS, 1.0)))
-    assert sorted(built) == sorted(["exact", "math", "format", "task", "judge", "code_tests", "reward_model"])
+    names = ["exact", "math", "format", "task", "judge", "code_tests", "reward_model", "reasoning_gym"]
+    assert sorted(built) == sorted(names)
     for name, fn in built.items():  # a reward model's scores are its logits: unbounded
         assert getattr(fn, "reward_range", None) == (None if name == "reward_model" else (0.0, 1.0))
     assert isinstance(built["judge"], Judge) and isinstance(built["code_tests"], CodeTests)
+
+
+def test_reasoning_gym_reward_is_the_generators_own_scorer():
+    """`reasoning_gym`: the sample's generator (its task and config ride in the sample's row)
+    scores the model's answer with its own `score_answer`: the whole completion, or its last
+    <answer> tag after any reasoning; full marks are `correct`. A sample that is not a
+    reasoning-gym entry fails the reward (scored 0), not the run."""
+    from forge.data import prompt_source
+    from forge.schema import DatasetConfig, ReasoningGymConfig
+    from services.rewards import gym
+
+    gym_cfg = ReasoningGymConfig(task="spell_backward", config={"min_word_len": 4, "max_word_len": 6})
+    sample = prompt_source(DatasetConfig(reasoning_gym=gym_cfg), "reverse", seed=5).sample(0)
+    word = sample.meta["metadata"]["word"]
+    assert sample.answer == word[::-1] and word in sample.prompt
+
+    def score(text: str) -> dict:
+        return gym.score(RewardInput(sample.row(), text))
+
+    assert score(f" {word[::-1]}\n") == {"reward": 1.0, "correct": 1.0}
+    assert score(f"<think>{word}</think>reversed: <answer>{word[::-1]}</answer>") == {"reward": 1.0, "correct": 1.0}
+    first = "a" if sample.answer[0].lower() != "a" else "b"
+    wrong = score(first + sample.answer[1:])  # spell_backward's partial credit: the positions it gets right
+    n = len(sample.answer)
+    assert wrong == {"reward": pytest.approx((n - 1) / n), "correct": 0.0}
+    assert score("")["reward"] == 0.0
+    svc_weights = weights({"reasoning_gym": 1.0})
+    fns = build_rewards(svc_weights)
+    assert fns["reasoning_gym"].reward_range == (0.0, 1.0)
+    with pytest.raises(ValueError, match="not a reasoning-gym entry"):
+        gym.score(RewardInput({"prompt": "rev abc=", "answer": "cba", "task": "reverse"}, "cba"))
+
+
+def test_reasoning_gym_reward_needs_a_reasoning_gym_source(tmp_path):
+    with pytest.raises(ConfigError, match="config key 'rewards.weights.reasoning_gym': it scores reasoning-gym"):
+        load_config(
+            "configs/grpo_tiny.yaml", [f"model.path={tmp_path}", "rewards.weights={reasoning_gym: 1}"], GRPOConfig
+        )

@@ -16,7 +16,7 @@ columns, prompt, completion, finish reason, the messages of a multi-turn episode
 float or a dict of named components (its reward is the dict's `reward`, else the sum of the
 rest; a `correct` key is the sample's correctness); it may be sync (run in a thread) or async,
 and may declare its values with `@forge.types.reward_range(low, high)`. `REWARDS` names the
-built-ins (services/rewards/builtin.py, judge.py, code_tests.py, reward_model.py; a config is checked against
+built-ins (services/rewards/builtin.py, judge.py, code_tests.py, reward_model.py, gym.py; a config is checked against
 their names, `services.schema.REWARD_NAMES`); any other name is a "package.module:function".
 A reward that raises, or returns a value that is not finite or outside its declared range,
 scores 0 for that sample and marks its Score failed: it never ends the run. One that raises
@@ -33,6 +33,7 @@ from typing import Any
 from monarch.actor import endpoint
 
 from forge.actor import ForgeActor
+from forge.config import import_object
 from forge.env import call
 from forge.types import RewardInput, RewardUnavailable, Score, check_reward
 from services.rewards import builtin
@@ -54,6 +55,8 @@ REWARDS: dict[str, Callable[[RewardsConfig], RewardFn]] = {
     "judge": lambda cfg: Judge(cfg.judge),
     "code_tests": lambda cfg: CodeTests(cfg.code_tests),
     "reward_model": lambda cfg: RewardModel(cfg.reward_model),
+    # By name, as a user's reward is: reasoning_gym takes ~2 s to import, for runs that use it.
+    "reasoning_gym": lambda cfg: import_object("rewards.weights.reasoning_gym", "services.rewards.gym:score"),
 }
 
 

@@ -1,0 +1,209 @@
+"""The libraries a run's prompt rows come from, behind forge.schema.DatasetConfig: HF `datasets`
+loads a local file, a `save_to_disk` directory or a Hugging Face dataset by name (offline: from
+the local cache) as one `datasets.Dataset`; reasoning-gym's own factory makes a procedural
+generator. Every failure is a ConfigError naming the config key and what there is instead.
+forge.data.prompt_source makes prompt streams of both."""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import random
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import datasets
+import reasoning_gym
+from huggingface_hub import constants as hub_constants
+from reasoning_gym.factory import DATASETS as GYM_TASKS
+
+from forge.config import ConfigError
+from forge.data import RowPrompts
+from forge.schema import FORMATS, DatasetConfig, ReasoningGymConfig
+from forge.tasks import Task
+
+log = logging.getLogger("forge")
+GYM_RETRIES = 20  # a generator's entries in a row that may fail before its stream stops the run
+GYM_COLUMNS = ("question", "answer", "metadata")  # a reasoning-gym entry's keys: a row's columns
+# An endless generator is made in chunks of this many entries (each its own generator object, as
+# reasoning-gym's are sized), seeded so that together they are one unbounded generator.
+GYM_CHUNK = 10_000
+GYM_OWN_KEYS = ("seed", "size")  # a generator config's keys that forge sets
+
+
+def gym_seed(seed: int) -> int:
+    """The reasoning-gym seed of a forge stream's `seed`. Generators seed entry idx from
+    seed + idx, so streams of seeds 0 and 1 would be one stream shifted by one entry (and a
+    run's stream would reach its evals' after eval.seed entries): a hash spreads them apart,
+    below 2**31 as numpy's seeding (pool_matrix's) needs seed + idx < 2**32."""
+    return random.Random(f"reasoning_gym:{seed}").randrange(2**31)
+
+
+def load_rows(cfg: DatasetConfig, key: str = "dataset") -> datasets.Dataset:
+    """The rows `cfg` names: its `hf` dataset, its save_to_disk directory, or its file."""
+    if cfg.hf:
+        return _hub_rows(cfg, key)
+    if Path(cfg.path).is_dir():
+        try:
+            saved = datasets.load_from_disk(cfg.path)
+        except FileNotFoundError as e:
+            raise ConfigError(f"config key '{key}.path': {_first_line(e)}") from None
+        return _split(saved, cfg, key, cfg.path)
+    return datasets.load_dataset(FORMATS[Path(cfg.path).suffix], data_files=cfg.path, split="train")
+
+
+def _hub_rows(cfg: DatasetConfig, key: str) -> datasets.Dataset:
+    """`datasets.load_dataset(hf, subset)`, all its splits (so a missing one can name the others),
+    then the split."""
+    try:
+        loaded = datasets.load_dataset(cfg.hf, cfg.subset or None)
+    except ValueError as e:  # a config it lacks: "BuilderConfig 'x' not found. Available: [...]"
+        if cfg.subset and cfg.subset in str(e):
+            raise ConfigError(f"config key '{key}.subset': {cfg.hf}: {_first_line(e)}") from None
+        raise ConfigError(f"config key '{key}.hf': {cfg.hf}: {_first_line(e)}") from None
+    except (FileNotFoundError, ConnectionError, OSError) as e:  # DatasetNotFoundError is a FileNotFoundError
+        cached = cached_datasets()
+        close = difflib.get_close_matches(cfg.hf, cached, n=3, cutoff=0.5)
+        raise ConfigError(
+            f"config key '{key}.hf': cannot load {cfg.hf!r} ({_first_line(e)[:120]}); "
+            f"{'close: ' + ', '.join(close) + '; ' if close else ''}"
+            f"in the local cache: {', '.join(cached[:10]) or 'none'}"
+        ) from None
+    return _split(loaded, cfg, key, cfg.hf)
+
+
+def _split(loaded: Any, cfg: DatasetConfig, key: str, where: str) -> datasets.Dataset:
+    """`loaded`'s split `cfg.split` (empty: train), or `loaded` itself when it has no splits."""
+    if isinstance(loaded, datasets.Dataset):
+        if cfg.split:
+            raise ConfigError(f"config key '{key}.split': {where} is one dataset without splits; unset it")
+        return loaded
+    split = cfg.split or "train"
+    if split not in loaded:
+        raise ConfigError(
+            f"config key '{key}.split': {where} has no split {split!r}; its splits: {', '.join(loaded) or 'none'}"
+        )
+    return loaded[split]
+
+
+def cached_datasets() -> list[str]:
+    """The Hugging Face datasets in the local caches (the hub's and `datasets`'), by name."""
+    hub = {d.name[len("datasets--") :].replace("--", "/") for d in Path(hub_constants.HF_HUB_CACHE).glob("datasets--*")}
+    prepared = {d.name.replace("___", "/") for d in Path(datasets.config.HF_DATASETS_CACHE).glob("*___*")}
+    return sorted(hub | prepared)
+
+
+def check_reasoning_gym(cfg: ReasoningGymConfig, key: str = "dataset.reasoning_gym") -> None:
+    """A known task, its generator's config keys, a size >= 0, and a generator that makes an entry."""
+    if not cfg.task:
+        raise ConfigError(
+            f"config key '{key}.task': name a reasoning-gym task (e.g. {', '.join(sorted(GYM_TASKS)[:5])})"
+        )
+    config_class = gym_config_class(cfg.task, key)
+    known = sorted(f.name for f in fields(config_class) if f.name not in GYM_OWN_KEYS)
+    for name in cfg.config:
+        if name in GYM_OWN_KEYS:
+            raise ConfigError(
+                f"config key '{key}.config.{name}': forge sets it: the seed is the run's `seed` (evals': "
+                f"`eval.seed`), the size {key}.size"
+            )
+        if name not in known:
+            raise ConfigError(
+                f"config key '{key}.config.{name}': not a key of {cfg.task}'s generator "
+                f"({config_class.__name__}); its keys: {', '.join(known)}"
+            )
+    if cfg.size < 0:
+        raise ConfigError(f"config key '{key}.size' must be >= 0 (0: endless), got {cfg.size}")
+    generator = gym_generator(cfg, 0, cfg.size or 1, key)
+    try:
+        generator[0]
+    except Exception as e:  # noqa: BLE001 - a generator's own failure on this config, whatever it is
+        raise ConfigError(f"config key '{key}.config': {cfg.task} fails to generate: {type(e).__name__}: {e}") from None
+
+
+def gym_config_class(task: str, key: str = "dataset.reasoning_gym") -> type:
+    """The config dataclass of reasoning-gym task `task`; an unknown one names the closest."""
+    if task not in GYM_TASKS:
+        close = difflib.get_close_matches(task, GYM_TASKS, n=5, cutoff=0.5) or sorted(GYM_TASKS)[:5]
+        raise ConfigError(
+            f"config key '{key}.task': no reasoning-gym task {task!r}; close: {', '.join(close)} "
+            f"(all {len(GYM_TASKS)}: reasoning_gym.factory.DATASETS)"
+        )
+    return GYM_TASKS[task][1]
+
+
+def gym_generator(cfg: ReasoningGymConfig, seed: int, size: int, key: str = "dataset.reasoning_gym") -> Any:
+    """The task's generator (a reasoning_gym ProceduralDataset) of `size` entries from `seed`;
+    a config its generator rejects (its validate's assertions) names the key."""
+    try:
+        return reasoning_gym.create_dataset(cfg.task, **cfg.config, seed=seed, size=size)
+    except (AssertionError, TypeError, ValueError) as e:
+        raise ConfigError(
+            f"config key '{key}.config': {cfg.task} rejects {cfg.config}: {type(e).__name__}: {e}"
+        ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+class ReasoningGymPrompts(RowPrompts):
+    """A reasoning-gym generator's entries ({question, answer, metadata}): `size` of them,
+    reshuffled each epoch, or endless. Entry i comes from (seed, i) alone, so the index is the
+    whole state. Each sample carries its entry and the generator's name and config (its meta),
+    which the `reasoning_gym` reward scores it with."""
+
+    def __init__(self, cfg: DatasetConfig, seed: int = 0, key: str = "dataset"):
+        cfg.validate()
+        self.gym, self._made = cfg.reasoning_gym, (-1, None)
+        self.spec = {"task": self.gym.task, "config": dict(self.gym.config)}
+        where = f"reasoning-gym task {self.gym.task}"
+        super().__init__(cfg, list(GYM_COLUMNS), self.gym.size or None, seed, key, where)
+
+    def entry(self, at: int) -> dict[str, Any]:
+        """The generator's entry `at`; one it fails to make (basic_arithmetic's default config
+        divides by zero now and then) is replaced by the next it makes, so a library's bug in
+        one entry costs that entry, not the run."""
+        span = self.gym.size or GYM_CHUNK
+        chunk, first = divmod(at, span)
+        generator = self._generator(chunk)
+        for k in range(GYM_RETRIES):
+            try:
+                return generator[(first + k) % span]
+            except Exception as e:  # noqa: BLE001 - whatever a generator raises on an entry
+                log.warning(
+                    "forge: reasoning-gym %s failed on entry %d (%s: %s); the next one instead",
+                    self.gym.task,
+                    at + k,
+                    type(e).__name__,
+                    e,
+                )
+        raise RuntimeError(f"reasoning-gym {self.gym.task}: {GYM_RETRIES} entries in a row from {at} failed")
+
+    def _generator(self, chunk: int) -> Any:
+        """The generator of chunk `chunk` of the endless stream (or the sized set, chunk 0): its
+        seed is gym_seed(seed) + chunk x GYM_CHUNK, so for a generator that seeds entry idx from
+        seed + idx (reasoning-gym's convention) the chunks are one unbounded generator."""
+        if self._made[0] != chunk:
+            seed = gym_seed(self.seed) + chunk * GYM_CHUNK
+            size, key = self.gym.size or GYM_CHUNK, f"{self.key}.reasoning_gym"
+            self._made = (chunk, gym_generator(self.gym, seed, size, key))
+        return self._made[1]
+
+    def meta(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "reasoning_gym": self.spec}
+
+
+class GymTask(Task):
+    """A reasoning-gym generator as a toy task, for the supervised apps' examples: a sample is
+    one of its first GYM_CHUNK entries from `seed`, drawn by the sample's RNG; its question the
+    prompt, its answer the answer (corrupted by the toy tasks' `noise` as theirs are)."""
+
+    def __init__(self, cfg: ReasoningGymConfig, seed: int = 0):
+        self.name = cfg.task
+        self.generator = gym_generator(cfg, gym_seed(seed), GYM_CHUNK, "data.reasoning_gym")
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        entry = self.generator[rng.randrange(GYM_CHUNK)]
+        return entry["question"], str(entry["answer"])
