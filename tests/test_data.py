@@ -2,6 +2,7 @@
 Face datasets by name, reasoning-gym generators; all resumable, and each bad key named."""
 
 import json
+import logging
 
 import pytest
 
@@ -368,8 +369,16 @@ def test_reasoning_gym_entry_the_generator_fails_on_is_replaced_by_the_next(monk
             return self.inner[j]
 
     monkeypatch.setattr(sources, "gym_generator", lambda *a: Flaky(*a))
-    node = prompt_source(DatasetConfig(reasoning_gym=ARITHMETIC), "reverse", seed=0)
-    assert node.sample(1) == node.sample(2) != node.sample(0)
+    # Listen on forge's own logger, enabled at WARNING, whatever earlier tests in this process set on it.
+    forge_log = logging.getLogger("forge")
+    caplog.set_level(logging.WARNING, logger="forge")
+    monkeypatch.setattr(forge_log, "disabled", False)
+    forge_log.addHandler(caplog.handler)
+    try:
+        node = prompt_source(DatasetConfig(reasoning_gym=ARITHMETIC), "reverse", seed=0)
+        assert node.sample(1) == node.sample(2) != node.sample(0)
+    finally:
+        forge_log.removeHandler(caplog.handler)
     assert "basic_arithmetic failed on entry 1 (ZeroDivisionError" in caplog.text
 
     class Broken(Flaky):  # past its first entry (which the config check makes)
