@@ -76,14 +76,14 @@ def measure(chunk: int, tokens: int) -> dict:
     ids = torch.randint(0, VOCAB, (tokens // ROW, ROW), generator=torch.Generator().manual_seed(0)).to(device)
     if accelerated:
         torch.accelerator.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
+        torch.accelerator.reset_peak_memory_stats(device)
+        before = torch.accelerator.memory_allocated(device)
     else:
         before = _resident_bytes()
     lp = _step(model, ids, chunk)
     grads = {n: p.grad.float().cpu() for n, p in model.named_parameters()}
     if accelerated:
-        peak = torch.cuda.max_memory_allocated(device) - before
+        peak = torch.accelerator.max_memory_allocated(device) - before
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     times = []
