@@ -36,10 +36,13 @@ async def run(cfg: Config) -> dict[str, float]:
         return await train(cfg, pairs, tokenizer.pad_token_id or 0, roles, last)
 
 
-def pair_batch(pairs: list, pad_id: int, rows_multiple_of: int) -> Batch:
-    """Pair k as episodes 2k (chosen) and 2k+1 (rejected), packed into one row."""
+def pair_batch(pairs: list, pad_id: int, rows_multiple_of: int, share_prefix: bool = False) -> Batch:
+    """Pair k as episodes 2k (chosen) and 2k+1 (rejected), packed into one row (their prompt
+    once, with `share_prefix`)."""
     episodes = [Episode(ids, mask, [0.0] * len(ids)) for pair in pairs for ids, mask in pair]
-    return collate(episodes, pad_id=pad_id, rows_multiple_of=rows_multiple_of, keep_together=2)
+    return collate(
+        episodes, pad_id=pad_id, rows_multiple_of=rows_multiple_of, keep_together=2, share_prefix=share_prefix
+    )
 
 
 async def train(
@@ -53,9 +56,8 @@ async def train(
     async with run:
         while run.step < cfg.steps:
             start = time.perf_counter()
-            batch = pair_batch(
-                [next(pairs) for _ in range(cfg.batch_size)], pad_id, cfg.trainer_procs * cfg.trainer.grad_accum
-            )
+            rows = cfg.trainer_procs * cfg.trainer.grad_accum
+            batch = pair_batch([next(pairs) for _ in range(cfg.batch_size)], pad_id, rows, cfg.trainer.share_prefix)
             if roles.ref is not None:
                 batch.ref_logprobs = await roles.ref.logprobs.route(batch)
             _, metrics = await roles.trainer.train_step.route(batch)

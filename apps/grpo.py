@@ -138,7 +138,8 @@ async def step(cfg: Config, s: Roles, run: Run, loops: RolloutLoops, buffer: Any
     t0 = time.perf_counter()
     episodes = await loops.batch(run.version)
     t1 = time.perf_counter()
-    batch = collate(episodes, pad_id=0, rows_multiple_of=cfg.trainer_procs * cfg.trainer.grad_accum)
+    rows = cfg.trainer_procs * cfg.trainer.grad_accum
+    batch = collate(episodes, pad_id=0, rows_multiple_of=rows, share_prefix=cfg.trainer.share_prefix)
     if s.ref is not None:
         batch.ref_logprobs = await s.ref.logprobs.route(batch)
     if s.critic is not None:

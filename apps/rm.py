@@ -62,9 +62,8 @@ async def train(
     async with run:
         while run.step < cfg.steps:
             start = time.perf_counter()
-            batch = pair_batch(
-                [next(pairs) for _ in range(cfg.batch_size)], pad_id, cfg.trainer_procs * cfg.trainer.grad_accum
-            )
+            rows = cfg.trainer_procs * cfg.trainer.grad_accum
+            batch = pair_batch([next(pairs) for _ in range(cfg.batch_size)], pad_id, rows, cfg.trainer.share_prefix)
             version, metrics = await trainer.train_step.route(batch)
             for key in METRICS:
                 record_metric(key, metrics[key])

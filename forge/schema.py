@@ -357,7 +357,7 @@ class LossConfig:
     # How the generator -> trainer ratio weighs tokens: token_truncate | sequence_truncate |
     # token_mask | sequence_mask (forge.losses.IS_CORRECTIONS).
     is_correction: str = "token_truncate"
-    norm_tokens: int = 0  # Dr.GRPO's constant normalizer (0: the batch's row length)
+    norm_tokens: int = 0  # Dr.GRPO's constant normalizer (0: the batch's longest episode)
     # Divide group advantages by the group's reward std; null: the loss's own choice (Dr.GRPO
     # drops it, the others keep it).
     std_normalize: bool | None = None

@@ -220,10 +220,21 @@ class Batch:
     # it learns (forge.losses.advantages.gae); None elsewhere.
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    # long, on rows where episodes share their group's prompt (collate's `share_prefix`): the
+    # segment of each token, which says what it attends to (`sees`); None: `positions` say it.
+    segments: torch.Tensor | None = None
 
     @property
     def num_episodes(self) -> int:
         return int(self.policy_versions.numel())
+
+    @property
+    def longest_episode(self) -> int:
+        """The longest episode's token count: the row width of one episode per row, whatever the layout."""
+        if self.positions is None:
+            return int(self.input_ids.shape[1])
+        own = self.doc_ids >= 0
+        return int(self.positions[own].max()) + 1 if bool(own.any()) else 0
 
     def to(self, device: torch.device | str) -> Batch:
         moved = {
@@ -234,22 +245,35 @@ class Batch:
 
 
 def collate(
-    episodes: Sequence[Episode], pad_id: int, pack_to: int = 0, rows_multiple_of: int = 1, keep_together: int = 1
+    episodes: Sequence[Episode],
+    pad_id: int,
+    pack_to: int = 0,
+    rows_multiple_of: int = 1,
+    keep_together: int = 1,
+    share_prefix: bool | Literal["always"] = False,
 ) -> Batch:
     """One episode per row, padded to the longest; or, with `pack_to`, episodes packed into
     rows of up to `pack_to` tokens (first fit, longest first; a longer episode gets a row of its
     own), each attending only within itself (`positions`). `keep_together` consecutive episodes
-    (a preference pair: 2) always share a row, in order. Empty rows make the row count a
-    multiple of `rows_multiple_of` (the trainer's ranks x micro-batches: a batch of whole groups
-    holds any number of episodes). Episode i is doc i and policy_versions[i]."""
+    (a preference pair: 2) always share a row, in order. With `share_prefix`, episodes whose
+    tokens before their first loss token are the same (a group's prompt) are laid out as one
+    unit: that prompt once, then each episode's own tokens, which see the prompt and themselves
+    only (`segments`), where that costs less (`shared_units`; "always": wherever they can be).
+    Empty rows make the row count a multiple of
+    `rows_multiple_of` (the trainer's ranks x micro-batches: a batch of whole groups holds any
+    number of episodes). Episode i is doc i and policy_versions[i]."""
     if not episodes:
         raise ValueError("collate() got no episodes")
     if len(episodes) % keep_together:
         raise ValueError(f"collate(): {len(episodes)} episodes are not units of keep_together={keep_together}")
-    units = [list(range(i, i + keep_together)) for i in range(0, len(episodes), keep_together)]
-    rows = _pack(units, [sum(len(episodes[i].tokens) for i in u) for u in units], pack_to)
+    if share_prefix:
+        units = shared_units(episodes, keep_together, pack_to, only_cheaper=share_prefix != "always")
+    else:
+        units = [_Unit(list(range(i, i + keep_together))) for i in range(0, len(episodes), keep_together)]
+    shared = any(u.prompt for u in units)
+    rows = [_pieces(row, episodes) for row in _pack(units, [u.length(episodes) for u in units], pack_to)]
     rows += [[] for _ in range(-len(rows) % rows_multiple_of)]
-    width = max(sum(len(episodes[i].tokens) for i in row) for row in rows)
+    width = max(sum(p.stop - p.start for p in row) for row in rows)
     shape = (len(rows), width)
     b = dict(
         input_ids=torch.full(shape, pad_id, dtype=torch.long),
@@ -258,50 +282,157 @@ def collate(
         gen_logprobs=torch.zeros(shape),
         doc_ids=torch.full(shape, -1, dtype=torch.long),
     )
-    # Padding continues the row's last positions, so it starts no episode of its own.
+    # Padding continues the row's last positions and segment, so it starts no episode of its own.
     positions = torch.arange(width).repeat(len(rows), 1)
+    segments = torch.zeros(shape, dtype=torch.long)
     for r, row in enumerate(rows):
-        start = 0
-        for i in row:
-            ep = episodes[i]
-            s = slice(start, start + len(ep.tokens))
-            b["input_ids"][r, s] = torch.tensor(ep.tokens)
-            b["loss_mask"][r, s] = torch.tensor(ep.loss_mask, dtype=torch.float)
-            b["advantages"][r, s] = ep.advantage
-            b["gen_logprobs"][r, s] = torch.tensor(ep.gen_logprobs)
-            b["doc_ids"][r, s] = i
-            positions[r, start:] = torch.arange(width - start)
-            start = s.stop
+        col = 0
+        for p in row:
+            ep, s, t = episodes[p.episode], slice(col, col + p.stop - p.start), slice(p.start, p.stop)
+            b["input_ids"][r, s] = torch.tensor(ep.tokens[t])
+            if not p.shared:  # a shared prompt is every member's and none's: doc -1, no loss
+                b["loss_mask"][r, s] = torch.tensor(ep.loss_mask[t], dtype=torch.float)
+                b["advantages"][r, s] = ep.advantage
+                b["gen_logprobs"][r, s] = torch.tensor(ep.gen_logprobs[t])
+                b["doc_ids"][r, s] = p.episode
+            positions[r, col:] = torch.arange(p.start, p.start + width - col)
+            segments[r, col:] = p.segment
+            col = s.stop
     versions = torch.tensor([e.policy_version for e in episodes], dtype=torch.long)
-    routed = _routed_experts(episodes, rows, width)
     return Batch(
         **b,
         ref_logprobs=None,
         policy_versions=versions,
-        positions=positions if pack_to or keep_together > 1 else None,
-        routed_experts=routed,
+        positions=positions if pack_to or keep_together > 1 or shared else None,
+        routed_experts=_routed_experts(episodes, rows, width),
+        segments=segments if shared else None,
     )
 
 
-def _pack(units: list[list[int]], lengths: list[int], pack_to: int) -> list[list[int]]:
-    """The units' episodes by row: a unit a row, or with `pack_to` first fit, longest first."""
+# Batch.segments: member k (k >= 1) of unit u is segment u x MEMBERS + k, the unit's shared
+# prompt u x MEMBERS; an episode laid out whole is a unit of its own.
+MEMBERS = 1 << 20
+
+
+def sees(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Whether a token of segment `query` may attend to an earlier token of segment `key`: one of
+    its own segment, or of its unit's shared prompt (broadcasting; the causal order is the
+    caller's). The one rule of Batch.segments, for dense masks and flex's mask_mod alike."""
+    return (key == query) | (key == query // MEMBERS * MEMBERS)
+
+
+@dataclass
+class _Unit:
+    """Episodes laid out together in a row: their first `prompt` tokens once (the same in all of
+    them; 0: nothing shared), then each episode's tokens from there."""
+
+    episodes: list[int]
+    prompt: int = 0
+
+    def length(self, episodes: Sequence[Episode]) -> int:
+        return self.prompt + sum(len(episodes[i].tokens) - self.prompt for i in self.episodes)
+
+
+@dataclass
+class _Piece:
+    """Tokens [start, stop) of one episode at their place in a row, in segment `segment`."""
+
+    episode: int
+    start: int
+    stop: int
+    segment: int
+    shared: bool = False
+
+
+def _pieces(row: list[_Unit], episodes: Sequence[Episode]) -> list[_Piece]:
+    """A row's units as pieces, in order; each unit (and each episode of an unshared one) its own
+    unit number in the row's segments."""
+    out: list[_Piece] = []
+    for unit in row:
+        if unit.prompt:
+            u = len(out)  # unit numbers only need to differ within the row
+            out.append(_Piece(unit.episodes[0], 0, unit.prompt, u * MEMBERS, shared=True))
+            out += [
+                _Piece(i, unit.prompt, len(episodes[i].tokens), u * MEMBERS + k + 1)
+                for k, i in enumerate(unit.episodes)
+            ]
+        else:
+            out += [
+                _Piece(i, 0, len(episodes[i].tokens), (len(out) + k) * MEMBERS) for k, i in enumerate(unit.episodes)
+            ]
+    return out
+
+
+def shared_prompt(episode: Episode) -> int:
+    """How many of `episode`'s first tokens a unit may share: those before its first loss token,
+    less the last of them, which each member keeps (its output predicts the member's first own
+    token, and a member's tokens see only the shared prompt and themselves)."""
+    first = next((t for t, m in enumerate(episode.loss_mask) if m), len(episode.tokens))
+    return max(first - 1, 0)
+
+
+def shared_units(
+    episodes: Sequence[Episode], keep_together: int = 1, pack_to: int = 0, only_cheaper: bool = True
+) -> list[_Unit]:
+    """The episodes, `keep_together` at a time, as units that share their prompt (the same tokens
+    before the first loss token), in order of first appearance; a unit over `pack_to` tokens is
+    split into several, each with its prompt. A lone episode is laid out whole, and with
+    `only_cheaper` so is a unit whose shared row attends over more than its episodes' rows would
+    (rows^2, what a dense mask computes: long prompts with short answers share, the reverse not)."""
+    by_prompt: dict[tuple, list[int]] = {}
+    for start in range(0, len(episodes), keep_together):
+        members = list(range(start, start + keep_together))
+        p = min(shared_prompt(episodes[i]) for i in members)
+        prompts = {tuple(episodes[i].tokens[:p]) for i in members}
+        # Without a prompt to share, or with its own episodes differing there: laid out whole, alone.
+        key = ("prompt", *prompts.pop()) if len(prompts) == 1 and p else ("whole", start)
+        by_prompt.setdefault(key, []).extend(members)
+    units: list[_Unit] = []
+    for key, members in by_prompt.items():
+        p = len(key) - 1 if key[0] == "prompt" and len(members) > 1 else 0
+        unit = _Unit([], p)
+        for start in range(0, len(members), keep_together):
+            grown = _Unit(unit.episodes + members[start : start + keep_together], p)
+            if unit.episodes and pack_to and grown.length(episodes) > pack_to:
+                units.append(unit)
+                grown = _Unit(members[start : start + keep_together], p)
+            unit = grown
+        units.append(unit)
+    if only_cheaper:  # the others as collate lays them out without sharing
+        units = [v for u in units for v in ([u] if _cheaper(u, episodes, keep_together) else _whole(u, keep_together))]
+    return units
+
+
+def _whole(unit: _Unit, keep_together: int) -> list[_Unit]:
+    return [_Unit(unit.episodes[i : i + keep_together]) for i in range(0, len(unit.episodes), keep_together)]
+
+
+def _cheaper(unit: _Unit, episodes: Sequence[Episode], keep_together: int) -> bool:
+    """Whether `unit`'s row attends over no more token pairs than its episodes laid out whole."""
+    whole = sum(u.length(episodes) ** 2 for u in _whole(unit, keep_together))
+    return not unit.prompt or unit.length(episodes) ** 2 <= whole
+
+
+def _pack(units: list[_Unit], lengths: list[int], pack_to: int) -> list[list[_Unit]]:
+    """The units by row: a unit a row, or with `pack_to` first fit, longest first."""
     if not pack_to:
-        return [list(u) for u in units]
-    rows: list[list[int]] = []
+        return [[u] for u in units]
+    rows: list[list[_Unit]] = []
     used: list[int] = []
     for k in sorted(range(len(units)), key=lambda k: -lengths[k]):
         fit = next((r for r, u in enumerate(used) if u + lengths[k] <= pack_to), None)
         if fit is None:
-            rows.append(list(units[k]))
+            rows.append([units[k]])
             used.append(lengths[k])
         else:
-            rows[fit] += units[k]
+            rows[fit].append(units[k])
             used[fit] += lengths[k]
     return rows
 
 
-def _routed_experts(episodes: Sequence[Episode], rows: list[list[int]], width: int) -> torch.Tensor | None:
-    """The episodes' routing records laid out as collate lays out their tokens (-1 elsewhere)."""
+def _routed_experts(episodes: Sequence[Episode], rows: list[list[_Piece]], width: int) -> torch.Tensor | None:
+    """The episodes' routing records laid out as collate lays out their tokens (-1 elsewhere); a
+    shared prompt's are its first member's."""
     shapes = {tuple(e.routed_experts.shape[1:]) for e in episodes if e.routed_experts is not None}
     if not shapes:
         return None
@@ -309,10 +440,10 @@ def _routed_experts(episodes: Sequence[Episode], rows: list[list[int]], width: i
         raise ValueError(f"collate: episodes' routed_experts have different [layers, top_k]: {sorted(shapes)}")
     out = torch.full((len(rows), width, *shapes.pop()), -1, dtype=torch.long)
     for r, row in enumerate(rows):
-        start = 0
-        for i in row:
-            n = len(episodes[i].tokens)
-            if episodes[i].routed_experts is not None:
-                out[r, start : start + n] = episodes[i].routed_experts
-            start += n
+        col = 0
+        for p in row:
+            record = episodes[p.episode].routed_experts
+            if record is not None:
+                out[r, col : col + p.stop - p.start] = record[p.start : p.stop]
+            col += p.stop - p.start
     return out

@@ -42,4 +42,6 @@ class Reference(ForgeActor):
 
         b = batch.to(self.device)
         with torch.no_grad():
-            return token_logprobs(self.model, b.input_ids, chunk_rows=self.chunk_rows, positions=b.positions)[0].cpu()
+            return token_logprobs(
+                self.model, b.input_ids, chunk_rows=self.chunk_rows, positions=b.positions, segments=b.segments
+            )[0].cpu()

@@ -187,6 +187,9 @@ class TrainerConfig:
     # What the model outputs: "lm", next-token logits (a policy); "score", one scalar per token
     # (a reward model: its sequence's score is its last token's; loss `bradley_terry`).
     head: str = "lm"
+    # A group's prompt once per row, its samples each seeing it and themselves (forge.types.collate):
+    # the same logprobs and gradients as a row per sample, from fewer tokens.
+    share_prefix: bool = True
 
     def validate(self) -> None:
         self.lora.validate()

@@ -15,23 +15,44 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from torchtitan.models.common.attention import FlexAttention
+from torch.nn.attention.flex_attention import and_masks
+from torchtitan.models.common.attention import FlexAttention, create_attention_mask, get_causal_mask_mod
 
 from forge.losses.logprobs import chunkable, head_logprobs
 from forge.schema import LoRAConfig
+from forge.types import MEMBERS, sees
 from services import models
 from services.lora import adapt, add_dropout, is_adapter
 from services.models import hf
 from services.models.layers import route_as
 
 
-def packed_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+def packed_causal_mask(positions: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
     """[rows, 1, seq, seq]: token q sees token k <= q of its own episode (a new one starts
-    where `positions` is 0), torchtitan's packed-document convention."""
-    docs = torch.cumsum(positions == 0, dim=1)
+    where `positions` is 0, torchtitan's packed-document convention), or with `segments`
+    (Batch.segments) of what its segment sees: itself and its unit's shared prompt."""
+    segments = _segments(positions, segments)
     seq = positions.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
-    return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
+    return (causal & sees(segments[:, :, None], segments[:, None, :]))[:, None]
+
+
+def _segments(positions: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+    """Batch.segments, or for packed episodes laid out whole, one unit per episode."""
+    return segments if segments is not None else torch.cumsum(positions == 0, dim=1) * MEMBERS
+
+
+def _flex_mask(positions: torch.Tensor, segments: torch.Tensor, block_size: int) -> Any:
+    """flex attention's BlockMask for `segments`, through torchtitan's compiled builder: the
+    mask rule as `packed_causal_mask`'s, for flex (torchtitan's own masks know documents, not
+    shared prompts)."""
+
+    def shared_prompt(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return sees(segments[b, q], segments[b, kv])
+
+    rows, seq = positions.shape
+    mask_mod = and_masks(get_causal_mask_mod(), shared_prompt)
+    return create_attention_mask(mask_mod, rows, None, seq, seq, device=positions.device, BLOCK_SIZE=block_size)
 
 
 # Tokens whose logits are alive at once in token_logprobs (forward and backward): 2048 x Qwen3's
@@ -111,18 +132,24 @@ def score_head(model: torch.nn.Module, weight: torch.Tensor | None) -> None:
 
 
 def token_scores(
-    model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A score-head model's scalar at every token, [rows, seq] (a sequence's score: its last token's)."""
-    return _forward(model, input_ids, positions)[..., 0].float()
+    return _forward(model, input_ids, positions, segments)[..., 0].float()
 
 
 def token_values(
-    model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A critic's value of each token's state, token-aligned as `token_logprobs`: index t is the
     score-head output at t - 1 (the tokens before t), 0 at t = 0; [rows, seq]."""
-    return torch.nn.functional.pad(token_scores(model, input_ids, positions)[:, :-1], (1, 0))
+    return torch.nn.functional.pad(token_scores(model, input_ids, positions, segments)[:, :-1], (1, 0))
 
 
 def default_device() -> torch.device:
@@ -218,20 +245,36 @@ def gradients_summed() -> bool:
     return dist.get_backend() == "gloo"
 
 
-def _forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+def _forward(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
+) -> torch.Tensor:
     attention = getattr(getattr(model, "config", None), "first_attention", None)
-    if attention is None:  # the hf family: transformers' attention, given its mask
-        if positions is None:
-            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return model(ids, positions=positions, attention_masks=hf.attention_masks(model, positions))
-    if isinstance(attention.inner_attention, FlexAttention.Config):
-        # Flex attends to whatever its block mask allows: causal, within each packed episode.
-        if positions is None:
-            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return model(ids, positions=positions, attention_masks=model.get_attention_masks(positions))
-    if positions is None:
+    if positions is None and attention is not None and not isinstance(attention.inner_attention, FlexAttention.Config):
         return model(ids)  # one episode per row: SDPA's own causal kernel
-    return model(ids, positions=positions, attention_masks=packed_causal_mask(positions))
+    if positions is None:
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return model(ids, positions=positions, attention_masks=_attention_masks(model, attention, positions, segments))
+
+
+def _attention_masks(
+    model: torch.nn.Module, attention: Any, positions: torch.Tensor, segments: torch.Tensor | None
+) -> Any:
+    """What `model` attends by: causal within each packed episode, or with `segments` within what
+    each segment sees; flex's block mask, or a dense one for SDPA."""
+    if attention is None:  # the hf family: transformers' attention, given its mask
+        if segments is None:
+            return hf.attention_masks(model, positions)
+        if hf.uses_sdpa(model):
+            return hf.additive(model, packed_causal_mask(positions, segments))
+        return _flex_mask(positions, segments, hf.FLEX_BLOCK)
+    if isinstance(attention.inner_attention, FlexAttention.Config):
+        if segments is None:  # torchtitan's own packed-document block mask
+            return model.get_attention_masks(positions)
+        return _flex_mask(positions, segments, attention.inner_attention.block_size)
+    return packed_causal_mask(positions, segments)
 
 
 @contextmanager
@@ -261,6 +304,7 @@ def _logprobs(
     targets: torch.Tensor,
     chunk_tokens: int,
     with_entropy: bool,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[rows, len(targets)] logprobs of `targets`, the model's outputs at positions 0.. predicting
     them: from its last hidden states and its head in chunks (forge.losses.logprobs), or, for a
@@ -268,9 +312,9 @@ def _logprobs(
     n = targets.shape[1]
     if chunk_tokens > 0 and chunkable(model.lm_head):
         with _hidden_states(model):
-            hidden = _forward(model, ids, positions)[:, :n]
+            hidden = _forward(model, ids, positions, segments)[:, :n]
         return head_logprobs(model.lm_head, hidden, targets, chunk_tokens, with_entropy)
-    logits = _forward(model, ids, positions)[:, :n]
+    logits = _forward(model, ids, positions, segments)[:, :n]
     return head_logprobs(torch.nn.Identity(), logits, targets, 0, with_entropy)
 
 
@@ -282,10 +326,13 @@ def token_logprobs(
     positions: torch.Tensor | None = None,
     routed_experts: torch.Tensor | None = None,
     chunk_tokens: int = LOGPROB_CHUNK,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token t | tokens < t) for every t, token-aligned ([rows, seq], 0 at t=0), and
     optionally the entropy of each of those next-token distributions (no grad). On packed rows
-    (`positions`, see `collate`) each episode sees only itself. A MoE replays `routed_experts`
+    (`positions`, see `collate`) each episode sees only itself; with `segments` (a group's prompt
+    shared), each segment what Batch.segments says, and a segment's first token gets 0 (its
+    logprob is its episode's, where its prompt is: loss tokens come after). A MoE replays `routed_experts`
     (the generator's routing, Batch.routed_experts) where given.
 
     The head and its log-softmax run `chunk_tokens` tokens at a time, forward and backward
@@ -297,16 +344,25 @@ def token_logprobs(
     for start in range(0, rows, step):
         ids = input_ids[start : start + step]
         pos = positions[start : start + step] if positions is not None else None
+        seg = segments[start : start + step] if segments is not None else None
         route_as(model, routed_experts[start : start + step] if routed_experts is not None else None)
-        lp, ent = _logprobs(model, ids, pos, ids[:, 1:], chunk_tokens, with_entropy)
+        lp, ent = _logprobs(model, ids, pos, ids[:, 1:], chunk_tokens, with_entropy, seg)
         # An episode's first token has no logprob, packed or not (its "context" is another episode).
-        lps.append(_first_zero(lp, pos))
+        lps.append(_first_zero(lp, pos, seg))
         if with_entropy:
-            ents.append(_first_zero(ent, pos))
+            ents.append(_first_zero(ent, pos, seg))
     return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
 
 
-def _first_zero(values: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-    """[rows, seq - 1] next-token values token-aligned: 0 at t = 0 and at each packed episode's start."""
+def _first_zero(
+    values: torch.Tensor, positions: torch.Tensor | None, segments: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[rows, seq - 1] next-token values token-aligned: 0 at t = 0 and at each packed episode's
+    (or segment's) start."""
     values = torch.nn.functional.pad(values, (1, 0))
-    return values if positions is None else values.masked_fill(positions == 0, 0.0)
+    if positions is None:
+        return values
+    starts = positions == 0
+    if segments is not None:
+        starts[:, 1:] |= segments[:, 1:] != segments[:, :-1]
+    return values.masked_fill(starts, 0.0)

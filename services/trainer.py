@@ -158,8 +158,8 @@ class Trainer(ForgeActor):
         if self.cfg.head == "score":
             return self._score_step(batch)
         mine = self._shard(batch).to(self.device)
-        # Dr.GRPO's default normalizer is the batch's row length, whatever the micro-batches are cut to.
-        loss_cfg = dataclasses.replace(self.cfg.loss, norm_tokens=self.cfg.loss.norm_tokens or mine.input_ids.shape[1])
+        # Dr.GRPO's default normalizer is the batch's longest episode, whatever the rows and micro-batches.
+        loss_cfg = dataclasses.replace(self.cfg.loss, norm_tokens=self.cfg.loss.norm_tokens or batch.longest_episode)
         micro = _micro_batches(mine, self.cfg.grad_accum)
         # Each micro-batch's mean counts by its share of the step's tokens or episodes (all ranks).
         units = torch.stack([loss_units(loss_cfg.name, mb) for mb in micro])
@@ -177,7 +177,12 @@ class Trainer(ForgeActor):
         for mb, share in zip(micro, shares):
             self._reference_for_free(mb, loss_cfg)
             lp, ent = token_logprobs(
-                self.model, mb.input_ids, with_entropy=True, positions=mb.positions, routed_experts=mb.routed_experts
+                self.model,
+                mb.input_ids,
+                with_entropy=True,
+                positions=mb.positions,
+                routed_experts=mb.routed_experts,
+                segments=mb.segments,
             )
             loss = self.loss_fn(lp, mb, importance_weight(lp, mb, loss_cfg), loss_cfg) * share
             (loss * grad_scale).backward()
@@ -256,7 +261,7 @@ class Trainer(ForgeActor):
         from services.titan import token_scores, token_values
 
         read = token_values if self.cfg.loss.name == "value" else token_scores
-        return read(self.model, b.input_ids, b.positions)
+        return read(self.model, b.input_ids, b.positions, b.segments)
 
     @endpoint
     async def scores(self, batch: Batch) -> torch.Tensor:
@@ -265,7 +270,7 @@ class Trainer(ForgeActor):
 
         with torch.no_grad():
             b = batch.to(self.device)
-            return sequence_scores(token_scores(self.model, b.input_ids, b.positions), b).cpu()
+            return sequence_scores(token_scores(self.model, b.input_ids, b.positions, b.segments), b).cpu()
 
     @endpoint
     async def values(self, batch: Batch) -> torch.Tensor:
@@ -274,7 +279,7 @@ class Trainer(ForgeActor):
 
         with torch.no_grad():
             b = batch.to(self.device)
-            return token_values(self.model, b.input_ids, b.positions).cpu()
+            return token_values(self.model, b.input_ids, b.positions, b.segments).cpu()
 
     def _reference_for_free(self, mb: Batch, loss: LossConfig) -> None:
         """With LoRA, the reference logprobs (of the KL term, of a preference loss) are this
@@ -285,7 +290,7 @@ class Trainer(ForgeActor):
         if self.peft is None or not wanted or mb.ref_logprobs is not None:
             return
         with torch.no_grad(), adapters_off(self.model):
-            mb.ref_logprobs = token_logprobs(self.model, mb.input_ids, positions=mb.positions)[0]
+            mb.ref_logprobs = token_logprobs(self.model, mb.input_ids, positions=mb.positions, segments=mb.segments)[0]
 
     def _step_sums(self, mb: Batch, lp: torch.Tensor, ent: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the step's metrics (see train_step), its max |delta| last."""
@@ -307,9 +312,9 @@ class Trainer(ForgeActor):
 
         with torch.no_grad():
             b = batch.to(self.device)
-            return token_logprobs(self.model, b.input_ids, positions=b.positions, routed_experts=b.routed_experts)[
-                0
-            ].cpu()
+            return token_logprobs(
+                self.model, b.input_ids, positions=b.positions, routed_experts=b.routed_experts, segments=b.segments
+            )[0].cpu()
 
     # ---- tenants: several adapters on this model, one at a time (a Tinker client each) ----
 
@@ -616,7 +621,8 @@ def _micro_batches(b: Batch, n: int) -> list[Batch]:
     micro-batch taken in order would be padding."""
     if n == 1:
         return [b]
-    lengths = (b.doc_ids >= 0).sum(dim=1)
+    # Each row's used width: through its last episode token (a shared prompt before them is doc -1).
+    lengths = ((b.doc_ids >= 0) * torch.arange(1, b.doc_ids.shape[1] + 1, device=b.doc_ids.device)).amax(dim=1)
     order = torch.argsort(lengths, stable=True)
     per = len(order) // n
     return [_rows(b, idx, width=max(1, int(lengths[idx].max()))) for idx in order.split(per)]

@@ -12,6 +12,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -44,13 +46,27 @@ def titan_config(hf: dict, device_type: str = "cpu") -> Any:
     return cfg
 
 
+FLEX_BLOCK = 128  # the backend's flex block size (its get_attention_masks)
+
+
+def uses_sdpa(model: Any) -> bool:
+    return model.model.config._attn_implementation == "sdpa"
+
+
 def attention_masks(model: Any, positions: Any) -> Any:
     """What the backend's model attends by for `positions` (packed episodes each see only
     themselves): flex's block mask, or under SDPA the dense additive mask torchtitan's backend
     builds for models flex cannot take."""
-    if model.model.config._attn_implementation == "sdpa":
+    if uses_sdpa(model):
         return model._build_dense_attention_mask(positions)
     return model.get_attention_masks(positions)
+
+
+def additive(model: Any, allowed: Any) -> Any:
+    """A boolean mask [rows, 1, seq, seq] as the backend's dense masks are: 0 where allowed,
+    -inf elsewhere, in the model's dtype."""
+    zeros = torch.zeros(allowed.shape, dtype=model.tok_embeddings.weight.dtype, device=allowed.device)
+    return zeros.masked_fill(~allowed, float("-inf"))
 
 
 def build(cfg: Any) -> Any:

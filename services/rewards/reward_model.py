@@ -74,9 +74,11 @@ class RewardModel:
             completion = s.messages[-1:] if s.messages else s.completion
             ids, mask = completion_tokens(self.tokenizer, prompt, completion, self.end_of_turn)
             episodes.append(Episode(ids, mask, [0.0] * len(ids)))
-        batch = collate(episodes, pad_id=self.tokenizer.pad_token_id or 0)
+        # Completions of one prompt (a group's) read it once.
+        batch = collate(episodes, pad_id=self.tokenizer.pad_token_id or 0, share_prefix=True)
         with torch.no_grad():
-            return sequence_scores(self._token_scores(self.model, batch.input_ids), batch).tolist()
+            scores = self._token_scores(self.model, batch.input_ids, batch.positions, batch.segments)
+            return sequence_scores(scores, batch).tolist()
 
     def _load(self) -> None:
         from transformers import AutoTokenizer
