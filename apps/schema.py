@@ -78,7 +78,8 @@ class GRPOConfig(RunConfig):
     def validate(self) -> None:
         """The app's own keys and how sections fit together (each section validates itself)."""
         super().validate()
-        if self.group_size < (1 if self.algorithm == "ppo" else 2):
+        # A critic's values and a teacher's logprobs need no group to compare with; GRPO's advantages do.
+        if self.group_size < (1 if self.algorithm in ("ppo", "distill") else 2):
             raise ConfigError(
                 f"config key 'group_size' must be >= 2 (GRPO compares samples of a group), got {self.group_size}"
             )

@@ -60,6 +60,7 @@ def test_generation_quick_writes_json(tmp_path):
         ),
         ("trainer", ("bare_torchtitan_step_s", "forge_train_step_s")),
         ("logprobs", ("peak_memory_ratio", "step_time_ratio")),
+        ("prefix", ()),
         pytest.param("gateway", ("gateway_fraction_of_direct", "added_latency_ms_p99"), marks=pytest.mark.slow),
         ("sandbox", ("fraction_of_bare", "fraction_of_bare_exec", "fraction_of_bare_fresh")),
         pytest.param(
@@ -81,6 +82,11 @@ def test_quick_benchmark_writes_json(tmp_path, name, positive):
         assert data["forge_train_step_s"] == pytest.approx(data["bare_torchtitan_step_s"] * (1 + data["overhead"]))
     if name == "logprobs":  # the same logprobs and gradients, in a fraction of the memory
         assert data["max_logprob_diff"] <= 1e-5 and data["max_grad_diff"] <= 1e-5 and data["peak_memory_ratio"] < 0.5
+    if name == "prefix":  # the same logprobs and gradients, from fewer tokens
+        assert data["max_logprob_diff"] <= 1e-5 and data["max_grad_diff"] <= 1e-5
+        assert all(0 < s < float("inf") for s in data["step_speedup"].values()) and len(data["rows"]) == 2
+        group = data["rows"]["tiny_2.4M/group"]["tokens"]
+        assert group["prompt shared"] < group["a row per sample"] / 2
     if name == "sandbox":
         assert data["rows"] and all(r["runs"] > 0 and r["sandbox_runs_per_s"] > 0 for r in data["rows"].values())
     if name == "weight_sync":
