@@ -267,8 +267,10 @@ def _attention_masks(
     if attention is None:  # the hf family: transformers' attention, given its mask
         if segments is None:
             return hf.attention_masks(model, positions)
-        if hf.uses_sdpa(model):
-            return hf.additive(model, packed_causal_mask(positions, segments))
+        if hf.uses_sdpa(model):  # the backend's dense masks are additive, in the model's dtype
+            allowed = packed_causal_mask(positions, segments)
+            zeros = torch.zeros(allowed.shape, dtype=model.tok_embeddings.weight.dtype, device=allowed.device)
+            return zeros.masked_fill(~allowed, float("-inf"))
         return _flex_mask(positions, segments, hf.FLEX_BLOCK)
     if isinstance(attention.inner_attention, FlexAttention.Config):
         if segments is None:  # torchtitan's own packed-document block mask

@@ -12,8 +12,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -60,13 +58,6 @@ def attention_masks(model: Any, positions: Any) -> Any:
     if uses_sdpa(model):
         return model._build_dense_attention_mask(positions)
     return model.get_attention_masks(positions)
-
-
-def additive(model: Any, allowed: Any) -> Any:
-    """A boolean mask [rows, 1, seq, seq] as the backend's dense masks are: 0 where allowed,
-    -inf elsewhere, in the model's dtype."""
-    zeros = torch.zeros(allowed.shape, dtype=model.tok_embeddings.weight.dtype, device=allowed.device)
-    return zeros.masked_fill(~allowed, float("-inf"))
 
 
 def build(cfg: Any) -> Any:
