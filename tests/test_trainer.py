@@ -126,7 +126,7 @@ def test_a_step_is_the_whole_batch_however_its_rows_are_split(tiny_model_dir):
     """grad_accum sorts rows by length and cuts each micro-batch to its longest row; packing
     puts several episodes in a row; ranks take unequal shares of the tokens. Each micro-batch's
     loss counts by its share of the step's tokens (or episodes), so loss and gradient equal one
-    full-width pass on one rank (Dr.GRPO keeps the batch's row length as its norm)."""
+    full-width pass on one rank (Dr.GRPO's norm is the batch's longest episode, whatever the rows)."""
     g = torch.Generator().manual_seed(1)
     eps = [
         Episode(
