@@ -9,7 +9,7 @@ import torch
 
 from forge.losses import get_loss
 from forge.schema import LoRAConfig, LossConfig
-from forge.types import Episode, collate, shared_prompt
+from forge.types import MEMBERS, Episode, collate, shared_prompt
 from services import models, titan
 from services.lora import adapters_off
 from services.schema import TinyModelSpec
@@ -62,7 +62,7 @@ def seen_by_episode(batch, row: int) -> list[set[int]]:
     for col, d in enumerate(docs):  # a shared prompt belongs to the members of its unit
         if d >= 0:
             for k, s in enumerate(segs):
-                if k < col and docs[k] < 0 and s == segs[col] - segs[col] % (1 << 20):  # not padding
+                if k < col and docs[k] < 0 and s == segs[col] - segs[col] % MEMBERS:  # not padding
                     owners[k].add(d)
     return owners
 
@@ -100,7 +100,7 @@ def test_pairs_share_their_prompt_and_a_long_group_is_split_to_fit_its_rows():
     assert pairs.num_episodes == 6 and (pairs.doc_ids[pairs.loss_mask > 0] >= 0).all()
     rows = collate(episodes[:3], pad_id=0, pack_to=16, share_prefix="always")
     # 9 + (3 + 5 + 1) completion tokens and each member's copy of the prompt's last token: two units
-    assert rows.input_ids.shape[1] <= 16 and (rows.segments % (1 << 20) == 0).sum() >= 2 * 8
+    assert rows.input_ids.shape[1] <= 16 and (rows.segments % MEMBERS == 0).sum() >= 2 * 8
 
 
 def test_a_group_shares_its_prompt_where_that_costs_less():
