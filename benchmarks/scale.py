@@ -7,7 +7,9 @@ the reward service, the Service routing over every generator replica, the Weight
 tells them of each version. What is a cost model: the generator and the trainer.
 - `SimGenerator`: a sample takes a duration drawn from the workload; `generate(prompt, n)`
   answers when its n samples are done (vLLM's n). A new policy version costs `fetch_s` in the
-  background (once per host: one transfer per host), then pauses generation `swap_s`.
+  background (once per host: one transfer per host), then pauses generation `swap_s`: the
+  staged swap's pause that `forge bench weight_sync` measured (its largest model, same host,
+  median; `benchmarks/results/weight_sync.json`), 1 s where that file has none.
 - `SimTrainer`: a step costs `train_s`, a publish `publish_s`.
 Replicas are actors, 64 to a process ("host"), so 256 of them cost 4 processes.
 
@@ -60,7 +62,7 @@ class Workload:
     train_s: float  # one trainer step
     publish_s: float = 2.0  # the trainer's gather + publish of a version
     fetch_s: float = 1.5  # a host pulls a version (16 GB at ~10 GB/s) while generating
-    swap_s: float = 1.0  # generation pauses while a replica swaps the version in
+    swap_s: float = 1.0  # generation pauses while a replica swaps the version in (see measured_swap_s)
     time_scale: float = 250.0  # simulated seconds per wall second
     replicas: tuple[int, ...] = (64, 256)  # the scales it runs at (--replicas overrides)
 
@@ -85,6 +87,18 @@ WORKLOADS = {
         replicas=(64,),
     ),
 }
+
+
+def measured_swap_s(path: Path = ROOT / "benchmarks/results/weight_sync.json") -> dict[str, Any] | None:
+    """The generator's swap pause that `forge bench weight_sync` measured: its largest model's
+    staged swap on one host (the median pause), or None without that file or row."""
+    if not path.exists():
+        return None
+    rows = [r for r in json.loads(path.read_text()).get("generator_sync", []) if r["staged"] and not r["cross_host"]]
+    if not rows:
+        return None
+    row = max(rows, key=lambda r: r["model_mb"])
+    return {"swap_s": row["paused_s_median"], "model_mb": row["model_mb"], "from": path.name}
 
 
 def ideal(w: Workload, groups: int, samples: int = 2000, seed: int = 0) -> dict[str, float]:
@@ -293,6 +307,9 @@ async def measure(w: Workload, replicas: int, steps: int, runs_dir: Path) -> dic
         "speedup_async_vs_sync": measured,
         "speedup_one_step_vs_sync": modes["max_staleness=1"]["speedup_vs_sync"],
         **best,
+        "swap_s": w.swap_s,
+        # The same ideal with the 1 s pause this model assumed before weight_sync measured one.
+        "ideal_speedup_swap_1s": ideal(replace(w, swap_s=1.0), replicas)["ideal_speedup"],
         "share_of_ideal": measured / best["ideal_speedup"],
         "sync_wall_vs_ideal": modes["max_staleness=0"]["wall_s"] / (steps * w.wall(best["sync_step_s"])),
         "async_wall_vs_ideal": modes["max_staleness=4"]["wall_s"] / (steps * w.wall(best["async_step_s"])),
@@ -333,8 +350,20 @@ def main(argv: list[str] | None = None) -> dict:
         workloads = {n: replace(w, replicas=tuple(known.replicas)) for n, w in workloads.items()}
     if a.quick:
         steps, workloads = 3, {"agentic": replace(WORKLOADS["agentic"], time_scale=1000.0, replicas=(8,))}
+    swap = measured_swap_s()
+    if swap:
+        workloads = {n: replace(w, swap_s=swap["swap_s"]) for n, w in workloads.items()}
     runs = ROOT / "runs/bench_scale"
-    result: dict[str, Any] = {"steps": steps, "workloads": {n: asdict(w) for n, w in workloads.items()}, "runs": {}}
+    result: dict[str, Any] = {
+        "steps": steps,
+        "workloads": {n: asdict(w) for n, w in workloads.items()},
+        "swap_measured": swap,
+        "runs": {},
+    }
+    print(
+        f"swap pause: {next(iter(workloads.values())).swap_s * 1000:.0f} ms "
+        + (f"(forge bench weight_sync, {swap['model_mb']:.0f} MB staged)" if swap else "(fixed: no weight_sync.json)")
+    )
     print(
         f"{'workload':<9}{'replicas':>9}{'max_staleness':>14}{'wall s':>9}{'speedup':>9}{'ideal':>7}{'share':>7}"
         f"{'untrained':>10}{'ctrl ms/ep':>11}"

@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -169,6 +170,42 @@ def test_async_vs_sync_bounds_the_work_its_rollouts_do(monkeypatch):
     def run(least_rollouts_s, train_s_per_step):
         return {"wall_s": 10.0, "least_rollouts_s": least_rollouts_s, "train_push_s_per_step": train_s_per_step}
 
-    r = avs.compare({0: run(9.0, 0.2), 1: run(3.0, 0.3), 4: run(4.0, 0.3)}, 10)
+    r = avs.compare({0: run(9.0, 0.2), 1: run(3.0, 0.3), 4: run(4.0, 0.3)}, 10, fill_s=1.0)
     assert r["least_wall_s"] == {"rollouts_s": 4.0, "training_s": 2.0, "wall_s": 4.0}  # the async run's work
     assert r["ideal_speedup"] == 2.5 and r["async_fraction_of_ideal"] == 0.4
+    # Rollouts bound it: the last step's training (0.2 s) follows the last group.
+    assert r["expected_residual"]["wall_s"] == pytest.approx(0.2)
+    assert r["async_fraction_of_ideal_less_residual"] == pytest.approx(4.0 / 9.8)
+    r = avs.compare({0: run(9.0, 0.6), 1: run(3.0, 0.3), 4: run(4.0, 0.3)}, 10, fill_s=1.5)
+    assert r["least_wall_s"]["wall_s"] == 6.0 and r["expected_residual"]["wall_s"] == pytest.approx(1.5)  # training
+
+    # The fill: the slowest of a first batch's groups, in expectation over the workload's draws.
+    fill = avs.expected_fill_s(avs.task_latency)
+    assert max(map(avs.task_latency, ("a", "b"))) > 0 and fill > statistics.median(
+        avs.task_latency(f"x{i}") for i in range(200)
+    )
+    assert avs.expected_fill_s(lambda prompt: 0.5) == 0.5
+
+
+def test_scale_takes_the_swap_pause_weight_sync_measured(tmp_path, monkeypatch):
+    """`forge bench scale`'s swap pause is weight_sync's staged, same-host swap of its largest
+    model; without that file it keeps its fixed 1 s."""
+    from benchmarks import scale
+
+    def row(mb, staged, cross_host, paused):
+        return {"model_mb": mb, "staged": staged, "cross_host": cross_host, "paused_s_median": paused}
+
+    rows = [
+        row(9, True, False, 0.01),
+        row(465, False, False, 0.4),
+        row(465, True, True, 0.09),
+        row(465, True, False, 0.07),
+    ]
+    path = tmp_path / "weight_sync.json"
+    path.write_text(json.dumps({"generator_sync": rows}))
+    assert scale.measured_swap_s(path)["swap_s"] == 0.07 and scale.measured_swap_s(path)["model_mb"] == 465
+    assert scale.measured_swap_s(path.with_name("none.json")) is None
+    w = scale.WORKLOADS["agentic"]
+    fast, slow = scale.ideal(w, 8, samples=200), scale.ideal(scale.replace(w, swap_s=1.0), 8, samples=200)
+    assert w.swap_s == 1.0 and fast == slow
+    assert scale.ideal(scale.replace(w, swap_s=0.07), 8, samples=200)["sync_step_s"] < slow["sync_step_s"]
