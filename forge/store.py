@@ -119,6 +119,7 @@ class WeightStore:
     transport: str = "shm"
     shm_dir: str | None = None  # None: this process's run directory
     serve_on: str = "127.0.0.1"  # the address other hosts' readers fetch "shm" versions from
+    deltas: bool = False  # other hosts fetch a version as its change from the one they hold
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -133,6 +134,7 @@ class WeightStore:
         # elsewhere, a man in the middle): there, versions carry a digest, whose hashing costs
         # ~0.2 s per 500 MB on this machine's 2 cores; on loopback the pinned port is the writer's.
         self._networked = _beyond_loopback(self.serve_on)
+        self._hashed = self._networked or self.deltas  # a delta's result is checked against the digest
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_server": None}  # the writer's server stays in its process
@@ -151,7 +153,13 @@ class WeightStore:
     async def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
         """Store `state_dict` as `version` and make it the latest. Returns the bytes written."""
         nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
-        record = {"version": version, "transport": self.transport, "host": host_id(), "bytes": nbytes}
+        record = {
+            "version": version,
+            "transport": self.transport,
+            "host": host_id(),
+            "bytes": nbytes,
+            "deltas": self.deltas,
+        }
         if self.transport == "shm":
             if self._dir_host != host_id():  # made elsewhere (the controller's host): use this host's own
                 self.shm_dir, self._dir_host = str(run_dir()), host_id()
@@ -164,7 +172,7 @@ class WeightStore:
             spare = self._spare(safetensors_size(state_dict))
             if spare is not None:
                 os.replace(spare, tmp)  # a dropped version's file: its pages are already allocated
-            record["digest"] = await asyncio.to_thread(write_safetensors, state_dict, tmp, self._networked)
+            record["digest"] = await asyncio.to_thread(write_safetensors, state_dict, tmp, self._hashed)
             record["size"] = os.path.getsize(tmp)
             os.replace(tmp, path)  # a reader sees the whole file or none
             record["path"] = str(path)
@@ -212,7 +220,7 @@ class WeightStore:
 
         size, digest = rec["size"], rec["digest"]  # the writer's file, byte for byte
         path, moved = await asyncio.to_thread(
-            host_copy, rec["addr"], name, rec["key"], stale, validate, size=size, digest=digest
+            host_copy, rec["addr"], name, rec["key"], stale, validate, size=size, digest=digest, deltas=rec["deltas"]
         )
         if moved:
             record_metric("weights/host_copy_s", time.perf_counter() - start, Reduce.MAX)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -24,7 +25,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from forge.shm import digest_of, open_new, owned_dir, user_root
+from forge import delta
+from forge.shm import FileDigest, digest_of, open_new, owned_dir, user_root
 
 _SIZE = struct.Struct("<q")  # the answer's header: the file's size, -1 when there is no such file
 _CHUNK = 8 << 20
@@ -71,6 +73,8 @@ class FileServer:
             raise ValueError(f"cannot serve weights on {host!r} (trainer.serve_weights_on): {e}") from None
         self.requests, self.refused, self.closed = 0, 0, False
         self.free = threading.BoundedSemaphore(workers)
+        self._deltas: dict[tuple[str, str], bytes | None] = {}
+        self._deltas_lock = threading.Lock()
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="forge-weights-send")
         threading.Thread(target=self._accept, daemon=True, name="forge-weights-server").start()
 
@@ -99,9 +103,10 @@ class FileServer:
     def _request(self, conn: socket.socket) -> str | None:
         """The file name asked for, read once the key is right; None if not."""
         deadline = time.monotonic() + _REQUEST_DEADLINE_S
-        key = _recv_until(conn, len(self.key) + 1, deadline)  # the key's length, never the name's
+        wire = wire_key(self.key)
+        key = _recv_until(conn, len(wire) + 1, deadline)  # the key's length, never the name's
         self.requests += 1
-        if not hmac.compare_digest(key, f"{self.key} ".encode()):
+        if not hmac.compare_digest(key, f"{wire} ".encode()):
             self.refused += 1
             conn.sendall(_SIZE.pack(-1))
             _recv_until(conn, _MAX_NAME, deadline, end=b"\n")  # closing on unread bytes resets the answer
@@ -109,11 +114,16 @@ class FileServer:
         return _recv_until(conn, _MAX_NAME, deadline, end=b"\n").decode(errors="replace").strip()
 
     def _send(self, conn: socket.socket) -> None:
-        name = self._request(conn)
-        if name is None:
+        request = self._request(conn)
+        if request is None:
             return
-        if "/" in name or not name.endswith(".safetensors"):
+        name, _, base = request.partition(" ")
+        if not all(_servable(n) for n in (name, base or name)):
             conn.sendall(_SIZE.pack(-1))
+            return
+        if base:
+            payload = self._delta(base, name)
+            conn.sendall(_SIZE.pack(-1 if payload is None else len(payload)) + (payload or b""))
             return
         conn.settimeout(60.0)  # a reader with the key that stalls does not hold a worker forever
         try:
@@ -125,12 +135,37 @@ class FileServer:
             conn.sendall(_SIZE.pack(os.fstat(f.fileno()).st_size))
             conn.sendfile(f)  # os.sendfile, waiting on the socket's timeout
 
+    def _delta(self, base: str, target: str) -> bytes | None:
+        """The delta from file `base` to file `target`, made once for every host that asks
+        (None: either file is gone, or a delta would not be smaller)."""
+        with self._deltas_lock:
+            if (base, target) not in self._deltas:
+                try:
+                    made = delta.make(self.directory / base, self.directory / target, self.key)
+                except OSError:
+                    made = None
+                # A file is renamed away before it is rewritten: both names still there, both read whole.
+                intact = (self.directory / base).exists() and (self.directory / target).exists()
+                self._deltas = {k: v for k, v in self._deltas.items() if k[1] == target}  # older versions' go
+                self._deltas[base, target] = made if intact else None
+            return self._deltas[base, target]
+
     def close(self) -> None:
         self.closed = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone does not)
         self.sock.close()
         self.pool.shutdown(wait=False)
+
+
+def wire_key(key: str) -> str:
+    """What a reader sends to open the server: derived from the run's key, which never travels,
+    so whoever sees a request (a server at the wrong address) still cannot tag a delta."""
+    return hmac.new(key.encode(), b"forge-weights-request", hashlib.sha256).hexdigest()
+
+
+def _servable(name: str) -> bool:
+    return "/" not in name and name.endswith(".safetensors")
 
 
 def _host_ip(family: int) -> str:
@@ -156,6 +191,32 @@ def _recv_until(conn: socket.socket, most: int, deadline: float, end: bytes = b"
     return data
 
 
+def _ask(addr: tuple[str, int], request: str, key: str, timeout_s: float) -> tuple[socket.socket, int]:
+    """A connection to the FileServer at `addr` (an IP: a name resolved now could lead anywhere)
+    that has answered `request` (`key` opens it): the socket and the size it offers; closed and
+    FileNotFoundError if the server has nothing for it (or refused the key)."""
+    try:
+        ipaddress.ip_address(addr[0])
+    except ValueError:
+        raise ValueError(
+            f"weights server address {addr[0]!r} is not an IP address: readers go only where the writer pinned"
+        ) from None
+    where = f"weights server {addr[0]}:{addr[1]}"
+    s = socket.create_connection(tuple(addr), timeout=timeout_s)
+    try:
+        s.sendall(f"{wire_key(key)} {request}\n".encode())
+        header = s.recv(_SIZE.size, socket.MSG_WAITALL)
+        if len(header) < _SIZE.size:
+            raise ConnectionError(f"{where} closed before answering for {request}")
+        (offered,) = _SIZE.unpack(header)
+        if offered < 0:
+            raise FileNotFoundError(f"{where} has no file {request} (or refused the key)")
+    except BaseException:
+        s.close()
+        raise
+    return s, offered
+
+
 def fetch_file(
     addr: tuple[str, int],
     name: str,
@@ -167,51 +228,95 @@ def fetch_file(
     size: int | None = None,
     digest: str | None = None,
 ) -> int:
-    """Stream file `name` from the FileServer at `addr` (an IP: a name resolved now could lead
-    anywhere; `key` opens it) into `dest`, whole or not at all: `validate(the temporary file)`
-    runs, and the file's `FileDigest` must be `digest` (its version record's; hashed as it
-    arrives), before it takes `dest`'s name, so no other reader can map a copy that fails
-    either. A server offering other than `size` bytes is refused before any is read. Written
-    into the file `reuse` when given (its tmpfs pages exist: writing runs at memcpy speed,
-    where a new file pays for each page, measured 2x slower over loopback). Returns its size;
-    FileNotFoundError if the server has no such file or refused the key."""
-    try:
-        ipaddress.ip_address(addr[0])
-    except ValueError:
-        raise ValueError(
-            f"weights server address {addr[0]!r} is not an IP address: readers go only where the writer pinned"
-        ) from None
+    """Stream file `name` from the FileServer at `addr` (`key` opens it) into `dest`, whole or
+    not at all: `validate(the temporary file)` runs, and the file's `FileDigest` must be
+    `digest` (its version record's; hashed as it arrives), before it takes `dest`'s name, so
+    no other reader can map a copy that fails either. A server offering other than `size` bytes
+    is refused before any is read. Written into the file `reuse` when given (its tmpfs pages
+    exist: writing runs at memcpy speed, where a new file pays for each page, measured 2x
+    slower over loopback). Returns its size; FileNotFoundError if the server has no such file
+    or refused the key."""
     where = f"weights server {addr[0]}:{addr[1]}"
+
+    def receive(fd: int) -> str | None:
+        s, offered = _ask(addr, name, key, timeout_s)
+        with s:
+            if size is not None and offered != size:
+                raise ValueError(f"{where} offered {offered} bytes for {name}; its version record says {size}")
+            return _receive(s, fd, offered, where, hashed=digest is not None)
+
+    return _into(dest, reuse, receive, validate, digest, f"{name} from {where}")
+
+
+def fetch_delta(
+    addr: tuple[str, int],
+    name: str,
+    base: Path,
+    dest: Path,
+    key: str,
+    digest: str,
+    reuse: Path | None = None,
+    timeout_s: float = 60.0,
+    validate: Callable[[Path], None] | None = None,
+) -> int:
+    """File `name` into `dest` as `base` (a copy this host holds of an older version) changed
+    by the delta the FileServer at `addr` makes between the two (`forge.delta`): applied only
+    if the delta carries `key`'s tag and names `base` and `name`, and taking `dest`'s name only
+    once the result's `FileDigest` is `digest` and `validate` passes, as a whole fetch would.
+    Returns the delta's size; FileNotFoundError if the server has no delta to offer (no such
+    base any more, or a delta would not be smaller), DeltaError or ValueError if it is refused."""
+    where = f"weights server {addr[0]}:{addr[1]}"
+    s, offered = _ask(addr, f"{name} {base.name}", key, timeout_s)
+    with s:
+        if offered > os.path.getsize(base):
+            raise delta.DeltaError(f"{where} offered a delta of {offered} bytes, more than the file it changes")
+        payload = s.recv(offered, socket.MSG_WAITALL)
+    if len(payload) < offered:
+        raise ConnectionError(f"{where} closed after {len(payload)} of the delta's {offered} bytes")
+
+    def write(fd: int) -> str:
+        os.ftruncate(fd, os.path.getsize(base))  # the size the digest maps
+        hashed = FileDigest(fd, os.path.getsize(base))
+        try:
+            delta.apply(payload, key, base, name, fd, hashed.written)
+        except BaseException:
+            hashed.close()
+            raise
+        return hashed.hexdigest()
+
+    _into(dest, reuse, write, validate, digest, f"{name} from {where} (a delta from {base.name})")
+    return offered
+
+
+def _into(
+    dest: Path,
+    reuse: Path | None,
+    write: Callable[[int], str | None],
+    validate: Callable[[Path], None] | None,
+    digest: str | None,
+    what: str,
+) -> int:
+    """`write(fd)` a temporary file (the file `reuse`, or a new one) that takes `dest`'s name
+    only once `validate` passes and the digest `write` returns is `digest` (where given); the
+    temporary file goes on any error. Returns the file's size."""
     tmp = dest.with_name(dest.name + f".{os.getpid()}.tmp")
     if reuse is not None:
         os.replace(reuse, tmp)  # first: a reader still on it sees its name gone
     try:
-        with socket.create_connection(tuple(addr), timeout=timeout_s) as s:
-            s.sendall(f"{key} {name}\n".encode())
-            header = s.recv(_SIZE.size, socket.MSG_WAITALL)
-            if len(header) < _SIZE.size:
-                raise ConnectionError(f"{where} closed before answering for {name}")
-            (offered,) = _SIZE.unpack(header)
-            if offered < 0:
-                raise FileNotFoundError(f"{where} has no file {name} (or refused the key)")
-            if size is not None and offered != size:
-                raise ValueError(f"{where} offered {offered} bytes for {name}; its version record says {size}")
-            fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW) if reuse is not None else open_new(tmp, os.O_RDWR)
-            try:
-                got = _receive(s, fd, offered, where, hashed=digest is not None)
-            finally:
-                os.close(fd)
+        fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW) if reuse is not None else open_new(tmp, os.O_RDWR)
+        try:
+            got = write(fd)
+        finally:
+            os.close(fd)
         if validate is not None:
             validate(tmp)
         if digest is not None and got != digest:
-            raise ValueError(
-                f"{name} from {where} does not match the digest of its version record: not the writer's file"
-            )
+            raise ValueError(f"{what} does not match the digest of its version record: not the writer's file")
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, dest)
-    return offered
+    return os.path.getsize(dest)
 
 
 def _receive(s: socket.socket, fd: int, size: int, where: str, hashed: bool) -> str | None:
@@ -242,10 +347,13 @@ def host_copy(
     timeout_s: float = 60.0,
     size: int | None = None,
     digest: str | None = None,
+    deltas: bool = False,
 ) -> tuple[Path, int]:
     """This host's copy of file `name` served at `addr`: fetched by the first reader of the
     host while the others wait for it (a lock file per writer), validated (and checked against
-    `size` and `digest`), then shared. The
+    `size` and `digest`), then shared. With `deltas` (and a `digest` to check the result
+    against), a host holding an older version's copy fetches the difference from it first
+    (`fetch_delta`), the whole file where the server has no delta or it is refused. The
     copies whose names `stale` says are no longer read go: the oldest is rewritten as the new
     one, the rest are removed. Returns the path and the bytes this call moved (0: another
     reader had it)."""
@@ -256,7 +364,22 @@ def host_copy(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if dest.exists():
             return dest, 0
-        old = sorted((p for p in directory.glob(f"{writer}-v*.safetensors") if stale(p.name)), key=os.path.getmtime)
+        held = sorted(directory.glob(f"{writer}-v*.safetensors"), key=_version)
+        base = next((p for p in reversed(held) if _version(p) < _version(dest)), None) if deltas and digest else None
+        old = sorted((p for p in held if stale(p.name) and p != base), key=os.path.getmtime)
         for p in old[1:]:
             p.unlink(missing_ok=True)
-        return dest, fetch_file(addr, name, dest, key, old[0] if old else None, timeout_s, validate, size, digest)
+        reuse = old[0] if old else None
+        if base is not None:
+            try:
+                return dest, fetch_delta(addr, name, base, dest, key, digest, reuse, timeout_s, validate)
+            except FileNotFoundError:
+                pass  # no delta to offer: the whole file
+            except (ValueError, ConnectionError) as e:  # DeltaError is a ValueError
+                log.warning("forge: weights: a delta for %s was refused (%s); fetching the whole file", name, e)
+            reuse = reuse if reuse is not None and reuse.exists() else None  # an attempt that wrote it removed it
+        return dest, fetch_file(addr, name, dest, key, reuse, timeout_s, validate, size, digest)
+
+
+def _version(path: Path) -> int:
+    return int(path.name.rsplit("-v", 1)[1].split(".")[0])

@@ -155,6 +155,7 @@ DECAYS = {"none": "linear", "linear": "linear", "cosine": "cosine", "sqrt": "sqr
 
 
 HEADS = ("lm", "score")
+PUBLISH_DTYPES = ("", "bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -176,6 +177,13 @@ class TrainerConfig:
     # default; "0.0.0.0" on a cluster (every interface, advertised as the trainer's host name).
     serve_weights_on: str = "127.0.0.1"
     keep_versions: int = 2  # versions kept in the store (>= the staleness window + 1)
+    # The dtype versions are published in: "" as trained (fp32 master weights), or the
+    # generators' serving dtype ("bfloat16" on GPU): half the bytes, and few of them change
+    # between versions, which `weight_deltas` sends alone.
+    publish_dtype: str = ""
+    # Generators on other hosts fetch a version as the words that changed since the one they
+    # hold (forge.delta), checked against the version's digest; whole where that is not smaller.
+    weight_deltas: bool = False
     threads: int = 0  # torch threads per rank (0: the cores divided by the ranks)
     param_dtype: str = "float32"  # FSDP2 compute dtype of parameters (bfloat16 on GPU); grads reduce in fp32
     # MoE: split the experts over this many of the trainer's procs (a divisor of trainer_procs), the
@@ -193,6 +201,11 @@ class TrainerConfig:
 
     def validate(self) -> None:
         self.lora.validate()
+        if self.publish_dtype not in PUBLISH_DTYPES:
+            raise ConfigError(
+                f"config key 'trainer.publish_dtype': {self.publish_dtype!r} is not one of "
+                f"{', '.join(map(repr, PUBLISH_DTYPES))}"
+            )
         if self.head not in HEADS:
             raise ConfigError(f"config key 'trainer.head': {self.head!r} is not one of {', '.join(HEADS)}")
         if (self.head == "score") != (self.loss.name in SCORE_LOSS_NAMES):

@@ -63,7 +63,7 @@ HF_FILES = (
 
 def weight_store(cfg: TrainerConfig) -> WeightStore:
     """The WeightStore `push_weights` publishes to, as the config says."""
-    return WeightStore(cfg.weights, transport=cfg.transport, serve_on=cfg.serve_weights_on)
+    return WeightStore(cfg.weights, transport=cfg.transport, serve_on=cfg.serve_weights_on, deltas=cfg.weight_deltas)
 
 
 def build_optimizers(model: torch.nn.Module, c: TrainerConfig) -> tuple[Any, Any]:
@@ -473,11 +473,14 @@ class Trainer(ForgeActor):
 
     def _published(self) -> dict[str, torch.Tensor] | None:
         """What a version is, on rank 0 (every rank must call this): the LoRA adapter in PEFT's
-        names, else the whole model."""
-        if self.peft is None:
-            return self._full_hf_state_dict()
-        tensors = self.peft.tensors(self.model)
-        return tensors if self.rank == 0 else None
+        names, else the whole model; in `publish_dtype` where set."""
+        tensors = self._full_hf_state_dict() if self.peft is None else self.peft.tensors(self.model)
+        if self.rank != 0:
+            return None
+        if self.cfg.publish_dtype:
+            dtype = getattr(torch, self.cfg.publish_dtype)
+            return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        return tensors
 
     async def _push(self) -> int:
         sd = self._published()
@@ -503,7 +506,7 @@ class Trainer(ForgeActor):
         from safetensors.torch import save_file
 
         if self.peft is not None and not merged:
-            tensors = self._published()
+            tensors = self.peft.tensors(self.model)  # as trained, whatever versions are published in
             if self.rank == 0:
                 write_adapter(path, tensors, self.cfg.lora, self.model_dir)
             dist.barrier()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from forge import shm
-from forge.transfer import FileServer, fetch_file, host_cache_dir, host_copy
+from forge.transfer import FileServer, fetch_file, host_cache_dir, host_copy, wire_key
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,12 +47,14 @@ def raw_request(addr, line: bytes) -> tuple[int, bytes]:
 def test_a_peer_without_the_run_key_gets_no_weights(served, tmp_path):
     """The request of a peer that knows the protocol but not the key (the version record's)
     is refused: no size, no bytes."""
-    for line in (b"policy-abc-v1.safetensors\n", b"wrong-key policy-abc-v1.safetensors\n"):
+    for line in (b"policy-abc-v1.safetensors " * 3 + b"\n", b"0" * 64 + b" policy-abc-v1.safetensors\n"):
         assert raw_request(served.addr, line) == (-1, b"")
     with pytest.raises(FileNotFoundError, match="has no file policy-abc-v1.safetensors .or refused the key"):
         fetch_file(served.addr, "policy-abc-v1.safetensors", tmp_path / "stolen", "guess")
     assert not (tmp_path / "stolen").exists() and served.refused == 3
-    size, body = raw_request(served.addr, b"the-run-key policy-abc-v1.safetensors\n")
+    the_key = b"the-run-key".ljust(65) + b"policy-abc-v1.safetensors\n"  # as long as the key readers send
+    assert raw_request(served.addr, the_key) == (-1, b"")  # the run's key itself never travels
+    size, body = raw_request(served.addr, f"{wire_key('the-run-key')} policy-abc-v1.safetensors\n".encode())
     assert size == len(body) == os.path.getsize(served.directory / "policy-abc-v1.safetensors")
 
 
