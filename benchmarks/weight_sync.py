@@ -15,7 +15,9 @@ into memory that is already mapped (`cross_host_fraction_of_tcp`).
 Then the stall one sync causes in a generator that follows the store (the tiny model and a
 465 MB one): time from publish to the new version being live, and how long generation was
 paused, for a staged swap and, beside it, vLLM's in-place reload; also for a generator that
-counts as another host (it streams each version first). Writes
+counts as another host (it streams each version first). Then versions across hosts as deltas
+against whole fetches (benchmarks/weight_deltas.py: the 60M model in bf16, one AdamW step
+apart; over loopback and over links shaped to 1 and 10 Gbit/s). Writes
 benchmarks/results/weight_sync.json.
 """
 
@@ -32,7 +34,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import weight_deltas
 from benchmarks.common import parse_args, tiny_model, write_result
+from benchmarks.gateway import MODELS
 
 TENSOR_MB = 4  # the state dict is made of 4 MB fp32 tensors, like a model's weight matrices
 
@@ -217,7 +221,9 @@ async def generator_stall(model: str, versions: int = 6, cross_host: bool = Fals
     }
 
 
-async def measure(sizes: list[int], repeats: int, models: list[str], swaps: list[tuple[bool, bool]]) -> dict:
+async def measure(
+    sizes: list[int], repeats: int, models: list[str], swaps: list[tuple[bool, bool]], delta_model: str, shaped: bool
+) -> dict:
     from forge.store import WeightStore, start_store, stop_store
 
     procs = await start_store()
@@ -241,6 +247,7 @@ async def measure(sizes: list[int], repeats: int, models: list[str], swaps: list
                 row["cross_host_new_file_fraction_of_tcp"] = row["tcp_s"] / row["cross_host_new_file_s"]
             del sd
         stall = [await generator_stall(m, cross_host=x, staged=s) for m in models for x, s in swaps]
+        deltas = await weight_deltas.measure(delta_model, 3 * repeats, shaped)
     finally:
         await stop_store(procs)
     largest = rows[-1]
@@ -258,6 +265,10 @@ async def measure(sizes: list[int], repeats: int, models: list[str], swaps: list
         "tcp_gb_s": largest["mb"] / 1024 / largest["tcp_s"],
         "largest_mb": largest["mb"],
         "generator_sync": stall,
+        "deltas": deltas,
+        "delta_bytes_ratio": deltas["links"]["loopback"]["delta_bytes_ratio"],
+        # publish -> live against the whole fetch's, per link
+        **{f"delta_time_ratio_{k}": v["delta_time_ratio"] for k, v in deltas["links"].items()},
         "repeats": repeats,
     }
 
@@ -269,7 +280,8 @@ def main(argv: list[str] | None = None) -> dict:
     # (another host, staged) per model: same host staged, and in place (vLLM's reload) beside it;
     # another host. --quick: only another host's (the path a same-host swap runs is inside it).
     swaps = [(True, True)] if a.quick else [(False, True), (False, False), (True, True)]
-    result = asyncio.run(measure(sizes, 1 if a.quick else 3, models, swaps))
+    delta_model = tiny_model(**({} if a.quick else MODELS["mid_60M"][0]))
+    result = asyncio.run(measure(sizes, 1 if a.quick else 3, models, swaps, delta_model, shaped=not a.quick))
     print(
         "push + pull as a fraction of one memcpy of the same bytes; '+copy': also the consumer's copy into its parameters"
     )
@@ -299,6 +311,18 @@ def main(argv: list[str] | None = None) -> dict:
             "cold versions: publish -> live "
             f"{g['publish_to_live_s_median'] * 1e3:.0f} ms, generation paused {g['paused_s_median'] * 1e3:.0f} ms; "
             f"cold: {', '.join(f'{x * 1e3:.0f}' for x in g['paused_s'][:2])} ms paused"
+        )
+    d = result["deltas"]
+    print(
+        f"deltas ({d['links']['loopback']['file_mb']:.0f} MB bf16, one AdamW step at lr {d['lr']:g} apart: "
+        f"{d['changed_elements_frac'] * 100:.1f}% of elements changed)"
+        + (f"; shaped links skipped: {d['shaped_links_skipped']}" if d["shaped_links_skipped"] else "")
+    )
+    print(f"{'link':>10}{'delta MB':>10}{'bytes':>7}{'publish ms':>12}{'delta ms':>10}{'whole ms':>10}{'time':>7}")
+    for link, r in d["links"].items():
+        print(
+            f"{link:>10}{r['delta_bytes'] / 2**20:>10.1f}{r['delta_bytes_ratio']:>7.3f}{r['publish_s'] * 1e3:>12.0f}"
+            f"{r['delta_fetch_s'] * 1e3:>10.0f}{r['whole_fetch_s'] * 1e3:>10.0f}{r['delta_time_ratio']:>7.2f}"
         )
     return write_result(a.out, result)
 

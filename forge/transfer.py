@@ -270,9 +270,12 @@ def fetch_delta(
     with s:
         if offered > os.path.getsize(base):
             raise delta.DeltaError(f"{where} offered a delta of {offered} bytes, more than the file it changes")
-        payload = s.recv(offered, socket.MSG_WAITALL)
-    if len(payload) < offered:
-        raise ConnectionError(f"{where} closed after {len(payload)} of the delta's {offered} bytes")
+        payload, got = bytearray(offered), 0
+        while got < offered:  # a socket with a timeout returns what has come, MSG_WAITALL or not
+            n = s.recv_into(memoryview(payload)[got:])
+            if n == 0:
+                raise ConnectionError(f"{where} closed after {got} of the delta's {offered} bytes")
+            got += n
 
     def write(fd: int) -> str:
         os.ftruncate(fd, os.path.getsize(base))  # the size the digest maps

@@ -130,6 +130,8 @@ def test_the_trainer_section_raises_config_errors_like_every_other():
         TrainerConfig(lr_decay="steep").validate()
     with pytest.raises(ConfigError, match="config key 'trainer.grad_accum' must be >= 1, got 0"):
         TrainerConfig(grad_accum=0).validate()
+    with pytest.raises(ConfigError, match="config key 'trainer.publish_dtype': 'int8' is not one of '', 'bfloat16'"):
+        TrainerConfig(publish_dtype="int8").validate()
 
 
 HEAVY = ("torch", "vllm", "monarch", "torchstore", "torchdata", "transformers", "openai", "numpy")

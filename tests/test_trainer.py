@@ -88,11 +88,15 @@ def test_two_procs_fsdp_train_save_load_export_push(tmp_path, tiny_model_dir):
     assert (lp - after[:, 1:]).abs().max().item() < 1e-4
 
 
-def test_one_proc_grad_accum_and_bad_batch(tiny_model_dir):
+def test_one_proc_grad_accum_bad_batch_and_bf16_versions(tmp_path, tiny_model_dir):
+    """grad_accum 2 trains; a batch that does not split is named; `publish_dtype: bfloat16`
+    publishes the fp32 weights cast to bf16 (the export stays fp32)."""
+
     async def main():
-        trainer = await Trainer.options(procs=1).as_service(
-            str(tiny_model_dir), TrainerConfig(lr=1e-3, grad_accum=2, loss=LossConfig(name="dapo"))
-        )
+        procs = await start_store()
+        store = WeightStore("bf16")
+        cfg = TrainerConfig(lr=1e-3, grad_accum=2, loss=LossConfig(name="dapo"), publish_dtype="bfloat16")
+        trainer = await Trainer.options(procs=1).as_service(str(tiny_model_dir), cfg, store)
         try:
             batch = fixed_batch()
             start = await trainer.logprobs.route(batch)
@@ -102,12 +106,18 @@ def test_one_proc_grad_accum_and_bad_batch(tiny_model_dir):
             end = await trainer.logprobs.route(batch)
             with pytest.raises(ValueError, match="3 rows do not split over 1 ranks x grad_accum 2"):
                 await trainer.train_step.route(fixed_batch(3))
+            await trainer.export_hf.route(str(tmp_path / "hf"))
+            published = await store.fetch(await trainer.push_weights.route())
         finally:
             await trainer.shutdown()
-        return batch, start, end
+            await stop_store(procs)
+        return batch, start, end, published
 
-    batch, start, end = asyncio.run(main())
+    batch, start, end, published = asyncio.run(main())
     assert nll(end, batch) < nll(start, batch)
+    exported = load_file(tmp_path / "hf/model.safetensors")
+    assert {t.dtype for t in exported.values()} == {torch.float32} and exported.keys() == published.keys()
+    assert all(torch.equal(published[k], t.bfloat16()) for k, t in exported.items())
 
 
 def test_bad_config_and_model_are_named(tiny_model_dir):
