@@ -47,7 +47,7 @@ def stepped_versions(model_dir: str) -> tuple[dict[str, torch.Tensor], dict[str,
 
     lr = float(OmegaConf.load(ROOT / LR_CONFIG).trainer.lr)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     before = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     tokens = torch.randint(0, model.config.vocab_size, (8, 64))
