@@ -33,7 +33,8 @@ stages bound that time:
   trained or not; their sum over ROLLOUTS bounds the wall time.
 A perfect pipeline takes the longer of the two. **The in-flight residual** is what no online
 schedule can overlap: the first step cannot train before its batch's groups are done (the
-expected slowest of GROUPS groups' least times, drawn from the workload), and the last step
+expected time until GROUPS groups have finished on ROLLOUTS slots, each group's least time drawn
+from the workload), and the last step
 trains after its last group (one on-policy train + push). The least online wall time is the
 longer of fill + training and rollouts + that last step; the residual is its excess over the
 bound, reported beside the bound with the async run's share of the bound once the residual is
@@ -108,11 +109,19 @@ def agentic_least_group_s(prompt: str) -> float:
     return task_latency(prompt) + ALONE["episode_s"]
 
 
-def expected_fill_s(least: Callable[[str], float], draws: int = 4096) -> float:
-    """The expected time until a first batch is done: the slowest of GROUPS groups (one a rollout
-    slot), each group's least time `least(prompt)` over prompts drawn from the workload."""
-    times = [least(f"fill {i}") for i in range(draws)]
-    return statistics.mean(max(times[i : i + GROUPS]) for i in range(0, draws, GROUPS))
+def expected_fill_s(least: Callable[[str], float], trials: int = 512) -> float:
+    """The expected time until a first batch is done: ROLLOUTS slots each run group after group
+    (each group's least time `least(prompt)`, prompts drawn from the workload), and the batch is
+    the first GROUPS groups to finish, whichever slots they come from."""
+    draws = iter(least(f"fill {i}") for i in range(trials * GROUPS * ROLLOUTS))
+    fills = []
+    for _ in range(trials):
+        slots = [next(draws) for _ in range(ROLLOUTS)]  # when each slot's group is done
+        for _ in range(GROUPS - 1):
+            i = slots.index(min(slots))
+            slots[i] += next(draws)
+        fills.append(min(slots))
+    return statistics.mean(fills)
 
 
 async def heavy_tail_rollout(sample: Any, gen: Any, rewards: Any, cfg: Any):
