@@ -378,7 +378,7 @@ def host_copy(
                 return dest, fetch_delta(addr, name, base, dest, key, digest, reuse, timeout_s, validate)
             except FileNotFoundError:
                 pass  # no delta to offer: the whole file
-            except (ValueError, ConnectionError) as e:  # DeltaError is a ValueError
+            except (ValueError, OSError) as e:  # DeltaError is a ValueError; a cut or stalled connection an OSError
                 log.warning("forge: weights: a delta for %s was refused (%s); fetching the whole file", name, e)
             reuse = reuse if reuse is not None and reuse.exists() else None  # an attempt that wrote it removed it
         return dest, fetch_file(addr, name, dest, key, reuse, timeout_s, validate, size, digest)
