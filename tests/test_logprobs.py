@@ -66,8 +66,9 @@ def test_the_backward_recomputes_one_chunk_of_logits_at_a_time():
 
 @pytest.mark.parametrize("chunk", [1, 64, 599, 600, 10_000])
 def test_chunked_logprobs_entropy_and_gradients_equal_the_plain_ones(chunk):
-    """fp32, within 1e-5: logprobs, entropies, and the gradients of a loss that weighs each
-    token differently, on the hidden states and on the head."""
+    """fp32, within 1e-5 (relative where a value is over 1: the head's gradient sums a term per
+    chunk, 600 of them at chunk 1, in another order than one matmul): logprobs, entropies, and
+    the gradients of a loss that weighs each token differently, on the hidden states and on the head."""
     results = []
     for c in (0, chunk):
         head, hidden, targets = _case()
@@ -75,7 +76,8 @@ def test_chunked_logprobs_entropy_and_gradients_equal_the_plain_ones(chunk):
         (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
         results.append((lp.detach(), ent, hidden.grad, head.weight.grad))
     for plain, chunked in zip(*results):
-        assert plain.shape == chunked.shape and (plain - chunked).abs().max().item() <= 1e-5
+        scale = max(1.0, plain.abs().max().item())
+        assert plain.shape == chunked.shape and (plain - chunked).abs().max().item() <= 1e-5 * scale
 
 
 def test_under_no_grad_nothing_is_recomputed_and_the_values_are_the_same():
