@@ -134,7 +134,7 @@ class Reader:
 def serve_requests() -> None:
     """The reader's loop: each request a version to fetch, as `host_copy` does (delta or whole)
     or whole into a scratch file of its own (`whole`); answers the seconds and bytes moved."""
-    from forge.transfer import fetch_file, host_cache_dir, host_copy
+    from forge.transfer import fetch_file, host_cache_dir, host_copy, version_of
 
     scratch = host_cache_dir() / "bench-whole.safetensors"
     for line in sys.stdin:
@@ -148,7 +148,7 @@ def serve_requests() -> None:
                 moved = fetch_file(addr, r["name"], scratch, r["key"], reuse, size=r["size"], digest=r["digest"])
                 os.replace(scratch, spare)
             else:
-                stale = lambda name, v=version: int(name.rsplit("-v", 1)[1].split(".")[0]) < v - 1  # noqa: E731
+                stale = lambda name, v=version: version_of(name) < v - 1  # noqa: E731
                 _, moved = host_copy(addr, r["name"], r["key"], stale, size=r["size"], digest=r["digest"], deltas=True)
             answer = {"s": time.perf_counter() - start, "moved": moved}
         except Exception as e:  # noqa: BLE001  (the benchmark's process reports it)

@@ -37,7 +37,7 @@ from forge.shm import (
     safetensors_size,
     write_safetensors,
 )
-from forge.transfer import FileServer, host_cache_dir, host_copy, host_id
+from forge.transfer import FileServer, host_cache_dir, host_copy, host_id, version_of
 
 
 def _beyond_loopback(host: str) -> bool:
@@ -323,7 +323,7 @@ class WeightStore:
 
 
 def _older_than(version: int, name: str) -> bool:
-    return int(name.rsplit("-v", 1)[1].split(".")[0]) < version
+    return version_of(name) < version
 
 
 def _copy_into(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -168,6 +168,10 @@ def _servable(name: str) -> bool:
     return "/" not in name and name.endswith(".safetensors")
 
 
+def _where(addr: tuple[str, int]) -> str:
+    return f"weights server {addr[0]}:{addr[1]}"
+
+
 def _host_ip(family: int) -> str:
     """This host's address for readers of other hosts: the first non-loopback one its name
     resolves to (a machine alone: loopback)."""
@@ -201,7 +205,7 @@ def _ask(addr: tuple[str, int], request: str, key: str, timeout_s: float) -> tup
         raise ValueError(
             f"weights server address {addr[0]!r} is not an IP address: readers go only where the writer pinned"
         ) from None
-    where = f"weights server {addr[0]}:{addr[1]}"
+    where = _where(addr)
     s = socket.create_connection(tuple(addr), timeout=timeout_s)
     try:
         s.sendall(f"{wire_key(key)} {request}\n".encode())
@@ -236,7 +240,7 @@ def fetch_file(
     exist: writing runs at memcpy speed, where a new file pays for each page, measured 2x
     slower over loopback). Returns its size; FileNotFoundError if the server has no such file
     or refused the key."""
-    where = f"weights server {addr[0]}:{addr[1]}"
+    where = _where(addr)
 
     def receive(fd: int) -> str | None:
         s, offered = _ask(addr, name, key, timeout_s)
@@ -265,7 +269,7 @@ def fetch_delta(
     once the result's `FileDigest` is `digest` and `validate` passes, as a whole fetch would.
     Returns the delta's size; FileNotFoundError if the server has no delta to offer (no such
     base any more, or a delta would not be smaller), DeltaError or ValueError if it is refused."""
-    where = f"weights server {addr[0]}:{addr[1]}"
+    where = _where(addr)
     s, offered = _ask(addr, f"{name} {base.name}", key, timeout_s)
     with s:
         if offered > os.path.getsize(base):
@@ -367,8 +371,9 @@ def host_copy(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if dest.exists():
             return dest, 0
-        held = sorted(directory.glob(f"{writer}-v*.safetensors"), key=_version)
-        base = next((p for p in reversed(held) if _version(p) < _version(dest)), None) if deltas and digest else None
+        held = sorted(directory.glob(f"{writer}-v*.safetensors"), key=lambda p: version_of(p.name))
+        older = [p for p in held if version_of(p.name) < version_of(name)]
+        base = older[-1] if older and deltas and digest else None
         old = sorted((p for p in held if stale(p.name) and p != base), key=os.path.getmtime)
         for p in old[1:]:
             p.unlink(missing_ok=True)
@@ -384,5 +389,6 @@ def host_copy(
         return dest, fetch_file(addr, name, dest, key, reuse, timeout_s, validate, size, digest)
 
 
-def _version(path: Path) -> int:
-    return int(path.name.rsplit("-v", 1)[1].split(".")[0])
+def version_of(name: str) -> int:
+    """The version a weights file's name (<store>-<writer token>-v<N>.safetensors) holds."""
+    return int(name.rsplit("-v", 1)[1].split(".")[0])
