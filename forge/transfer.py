@@ -121,11 +121,11 @@ class FileServer:
         if not all(_servable(n) for n in (name, base or name)):
             conn.sendall(_SIZE.pack(-1))
             return
+        conn.settimeout(60.0)  # a reader with the key that stalls does not hold a worker forever
         if base:
             payload = self._delta(base, name)
             conn.sendall(_SIZE.pack(-1 if payload is None else len(payload)) + (payload or b""))
             return
-        conn.settimeout(60.0)  # a reader with the key that stalls does not hold a worker forever
         try:
             fd = os.open(self.directory / name, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
