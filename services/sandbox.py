@@ -37,6 +37,7 @@ import asyncio
 import base64
 import binascii
 import fcntl
+import hashlib
 import itertools
 import json
 import logging
@@ -132,9 +133,9 @@ class _Launcher:
         self.ids = itertools.count()
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def start(self, python: list[str], seccomp: bytes | None) -> None:
+    async def start(self, python: list[str], seccomp: bytes | None, exec_helper: Path | None = None) -> None:
         """Start the launcher on `python` (the interpreter and the programs' flags), with the
-        runs' syscall filter."""
+        runs' syscall filter and the compiled services/sandbox_exec.c (None: none)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -142,6 +143,7 @@ class _Launcher:
                 str(Path(__file__).with_name("sandbox_launcher.py")),
                 str(theirs.fileno()),
                 (seccomp or b"").hex(),
+                *([str(exec_helper)] if exec_helper else []),
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,  # so its forked Pythons buffer stdout as a program's own would (not a tty)
@@ -265,10 +267,13 @@ class SandboxPool:
         self.cgroups: SlotCgroups | None = None
         self.oom_kills: dict[int, int] = {}  # slot uid -> the kernel's oom kills in its cgroup, after its last run
         self.harness = self.dir / "forge_harness.py"  # runs a program, then its tests
+        self.exec_helper: Path | None = None  # starts exec'd programs' runs (services/sandbox_exec.c)
 
     async def start(self) -> None:
+        # in the base directory, shared by this host's sandboxes (each has its own below it)
+        self.exec_helper = await asyncio.to_thread(_build_exec_helper, self.dir.parent)
         try:
-            await self.launcher.start(self.python, self.seccomp)
+            await self.launcher.start(self.python, self.seccomp, self.exec_helper)
         except OSError as e:
             raise SandboxError(f"sandbox: could not start its launcher: {e}") from e
         self.harness.write_text(Path(__file__).with_name("sandbox_harness.py").read_text())
@@ -366,7 +371,7 @@ class SandboxPool:
                 theirs.append(os.open(os.devnull, os.O_WRONLY))
             start = time.perf_counter()
             if self.launcher.sock is None:  # it died (its runs then failed): a new one for this run
-                await self.launcher.start(self.python, self.seccomp)
+                await self.launcher.start(self.python, self.seccomp, self.exec_helper)
             if self.cgroups is not None:
                 self.cgroups.limit(uid, req.memory_mb << 20, self.cfg.max_processes, self.cfg.cpu_cores)
             run = await self.launcher.spawn(self._spec(work, req, uid, argv), theirs)
@@ -563,6 +568,35 @@ class SandboxPool:
         finally:
             self.slots.put_nowait(uid)
         return True
+
+
+def _build_exec_helper(directory: Path) -> Path | None:
+    """services/sandbox_exec.c compiled into `directory` (once per version of its source), or None
+    where the host has no C compiler (exec'd programs then start from the launcher's forks)."""
+    source = Path(__file__).with_name("sandbox_exec.c")
+    target = directory / f"sandbox_exec-{hashlib.sha256(source.read_bytes()).hexdigest()[:16]}"
+    if target.exists():
+        return target
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.info("forge: sandbox: no C compiler; exec'd programs start from the launcher's forks (slower)")
+        return None
+    partial = directory / f".{target.name}.{os.getpid()}"
+    for static in (["-static"], []):  # static: no dynamic loader per run; not every host has a static libc
+        try:
+            command = [cc, "-O2", *static, "-o", str(partial), str(source)]
+            built = subprocess.run(command, capture_output=True, text=True)
+        except OSError as e:
+            built = subprocess.CompletedProcess([cc], 1, "", str(e))
+        if built.returncode == 0:
+            partial.chmod(0o755)
+            os.replace(partial, target)
+            for old in directory.glob("sandbox_exec-*"):  # other versions' (a launcher that still names one falls back)
+                if old != target:
+                    old.unlink(missing_ok=True)
+            return target
+    log.warning("forge: sandbox: could not compile %s (exec'd programs start slower): %s", source, built.stderr[-500:])
+    return None
 
 
 async def _read(fd: int, cap: int) -> tuple[bytes, bool]:

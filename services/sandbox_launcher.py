@@ -1,8 +1,9 @@
 """The sandbox's launcher: a small single-threaded process (standard library only) that starts
 each run, so a run costs a few forks of this process instead of a chain of util-linux tools.
 
-    python -I [-S] services/sandbox_launcher.py FD [FILTER]
-    # FD: a SOCK_SEQPACKET socket to the pool; FILTER: the runs' seccomp filter, hex (sandbox_seccomp.py)
+    python -I [-S] services/sandbox_launcher.py FD [FILTER [EXEC]]
+    # FD: a SOCK_SEQPACKET socket to the pool; FILTER: the runs' seccomp filter, hex (sandbox_seccomp.py);
+    # EXEC: the compiled services/sandbox_exec.c, which starts the runs of exec'd programs
 
 Each request (JSON, with the run's stdin, stdout, stderr, report and tests file descriptors
 attached) is answered with {"id", "pid"} once started and {"id", "status", "setup_error"} (a wait
@@ -18,12 +19,14 @@ killed at the timeout) the kernel kills everything left in the namespace.
 The launcher runs on the sandbox's own Python with the programs' flags, so a Python program
 runs in that last process, forked from an interpreter already started (as a fork server does),
 as `python -I script args` would run it there: starting the interpreter is most of what a short
-program costs. Other programs are exec'd.
+program costs. Other programs are exec'd: by EXEC where there is one (the same three processes,
+set up the same way, spawned without copying this interpreter), else from the forked chain.
 """
 
 import atexit
 import builtins
 import ctypes
+import fcntl
 import gc
 import importlib.machinery
 import io
@@ -71,6 +74,10 @@ class SockFprog(ctypes.Structure):
 
 
 FILTER = None  # a SockFprog: the runs' seccomp filter, made once: a run only loads it
+FILTER_HEX = "-"  # the same, for EXEC
+EXEC = ""  # the compiled sandbox_exec.c; "" when the host had no C compiler
+# What EXEC's processes start with: default signal handlers (this process's SIGCHLD one too)
+SIGNALS = set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
 
 
 def exit_code(pid: int) -> int:
@@ -265,6 +272,35 @@ def run(req: dict, fds: list[int], setup: int) -> NoReturn:
     run_python(req["argv"], req["env"])
 
 
+def spawn_exec(req: dict, fds: list[int], setup: int) -> int:
+    """Start a run of an exec'd program with EXEC (see services/sandbox_exec.c): its fds 0-4 the
+    run's, 5 `setup`, 6 and 7 the slot's namespaces; returns its pid."""
+    ns = [NETNS[req["uid"]], MNTNS[req["uid"]]] if req["namespaces"] else []
+    targets = [*range(len(fds)), *range(5, 6 + len(ns))]  # fds: 4 of them, or 5 with tests
+    # above any number the child's fds take, so no dup2 below overwrites a source still to come
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in [*fds, setup, *ns]]
+    uid = req["uid"] if req["uid"] is not None else -1
+    rlimits = [str(x) for name, v in req["rlimits"].items() for x in (getattr(resource, name), v)]
+    argv = [
+        *(EXEC, str(int(req["namespaces"])), str(uid), req["cwd"], str(len(req["cgroups"])), *req["cgroups"]),
+        *(str(len(req["tmpfs"])), *(x for pair in req["tmpfs"] for x in pair), str(len(req["rlimits"])), *rlimits),
+        *(FILTER_HEX, "--", *req["argv"]),
+    ]
+    try:
+        return os.posix_spawn(
+            EXEC,
+            argv,
+            req["env"],
+            file_actions=[(os.POSIX_SPAWN_DUP2, fd, i) for fd, i in zip(high, targets)],
+            setsid=True,
+            setsigmask=(),
+            setsigdef=SIGNALS,
+        )
+    finally:
+        for fd in high:
+            os.close(fd)
+
+
 def limit(req: dict) -> None:
     """The program's process: its rlimits, its directory, the slot's uid, the syscall filter."""
     for name, value in req["rlimits"].items():
@@ -357,10 +393,28 @@ def setup_error(fd: int) -> str | None:
         os.close(fd)
 
 
-def main(fd: int, syscall_filter: bytes = b"") -> None:
-    global FILTER
+def start(req: dict, fds: list[int], setup: int, sock: socket.socket) -> int:
+    """Start a run: by EXEC, or forked (a Python program; the request's files to copy, which EXEC
+    does not do; a slot whose namespaces failed, which run() reports; EXEC failing to start)."""
+    by_exec = EXEC and not req["python"] and not req["copy"]
+    if by_exec and (not req["namespaces"] or req["uid"] in MNTNS):
+        try:
+            return spawn_exec(req, fds, setup)
+        except OSError:
+            pass
+    pid = os.fork()
+    if pid == 0:
+        sock.close()
+        run(req, fds, setup)
+    return pid
+
+
+def main(fd: int, syscall_filter: bytes = b"", exec_helper: str = "") -> None:
+    global FILTER, FILTER_HEX, EXEC
     if syscall_filter:
         FILTER = SockFprog(len(syscall_filter) // 8, syscall_filter)
+        FILTER_HEX = syscall_filter.hex()
+    EXEC = exec_helper
     parent = os.getppid()
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")  # the pool's process gone: so is this
     if os.getppid() != parent:
@@ -394,10 +448,7 @@ def main(fd: int, syscall_filter: bytes = b"") -> None:
                 except OSError as e:  # the run's setns fails and says so
                     SLOT_ERRORS[req["uid"]] = str(e)
             setup_r, setup_w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                sock.close()
-                run(req, fds, setup_w)
+            pid = start(req, fds, setup_w, sock)
             for f in (*fds, setup_w):
                 os.close(f)
             running[pid] = (req["id"], setup_r)
@@ -405,4 +456,4 @@ def main(fd: int, syscall_filter: bytes = b"") -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), bytes.fromhex(sys.argv[2] if len(sys.argv) > 2 else ""))
+    main(int(sys.argv[1]), bytes.fromhex(sys.argv[2] if len(sys.argv) > 2 else ""), *sys.argv[3:4])

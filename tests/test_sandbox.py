@@ -867,3 +867,66 @@ def test_the_syscall_filters_numbers_are_the_kernels(machine):
     theirs = {n: lib.seccomp_syscall_resolve_name_arch(AUDIT_ARCH[machine], n.encode()) for n in SYSCALLS[machine]}
     assert theirs == SYSCALLS[machine]
     assert syscall_filter("s390x") is None and len(syscall_filter(machine)) % 8 == 0
+
+
+# What an exec'd program sees of its sandbox (each line the same for every run of it)
+EXEC_PROBE = """\
+[ "$(id -u)" != 0 ] && echo not-root; echo "pid $$ home $HOME cwd $PWD"
+grep -E '^(Seccomp|NoNewPrivs|CapEff):' /proc/self/status
+echo fds $(ls /proc/$$/fd); echo processes $(ls /proc | grep -c '^[0-9]')
+(echo > /dev/tcp/127.0.0.1/1) 2>/dev/null && echo network || echo no-network
+touch /usr/forge-x 2>/dev/null && echo root-writable || echo root-read-only
+echo tmp > /tmp/f && cat /tmp/f; ls / | tr '\\n' ' '; echo
+echo limits $(ulimit -v) $(ulimit -u) $(ulimit -n) $(ulimit -f) $(ulimit -t)
+echo oom_score_adj $(cat /proc/self/oom_score_adj) cgroups $(grep -c "/$(id -u)\\$" /proc/self/cgroup)
+env | sort | tr '\\n' ' '; echo
+setsid sleep 100 > /dev/null 2>&1 &
+"""
+
+
+def test_exec_d_programs_are_isolated_alike_with_or_without_the_exec_helper():
+    """An exec'd program starts from services/sandbox_exec.c (compiled on start) or, where the
+    host has no C compiler, from the launcher's forks: the same uid, syscall filter, namespaces,
+    root, limits, environment and fds either way, and nothing of the run outlives it; a set-up
+    failure is the sandbox's error naming what failed, an exit code 125 the program's own."""
+    from services import sandbox as sb
+
+    async def probe(helper: bool, uid_base: int) -> tuple:
+        pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=uid_base, run_timeout=5.0))
+        if not helper:
+            pool_build, sb._build_exec_helper = sb._build_exec_helper, lambda _: None
+        try:
+            await pool.start()
+        finally:
+            if not helper:
+                sb._build_exec_helper = pool_build
+        try:
+            assert (pool.exec_helper is not None) == helper
+            probe = await pool.run(EXEC_PROBE, "bash")
+            left = sb._pids_of_uid(uid_base)
+            timeout = await pool.run("setsid sleep 100 & sleep 100", "bash", run_timeout=0.5)
+            own_125 = await pool.run("exit 125", "bash")
+            spec = pool._spec
+            pool._spec = lambda *a: {**spec(*a), "cwd": "/nonexistent-forge-cwd"}
+            with pytest.raises(sb.SandboxError, match="could not set up the run.*nonexistent-forge-cwd"):
+                await pool.run("echo never", "bash")
+            return probe, left, timeout.status, (own_125.status, own_125.exit_code), sb._pids_of_uid(uid_base)
+        finally:
+            await pool.stop()
+
+    fast = asyncio.run(probe(True, 61800))
+    forked = asyncio.run(probe(False, 61810))
+    assert fast[0].status == "ok" and fast[0].stdout == forked[0].stdout, (fast[0], forked[0])
+    lines = fast[0].stdout.splitlines()
+    assert lines[:6] == [
+        "not-root",
+        "pid 2 home /tmp cwd /tmp",
+        "CapEff:\t0000000000000000",
+        "NoNewPrivs:\t1",
+        "Seccomp:\t2",
+        "fds 0 1 2 255 3 4",  # the run's 4, bash's script (255) and its $(...) pipe
+    ], lines
+    assert lines[6:10] == ["processes 5", "no-network", "root-read-only", "tmp"], lines
+    assert lines[12] == "oom_score_adj 1000 cgroups 3", lines  # the slot's memory, pids and cpu cgroups
+    for run_ in (fast, forked):
+        assert run_[1:] == ([], "timeout", ("error", 125), []), run_
