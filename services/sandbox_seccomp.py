@@ -190,16 +190,17 @@ X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 ABI: the same syscalls under other 
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET (NEWTIME is unshare's only)
 CLONE_NEW = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 
-LD_ABS, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|..|K, BPF_RET|K
+LD_ABS, JA, JEQ, JGE, JSET, RET = 0x20, 0x05, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|..|K, BPF_RET|K
 ALLOW, ERRNO = 0x7FFF0000, 0x00050000
 NR, ARCH, ARG0 = 0, 4, 16  # struct seccomp_data: nr, arch, args[0] (its low word: little-endian)
 
 
 def syscall_filter(machine: str | None = None) -> bytes | None:
     """The filter for `machine` (this host's by default) as struct sock_filter[]; None for an
-    arch this module has no syscall numbers of. Every test is followed by its own return, so no
-    jump is longer than one instruction (BPF's conditional jumps reach 255 at most); the most
-    frequent syscalls are tested first."""
+    arch this module has no syscall numbers of. After the arch, x32 and clone tests, a binary
+    search over the ranges of syscall numbers that share a verdict: the kernel runs the filter
+    for every syscall number when a run loads it (to cache the verdicts that need no argument),
+    where a test per syscall in a row cost ~0.6 ms of each run."""
     machine = machine or os.uname().machine
     if machine not in SYSCALLS:
         return None
@@ -212,9 +213,28 @@ def syscall_filter(machine: str | None = None) -> bytes | None:
     # clone: its flags (the first argument's low word) without CLONE_NEW*, else EPERM
     prog += [(JEQ, 0, 4, nrs["clone"]), (LD_ABS, 0, 0, ARG0), (JSET, 0, 1, CLONE_NEW), (RET, 0, 0, deny)]
     prog.append((RET, 0, 0, ALLOW))
-    verdicts = [(name, ALLOW) for name in ALLOWED] + [(name, deny) for name in DENIED]
-    for name, verdict in verdicts:
-        if name in nrs:
-            prog += [(JEQ, 0, 1, nrs[name]), (RET, 0, 0, verdict)]
-    prog.append((RET, 0, 0, enosys))
+    verdicts = {nrs[n]: ALLOW for n in ALLOWED if n in nrs} | {nrs[n]: deny for n in DENIED if n in nrs}
+    prog += _search(_ranges(verdicts, enosys))
     return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+
+
+def _ranges(verdicts: dict[int, int], other: int) -> list[tuple[int, int]]:
+    """(first number, verdict) of each run of numbers with one verdict, from 0 up; `other` for
+    the numbers `verdicts` lacks (the last run: every number above them)."""
+    ranges: list[tuple[int, int]] = []
+    for nr in range(max(verdicts) + 2):
+        verdict = verdicts.get(nr, other)
+        if not ranges or ranges[-1][1] != verdict:
+            ranges.append((nr, verdict))
+    return ranges
+
+
+def _search(ranges: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """Instructions that return the verdict of the range the loaded number falls in."""
+    if len(ranges) == 1:
+        return [(RET, 0, 0, ranges[0][1])]
+    mid = len(ranges) // 2
+    below, above = _search(ranges[:mid]), _search(ranges[mid:])
+    if len(below) <= 255:  # a conditional jump's offset is 8 bits; past that, an unconditional one
+        return [(JGE, len(below), 0, ranges[mid][0]), *below, *above]
+    return [(JGE, 0, 1, ranges[mid][0]), (JA, 0, 0, len(below)), *below, *above]

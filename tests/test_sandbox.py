@@ -869,6 +869,47 @@ def test_the_syscall_filters_numbers_are_the_kernels(machine):
     assert syscall_filter("s390x") is None and len(syscall_filter(machine)) % 8 == 0
 
 
+def run_filter(program: bytes, nr: int, arch: int, arg0: int = 0) -> int:
+    """The verdict of a seccomp filter (its cBPF, as the kernel runs it) for one syscall."""
+    import struct
+
+    ins, pc, acc = list(struct.iter_unpack("=HBBI", program)), 0, 0
+    data = {0: nr, 4: arch, 16: arg0}
+    while True:
+        code, jt, jf, k = ins[pc]
+        pc += 1
+        if code == 0x20:
+            acc = data[k]
+        elif code == 0x06:
+            return k
+        elif code == 0x05:
+            pc += k
+        else:
+            taken = {0x15: acc == k, 0x35: acc >= k, 0x45: acc & k != 0}[code]
+            pc += jt if taken else jf
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_the_syscall_filters_verdict_for_every_number(machine):
+    """Every syscall number gets its list's verdict from the filter's search: allowed, EPERM
+    (denied), ENOSYS (on no list, or past the last known number); clone only without a
+    CLONE_NEW* flag; another arch (and x86_64's x32 numbers) EPERM."""
+    import errno
+
+    from services.sandbox_seccomp import ALLOWED, AUDIT_ARCH, DENIED, SYSCALLS, X32_SYSCALL_BIT, syscall_filter
+
+    program, nrs, arch = syscall_filter(machine), SYSCALLS[machine], AUDIT_ARCH[machine]
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
+    want = {nrs[n]: allow for n in ALLOWED if n in nrs} | {nrs[n]: eperm for n in DENIED if n in nrs}
+    want |= {nrs["clone3"]: enosys, nrs["clone"]: allow}
+    for nr in range(max(nrs.values()) + 100):
+        assert run_filter(program, nr, arch) == want.get(nr, enosys), (machine, nr)
+    assert run_filter(program, nrs["clone"], arch, arg0=0x20000000) == eperm  # CLONE_NEWPID
+    assert run_filter(program, nrs["read"], arch ^ 1) == eperm
+    if machine == "x86_64":
+        assert run_filter(program, X32_SYSCALL_BIT | nrs["read"], arch) == eperm
+
+
 # What an exec'd program sees of its sandbox (each line the same for every run of it)
 EXEC_PROBE = """\
 [ "$(id -u)" != 0 ] && echo not-root; echo "pid $$ home $HOME cwd $PWD"
