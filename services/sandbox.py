@@ -24,7 +24,9 @@ A small launcher process (services/sandbox_launcher.py) starts the runs by forki
 few forks per run instead of a chain of util-linux tools. It runs on the sandbox's Python, so a
 Python program runs in a process forked from an interpreter already started (a fork server),
 which saves the interpreter's start-up, most of what a short program costs (every run then
-has the same hash seed; `fresh_interpreter` execs a new interpreter per run instead).
+has the same hash seed; `fresh_interpreter` execs a new interpreter per run instead). Programs
+it execs start from services/sandbox_exec.c, compiled on start, set up alike without copying
+the launcher's interpreter (from the launcher's forks where the host has no C compiler).
 
 The result's status: `ok`, `error` (non-zero exit), `timeout` (wall or CPU limit), `oom` (the
 memory limit), `killed` (a signal). Bad input (an unknown language, a file outside the working
