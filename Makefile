@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 COOKBOOK := .venv-cookbook
 
-.PHONY: install run test lint clean cookbook
+.PHONY: install run test lint docs clean cookbook
 
 $(STAMP): pyproject.toml forge/install.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,10 +32,14 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The manual (docs/, mkdocs.yml) into site/; a broken link or reference fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) $(COOKBOOK) .cache runs
+	rm -rf $(VENV) $(COOKBOOK) .cache runs site

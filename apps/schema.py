@@ -44,11 +44,11 @@ class GRPOConfig(RunConfig):
     app: str = "grpo"
     run_name: str = "grpo"
     task: str = "reverse"  # a generated toy task (forge/tasks.py), unless `dataset` names a source
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    group_size: int = 8
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # prompts from a file, HF, reasoning-gym or a mix
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy's starting checkpoint
+    group_size: int = 8  # samples per prompt, compared with each other for advantages
     groups_per_step: int = 8  # batch = group_size x groups_per_step episodes
-    max_staleness: int = 1
+    max_staleness: int = 1  # policy versions a sample may lag the trainer by (0: on-policy)
     algorithm: str = "grpo"  # ALGORITHMS
     distill: DistillConfig = field(default_factory=DistillConfig)  # teachers: on-policy distillation
     ppo: PPOConfig = field(default_factory=PPOConfig)  # algorithm ppo: the critic and GAE
@@ -65,10 +65,10 @@ class GRPOConfig(RunConfig):
     reward_unavailable: str = "mask"
     job: JobConfig = field(default_factory=JobConfig)  # where the roles run (forge/job.py); default: this host
     generator_replicas: int = 1  # spread over the hosts of the generator's job mesh
-    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
-    trainer_procs: int = 1
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # vLLM's engine and sampling
+    trainer_procs: int = 1  # the trainer's processes (FSDP ranks)
     trainer_restores: int = 3  # trainer deaths recovered from the last checkpoint before the run stops
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # optimizer, loss, LoRA, weights
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evals during training
 
     @property
@@ -256,9 +256,9 @@ class SupervisedConfig(RunConfig):
     checkpoint_every: int = 100
     metrics: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
     task: str = "add"  # the toy task: the examples when `data.path` is empty, and the eval's rewards
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the starting checkpoint
     batch_size: int = 64  # examples (preference pairs) per step
-    trainer_procs: int = 1
+    trainer_procs: int = 1  # the trainer's processes (FSDP ranks)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evals (through a generator)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)  # the eval's
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # the eval's sampler
@@ -293,7 +293,8 @@ class SupervisedConfig(RunConfig):
 class SFTConfig(SupervisedConfig):
     app: str = "sft"
     run_name: str = "sft_tiny"
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)  # the examples: a file, or the toy task's
+    # optimizer and loss (sft)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=3e-3, loss=LossConfig(name="sft")))
 
     def validate(self) -> None:
@@ -314,7 +315,8 @@ class DPOConfig(SupervisedConfig):
     run_name: str = "dpo_tiny"
     task: str = "reverse"
     batch_size: int = 32  # pairs per step: one row each (chosen and rejected packed together)
-    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)  # the pairs: a file, or the toy task's
+    # optimizer and loss (dpo or ipo, its beta)
     trainer: TrainerConfig = field(
         default_factory=lambda: TrainerConfig(lr=1e-5, loss=LossConfig(name="dpo", beta=0.1))
     )
@@ -339,7 +341,8 @@ class RMConfig(SupervisedConfig):
     run_name: str = "rm_tiny"
     task: str = "reverse"
     batch_size: int = 32  # pairs per step
-    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)  # the pairs: a file, or the toy task's
+    # optimizer and loss (bradley_terry) on a score head
     trainer: TrainerConfig = field(
         default_factory=lambda: TrainerConfig(lr=1e-4, head="score", loss=LossConfig(name="bradley_terry"))
     )
@@ -362,11 +365,11 @@ class TinkerAppConfig(RunConfig):
 
     app: str = "tinker"
     run_name: str = "tinker"  # checkpoints: RUNS/NAME/tinker/MODEL_ID/{weights,sampler_weights}/NAME
-    model: ModelConfig = field(default_factory=ModelConfig)
-    tinker: TinkerConfig = field(default_factory=TinkerConfig)
-    generator_replicas: int = 1
-    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
-    trainer_procs: int = 1
+    model: ModelConfig = field(default_factory=ModelConfig)  # the base model every client's adapter trains on
+    tinker: TinkerConfig = field(default_factory=TinkerConfig)  # the server, its keys and bounds
+    generator_replicas: int = 1  # generator replicas the samplers share
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # vLLM's engine (its LoRA slots)
+    trainer_procs: int = 1  # the trainer's processes (FSDP ranks)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # lora: set from `tinker` (rank, alpha, every linear)
 
     def validate(self) -> None:

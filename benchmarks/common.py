@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 from pathlib import Path
+
+import torch
 
 from forge import logs
 
@@ -32,7 +35,16 @@ def tiny_model(**dims: int) -> str:
     return str(make_tiny_model(ROOT / ".cache/forge/models" / name, TinyModelSpec(sft_steps=0, **dims)))
 
 
+def machine() -> str:
+    """What a result was measured on: its cores, memory and accelerator (the manual shows it)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
+    return f"{os.cpu_count()} CPU cores, {memory:.0f} GiB{gpu}"
+
+
 def write_result(out: str | Path, result: dict) -> dict:
+    """`result` as JSON at `out`, with when and on what it was produced."""
+    result = {**result, "produced": {"date": datetime.date.today().isoformat(), "machine": machine()}}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -27,13 +27,13 @@ class RunConfig:
     """The keys of every app's config that the run skeleton reads (an app's Config extends it)."""
 
     app: str = ""  # the app that runs it (apps/APP.py)
-    run_name: str = "run"
-    runs_dir: str = "runs"
-    seed: int = 0
-    steps: int = 100
-    checkpoint_every: int = 25
+    run_name: str = "run"  # the run's directory under runs_dir: its config, metrics, checkpoints, model
+    runs_dir: str = "runs"  # where runs' directories go
+    seed: int = 0  # the data's seed: the toy task's examples and the order of the prompts
+    steps: int = 100  # training steps (optimizer steps of the policy)
+    checkpoint_every: int = 25  # steps between checkpoints (and at the end); 0: none
     resume: str | None = None  # a run directory to continue
-    metrics: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
+    metrics: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))  # console, jsonl, tensorboard, wandb
 
     @property
     def run_dir(self) -> Path:
@@ -307,7 +307,7 @@ class SFTDataConfig(RowsConfig):
 
     messages_key: str = "messages"  # a column of chat messages: loss on the assistant turns only
     prompt_key: str = "prompt"  # else prompt and completion columns: loss on the completion (and EOS)
-    completion_key: str = "completion"
+    completion_key: str = "completion"  # the completion column beside prompt_key
     pack_to: int = 0  # examples packed into rows of up to this many tokens, each seeing only itself; 0: one per row
     noise: float = 0.0  # toy task only: this fraction of answer characters (or digits) replaced at random
     # With no file: a reasoning-gym generator's entries (question -> answer) in place of the toy
@@ -334,8 +334,8 @@ class PreferenceDataConfig(RowsConfig):
     rejected: a wrong one)."""
 
     prompt_key: str = "prompt"  # text, or chat messages (then chosen and rejected are the assistant's)
-    chosen_key: str = "chosen"
-    rejected_key: str = "rejected"
+    chosen_key: str = "chosen"  # the preferred completion's column (text, or chat messages)
+    rejected_key: str = "rejected"  # the other completion's column
 
 
 # The names of forge.losses' LOSSES and IS_CORRECTIONS (tests/test_losses.py checks they agree).
@@ -350,7 +350,7 @@ NO_STD_NORMALIZE = {"dr_grpo"}  # Dr.GRPO: the std division biases towards easy 
 @dataclass
 class LossConfig:
     name: str = "grpo"  # grpo | dr_grpo | dapo | gspo | cispo | reinforce | sft | dpo | ipo | bradley_terry | value
-    clip_low: float = 0.2
+    clip_low: float = 0.2  # the ratio's lower clip: 1 - clip_low
     clip_high: float = 0.2  # DAPO's clip-higher uses 0.28
     kl_coef: float = 0.0  # k3 KL to the reference model (needs ref_logprobs)
     is_cap: float = 2.0  # truncated importance sampling cap; masking keeps ratios in [1/is_cap, is_cap]
@@ -440,12 +440,12 @@ def job_class(kind: str) -> type:
 class JobConfig:
     """The `job` section: a Monarch job kind, its host meshes, and which role runs on which mesh."""
 
-    kind: str = "local"
-    meshes: dict[str, int] = field(default_factory=dict)
+    kind: str = "local"  # local (this host), process, slurm or kubernetes: Monarch's job classes
+    meshes: dict[str, int] = field(default_factory=dict)  # host mesh name -> its number of hosts
     args: dict[str, Any] = field(default_factory=dict)  # the job class's constructor arguments
     # kubernetes: each mesh's `KubernetesJob.add_mesh` arguments (label_selector, port, ...)
     mesh_args: dict[str, Any] = field(default_factory=dict)
-    placement: dict[str, str] = field(default_factory=dict)
+    placement: dict[str, str] = field(default_factory=dict)  # role (trainer, generator, ...) -> the mesh it runs on
 
     def validate(self) -> None:
         if self.kind not in KINDS:

@@ -68,7 +68,7 @@ class TinyModelSpec:
 class ModelConfig:
     """The `model` section of every app config: an HF directory, optionally forge-built."""
 
-    path: str = ".cache/forge/models/tiny"
+    path: str = ".cache/forge/models/tiny"  # an HF model directory (config.json, safetensors, tokenizer)
     # The model family (services/models/: qwen3, llama3, qwen3_moe); null: config.json's
     # model_type says. Set, it must be the checkpoint's (a tiny model is built of it).
     family: str | None = None
@@ -101,29 +101,29 @@ class ModelConfig:
 class SamplingConfig:
     """Defaults for every request; a call's `sampling=` dict overrides any vLLM SamplingParams field."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling's probability mass (1: off)
     top_k: int = 0  # 0: off
-    max_tokens: int = 32
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
+    max_tokens: int = 32  # tokens sampled per completion at most
+    stop: list[str] = field(default_factory=list)  # strings that end a completion (not included)
+    seed: int | None = None  # vLLM's per-request seed; None: unseeded
 
 
 @dataclass
 class GeneratorConfig:
-    dtype: str = "float32"
+    dtype: str = "float32"  # the engine's weights and activations (bfloat16 on GPU)
     max_model_len: int | None = 512  # None: the model's own (max_position_embeddings)
     # CPU: vLLM cannot size the KV cache from free memory there, so it is given explicitly.
     # null on GPU: vLLM sizes it from engine.gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = 64 * 2**20
-    max_num_seqs: int = 256
+    max_num_seqs: int = 256  # sequences the engine batches at once
     # Eager by default: on the tiny CPU model torch.compile gave no speed-up (4.2-5.4k tokens/s
     # either way) and adds 20-40 s to engine start. Turn it off for real models; the compile
     # cache then lives in cache_dir.
     enforce_eager: bool = True
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = 300.0  # a generate call without an answer this long fails, naming its prompt
     cache_dir: str = ".cache/forge/vllm"  # vLLM's compile cache survives between runs here
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # every request's defaults
     # True: a swap prepares the new weights beside the live ones while generation goes on and
     # pauses only to install them (services/vllm_staging.py); needs memory for a second copy
     # of the weights meanwhile. False: vLLM's in-place reload, all of it while generation waits.
@@ -162,17 +162,17 @@ PUBLISH_DTYPES = ("", "bfloat16", "float16", "float32")
 class TrainerConfig:
     KEY: ClassVar[str] = "trainer"  # how its errors name its keys, wherever it sits (ppo.critic)
 
-    lr: float = 1e-5
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
+    lr: float = 1e-5  # AdamW's peak learning rate
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's
+    weight_decay: float = 0.0  # AdamW's (decoupled)
+    warmup_steps: int = 0  # linear warm-up steps before lr_decay
     lr_decay: str = "none"  # torchtitan decay_type: none | linear | cosine | sqrt
     total_steps: int | None = None  # length of the LR schedule; null: the app's `steps`
     max_norm: float = 1.0  # gradient clipping
     grad_accum: int = 1  # microbatches per step on each rank
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: LossConfig = field(default_factory=LossConfig)  # the loss and its coefficients
     weights: str = "policy"  # WeightStore name push_weights publishes to
-    transport: str = "shm"
+    transport: str = "shm"  # how versions reach generators: shm (files, streamed across hosts) or torchstore
     # Where generators on other hosts fetch versions from ("shm"): this host's loopback by
     # default; "0.0.0.0" on a cluster (every interface, advertised as the trainer's host name).
     serve_weights_on: str = "127.0.0.1"
@@ -235,12 +235,12 @@ class JudgeConfig:
 
     base_url: str | None = None  # an OpenAI API, e.g. `forge serve`'s http://127.0.0.1:8000/v1
     model: str | None = None  # None: the endpoint's first model
-    api_key: str = "EMPTY"
+    api_key: str = "EMPTY"  # the endpoint's key
     rubric: str = RUBRIC  # format fields: {prompt}, {completion}, {answer}, {task}, the dataset's columns
     pattern: str = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"  # its one group is the score
     max_score: float = 10.0  # reward = score / max_score, clipped to [0, 1]
-    temperature: float = 0.0
-    max_tokens: int = 256
+    temperature: float = 0.0  # the judge's sampling (0: greedy)
+    max_tokens: int = 256  # of the judge's answer
     timeout_s: float = 60.0  # one request
     retries: int = 2  # of a request that failed to connect, timed out or got 408/429/5xx
     # More request fields, e.g. vLLM's {structured_outputs: {regex: "Score: [0-9]+"}} or logit_bias.
@@ -299,9 +299,9 @@ class SandboxConfig:
     run_timeout: float = 10.0  # seconds of wall time, when a request gives none
     memory_limit_MB: int = 512  # address space, when a request gives none
     max_output_bytes: int = 1 << 20  # of stdout, and of stderr, kept; the rest is read and dropped
-    max_processes: int = 64
+    max_processes: int = 64  # processes (and threads) of a run at once
     max_file_MB: int = 64  # the largest file a run may write
-    max_open_files: int = 256
+    max_open_files: int = 256  # file descriptors per process of a run
     tmpfs_MB: int = 256  # the private /tmp, the working directory (namespaces only)
     tmpfs_inodes: int = 16384  # files and directories the private /tmp may hold
     # auto: namespaces, a cgroup per slot and a uid per slot, or an error naming what is missing;
@@ -338,7 +338,7 @@ class CodeTestsConfig:
     """The `code_tests` section: the reward that runs each completion's program in the sandbox."""
 
     all_pass: bool = False  # reward 1 when every test passes, else 0 (default: the fraction passing)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the reward's own sandbox pool
 
 
 # The built-in rewards' names (services.rewards.REWARDS; tests/test_rewards.py checks they agree).
@@ -351,7 +351,7 @@ class RewardModelConfig:
     app's export, or any transformers *ForSequenceClassification of a supported family), served
     by each replica of the reward service."""
 
-    path: str = ""
+    path: str = ""  # the classifier's HF directory
     batch_size: int = 64  # samples scored in one forward
     max_wait_s: float = 0.005  # how long a sample waits for others to share its forward
 
@@ -451,8 +451,8 @@ class DistillConfig:
     `coef` x (log p_teacher - log p_student): the per-token reverse KL, dense where a verifier
     gives one number per episode. Several teachers mix their logprobs by weight."""
 
-    teachers: list[TeacherConfig] = field(default_factory=list)
-    coef: float = 1.0
+    teachers: list[TeacherConfig] = field(default_factory=list)  # each: path, weight; none: no distillation
+    coef: float = 1.0  # the per-token reverse KL's weight in the advantages
 
     @property
     def enabled(self) -> bool:
@@ -476,12 +476,13 @@ class PPOConfig:
     (`gamma`, `lam`) makes them and the episode's reward into advantages, whitened per batch.
     The critic learns the batch's returns with a clipped value loss (`critic.loss.value_clip`)."""
 
-    gamma: float = 1.0
-    lam: float = 0.95
+    gamma: float = 1.0  # GAE's discount per token
+    lam: float = 0.95  # GAE's lambda: 1 = the Monte Carlo return, 0 = one-step TD
     critic_path: str = ""  # the critic's starting checkpoint (a causal LM: its head is replaced); empty: the policy's
-    critic_procs: int = 1
+    critic_procs: int = 1  # the critic's trainer processes
     critic_warmup: int = 0  # the first steps train the critic alone; the policy waits for useful values
     critic_updates: int = 1  # critic optimizer steps on each batch (its value clip acts from the second)
+    # the critic's trainer: a score head and the clipped value loss, any trainer key besides
     critic: TrainerConfig = field(
         default_factory=lambda: TrainerConfig(lr=1e-4, head="score", loss=LossConfig(name="value"))
     )
@@ -559,20 +560,20 @@ class GatewayConfig:
     # True: every call needs an open session's id as its API key (training); False: `forge serve`.
     sessions: bool = True
     api_key: str | None = None  # without sessions: the key clients must send (None: any)
-    max_sessions: int = 1024
+    max_sessions: int = 1024  # sessions open at once; more get 429
     session_timeout_s: float = 900.0  # a session idle this long is closed and its record dropped
     max_inflight: int = 512  # generation requests in flight; more get 429
     # Per request, else 400: the body's bytes, choices (n × prompts) and max_tokens.
-    max_body_bytes: int = 1 << 20
-    max_n: int = 16
-    max_tokens: int = 8192
+    max_body_bytes: int = 1 << 20  # a request body's bytes
+    max_n: int = 16  # choices of a request (n × prompts)
+    max_tokens: int = 8192  # a request's max_tokens
     # A request that gives no max_tokens (or null) gets this, not the rest of the context.
     default_max_tokens: int = 1024
     # Per session, else 429: requests in flight; turns (one per generation: per prompt of a
     # request) recorded or in flight; tokens recorded (each turn's prompt and samples).
-    max_session_inflight: int = 16
-    max_turns: int = 256
-    max_session_tokens: int = 1 << 22
+    max_session_inflight: int = 16  # a session's requests in flight
+    max_turns: int = 256  # a session's turns recorded or in flight
+    max_session_tokens: int = 1 << 22  # a session's tokens recorded
     chat_template: str | None = None  # a file or a Jinja string; default: the tokenizer's
     tool_parser: str | None = None  # a vLLM tool parser (e.g. "hermes"): tool calls come back as tool_calls
     reasoning_parser: str | None = None  # a vLLM reasoning parser (e.g. "qwen3")
@@ -616,12 +617,12 @@ class TinkerConfig:
     lora_alpha: float = 32.0  # an adapter's output is scaled by alpha / its rank
     session_timeout_s: float = 60.0  # a session without a heartbeat this long is closed, its adapters freed
     poll_s: float = 25.0  # how long retrieve_future holds a request that is not done (the SDK waits 45 s)
-    max_sessions: int = 64
+    max_sessions: int = 64  # client sessions at once
     max_models: int = 16  # training clients (adapters on the trainer) on the server at once
-    max_models_per_session: int = 4
+    max_models_per_session: int = 4  # training clients of one session
     max_samplers_per_session: int = 8  # more: the oldest is released
     max_inflight_per_session: int = 64  # requests submitted and not done; more get 429 (the SDK retries)
-    max_request_bytes: int = 16 << 20
+    max_request_bytes: int = 16 << 20  # a request body's bytes
     max_datums: int = 1024  # per forward_backward request
     max_tokens: int = 65536  # per forward_backward request, over its datums
     # The trainer's passes over a request hold at most this many tokens (their activations; the
@@ -668,7 +669,7 @@ class AgenticConfig:
     on_failure: str = "mask"  # a failed episode: its group trains on the rest (mask) or is dropped (drop)
     # Chat completion parameters of the environment loop's calls (an agent sets its own).
     sampling: dict[str, Any] = field(default_factory=dict)
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)  # the OpenAI gateway the episodes call
 
     @property
     def enabled(self) -> bool:

@@ -113,7 +113,7 @@ def test_sft_from_a_chat_file_through_the_trainer_service_then_resume(tmp_path, 
 
 
 def test_the_walkthroughs_script_and_configs(tmp_path, tiny_model_dir, monkeypatch):
-    """The README's walkthrough: its script writes the task's files, and its two configs load
+    """The walkthrough (docs/guides/your-task.md): its script writes the task's files, and its two configs load
     against them (the reward function imported by path from the working directory)."""
     import subprocess
     from pathlib import Path
@@ -121,7 +121,7 @@ def test_the_walkthroughs_script_and_configs(tmp_path, tiny_model_dir, monkeypat
     from apps.grpo import Config as GRPOConfig
 
     root = Path(__file__).resolve().parent.parent
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs/guides/your-task.md").read_text()
     script = readme.split("python3 - <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
     monkeypatch.chdir(tmp_path)
     subprocess.run(["python3", "-"], input=script, text=True, check=True)

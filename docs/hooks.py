@@ -1,0 +1,193 @@
+"""The manual's pages made from the code and the benchmarks' results when the site is built (an
+MkDocs hook: `make docs`), so they cannot drift from either: the config reference (every app's
+keys from its schema dataclasses, with the comment beside each key in the code) and the
+performance tables (benchmarks/results/*.json)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import io
+import json
+import textwrap
+import tokenize
+from pathlib import Path
+from typing import Any
+
+from mkdocs.structure.files import File
+
+from apps.schema import APPS
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+class MissingComment(ValueError):
+    """A config key whose dataclass field has no comment: the reference would not say what it is."""
+
+
+# ---- the config reference ---------------------------------------------------------------
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field of `cls` (its own, not inherited) -> its comment in the source: the comment
+    lines right above it and the comment at the end of its line, joined."""
+    source = textwrap.dedent("".join(inspect.getsourcelines(cls)[0]))
+    comments = {}  # line -> (text, whether the comment is the whole line)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = (tok.string.lstrip("#").strip(), tok.line.lstrip().startswith("#"))
+    found = {}
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above, line = [], node.lineno - 1
+        while line in comments and comments[line][1]:
+            above.insert(0, comments[line][0])
+            line -= 1
+        beside = [comments[n][0] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+        found[node.target.id] = " ".join(above + beside).strip()
+    return found
+
+
+def comment_of(cls: type, name: str) -> str:
+    """The comment of key `name` of `cls`: where the nearest class in its MRO that declares the
+    field comments it (a subclass that only changes a default keeps its base's words)."""
+    for klass in cls.__mro__:
+        if dataclasses.is_dataclass(klass) and name in klass.__dict__.get("__annotations__", {}):
+            comment = field_comments(klass).get(name)
+            if comment:
+                return comment
+    raise MissingComment(f"config key '{name}' of {cls.__name__} has no comment in {inspect.getsourcefile(cls)}")
+
+
+@dataclasses.dataclass
+class Key:
+    path: str  # dotted, from the config's top
+    type: str
+    default: str
+    comment: str
+
+
+def keys(config: Any, prefix: str = "") -> list[Key]:
+    """Every key of dataclass instance `config`, sections expanded after their own row."""
+    rows = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        path = f"{prefix}{f.name}"
+        section = dataclasses.is_dataclass(value)
+        rows.append(Key(path, str(f.type), "(section)" if section else _shown(value), comment_of(type(config), f.name)))
+        if section:
+            rows += keys(value, path + ".")
+    return rows
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (str, list, dict, bool)) or value is None else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def config_page(app: str) -> str:
+    """The reference page of app `app`: its keys, their types, defaults and comments."""
+    cls = APPS[app]
+    doc = inspect.getdoc(cls) or ""
+    lines = [
+        f"# `app: {app}`",
+        "",
+        f"The keys of a config whose `app:` is `{app}` (`{cls.__module__}.{cls.__name__}`), their types and",
+        "defaults, and what the comment beside each in the code says. A run's config file and its",
+        "`key=value` overrides name them by their dotted path. This page is generated from the code.",
+        "",
+        *([doc, ""] if doc else []),
+        "| key | type | default | what it is |",
+        "|---|---|---|---|",
+    ]
+    for k in keys(cls()):
+        lines.append(f"| `{k.path}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_cell(k.comment)} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- the performance tables ------------------------------------------------------------
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (int, float, str, bool)) or value is None
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return _cell(str(value))
+
+
+def _table(rows: dict[str, dict]) -> list[str]:
+    columns = [c for c in dict.fromkeys(c for r in rows.values() for c, v in r.items() if _scalar(v))]
+    out = ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name, r in rows.items():
+        out.append(f"| {_cell(name)} | " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
+    return out
+
+
+def _rows_of_scalars(value: dict) -> bool:
+    """Whether `value` is rows (dicts) with scalars in them: one table, a row per key."""
+    rows = list(value.values())
+    return bool(rows) and all(isinstance(r, dict) for r in rows) and any(_scalar(x) for r in rows for x in r.values())
+
+
+def _render(data: dict, depth: int) -> list[str]:
+    """A result as tables: its scalars as one, each dict of dicts of scalars as another."""
+    out = []
+    scalars = {k: v for k, v in data.items() if _scalar(v)}
+    if scalars:
+        out += ["| metric | value |", "|---|---|", *(f"| `{k}` | {_fmt(v)} |" for k, v in scalars.items()), ""]
+    for key, value in data.items():
+        if not isinstance(value, dict) or key == "produced":
+            continue
+        out.append(f"{'#' * min(depth, 6)} {key}")
+        out.append("")
+        if _rows_of_scalars(value):
+            out += [*_table(value), ""]
+            for name, v in value.items():
+                nested = {k: x for k, x in v.items() if isinstance(x, dict)}
+                if nested:
+                    out += [f"{'#' * min(depth + 1, 6)} {key}: {name}", "", *_render(nested, depth + 2)]
+        else:
+            out += _render(value, depth + 1)
+    return out
+
+
+def performance_page(results: Path = RESULTS) -> str:
+    """Every benchmark's last result, from its JSON file: what `forge bench NAME` wrote."""
+    lines = [
+        "# Benchmark results",
+        "",
+        "The last result of each benchmark (`forge bench NAME` writes `benchmarks/results/NAME.json`),",
+        "rendered from those files when this site is built. What each measures, and the targets, are in",
+        "[Benchmarks](performance.md).",
+        "",
+    ]
+    for path in sorted(results.glob("*.json")):
+        data = json.loads(path.read_text())
+        produced = data.get("produced") or {}
+        lines += [f"## {path.stem}", ""]
+        lines.append(
+            f"`forge bench {path.stem}` on {produced.get('machine', 'a machine not recorded')}, "
+            f"{produced.get('date', 'date not recorded')}."
+        )
+        lines += ["", *_render(data, 3)]
+    return "\n".join(lines) + "\n"
+
+
+# ---- the MkDocs hook ---------------------------------------------------------------------
+
+
+def on_files(files: Any, config: Any) -> Any:
+    for app in APPS:
+        files.append(File.generated(config, f"reference/config/{app}.md", content=config_page(app)))
+    files.append(File.generated(config, "results.md", content=performance_page()))
+    return files
