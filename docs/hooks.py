@@ -77,7 +77,8 @@ def keys(config: Any, prefix: str = "") -> list[Key]:
         value = getattr(config, f.name)
         path = f"{prefix}{f.name}"
         section = dataclasses.is_dataclass(value)
-        rows.append(Key(path, str(f.type), "(section)" if section else _shown(value), comment_of(type(config), f.name)))
+        kind = str(f.type).replace(" | ", " or ")  # a | would end the table's cell
+        rows.append(Key(path, kind, "(section)" if section else _shown(value), comment_of(type(config), f.name)))
         if section:
             rows += keys(value, path + ".")
     return rows
@@ -96,6 +97,7 @@ def config_page(app: str) -> str:
     """The reference page of app `app`: its keys, their types, defaults and comments."""
     cls = APPS[app]
     doc = inspect.getdoc(cls) or ""
+    doc = "" if doc.startswith(f"{cls.__name__}(") else doc  # dataclass's own: its signature
     lines = [
         f"# `app: {app}`",
         "",
