@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from forge import tasks
 from forge.config import ConfigError, import_object
@@ -38,9 +39,25 @@ from services.schema import (
 # `distill.teachers`, grpo's and ppo's gain the teachers' too.
 ALGORITHMS = ("grpo", "ppo", "distill")
 
+# The keys that moved, by the apps whose configs had them (RunConfig.MOVED).
+WEIGHTS_MOVED = {"rewards.*": ("rewards.weights.*", "rewards take their weights under rewards.weights")}
+GRPO_MOVED = {
+    **WEIGHTS_MOVED,
+    "judge": ("rewards.judge", "the reward sections are under rewards"),
+    "code_tests": ("rewards.code_tests", "the reward sections are under rewards"),
+}
+SUPERVISED_MOVED = {
+    **WEIGHTS_MOVED,
+    "lr": ("trainer.lr", "the optimizer's keys are the trainer's"),
+    "eval_every": ("eval.every", "evals have their own section"),
+    "eval_samples": ("eval.prompts", "evals have their own section"),
+}
+
 
 @dataclass
 class GRPOConfig(RunConfig):
+    MOVED: ClassVar[dict[str, tuple[str, str]]] = GRPO_MOVED
+
     app: str = "grpo"
     run_name: str = "grpo"
     task: str = "reverse"  # a generated toy task (forge/tasks.py), unless `dataset` names a source
@@ -251,6 +268,8 @@ class GRPOConfig(RunConfig):
 class SupervisedConfig(RunConfig):
     """What the supervised apps (SFT, preference training) share: a trainer on a model, and
     held-out evals of a toy task or a file through a generator."""
+
+    MOVED: ClassVar[dict[str, tuple[str, str]]] = SUPERVISED_MOVED
 
     steps: int = 300
     checkpoint_every: int = 100

@@ -111,6 +111,16 @@ def config_page(app: str) -> str:
     ]
     for k in keys(cls()):
         lines.append(f"| `{k.path}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_cell(k.comment)} |")
+    if cls.MOVED:
+        lines += [
+            "",
+            "## Keys that moved",
+            "",
+            "A config that still sets one of these stops with an error naming its key now.",
+            "",
+        ]
+        lines += ["| key of an earlier layout | its key now | why |", "|---|---|---|"]
+        lines += [f"| `{old}` | `{new}` | {_cell(why)} |" for old, (new, why) in cls.MOVED.items()]
     return "\n".join(lines) + "\n"
 
 

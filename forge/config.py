@@ -88,6 +88,7 @@ def load_config(
         layers.append(("command line", parse_overrides(overrides)))
     merged = OmegaConf.structured(schema) if schema is not None else OmegaConf.create({})
     for source, layer in layers:
+        _refuse_moved(layer, source, getattr(schema, "MOVED", {}), merged)
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
@@ -109,6 +110,25 @@ def load_config(
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"{where}: {_first_line(e)}") from None
     return obj
+
+
+def _refuse_moved(layer: DictConfig, source: str, moved: dict[str, tuple[str, str]], schema: DictConfig) -> None:
+    """A key of an earlier layout (`moved`: old key -> its key now, why) is a ConfigError that
+    says where it lives now. An old key ending in `.*` stands for any number under that section
+    that is not one of the section's own keys (e.g. `rewards: {exact: 1.0}`)."""
+    for old, (new, why) in moved.items():
+        if old.endswith(".*"):
+            section, own = OmegaConf.select(layer, old[:-2]), OmegaConf.select(schema, old[:-2])
+            names = [
+                k
+                for k, v in (section.items() if isinstance(section, DictConfig) else [])
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in (own or {})
+            ]
+            found = [(f"{old[:-2]}.{k}", new.replace("*", str(k))) for k in names]
+        else:
+            found = [(old, new)] if OmegaConf.select(layer, old, default=None) is not None else []
+        for key, now in found:
+            raise ConfigError(f"config key '{key}' ({source}): {why}; it is '{now}' now")
 
 
 def _validate(obj: Any, path: tuple[str, ...] = ()) -> None:

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from forge import checkpoint, tasks
 from forge.config import ConfigError
@@ -25,6 +25,10 @@ DEFAULT_BACKENDS = ("console", "jsonl", "tensorboard")
 @dataclass
 class RunConfig:
     """The keys of every app's config that the run skeleton reads (an app's Config extends it)."""
+
+    # Keys of earlier layouts -> (where each lives now, why): loading one is an error saying so
+    # (forge/config.py); the config reference lists them.
+    MOVED: ClassVar[dict[str, tuple[str, str]]] = {}
 
     app: str = ""  # the app that runs it (apps/APP.py)
     run_name: str = "run"  # the run's directory under runs_dir: its config, metrics, checkpoints, model

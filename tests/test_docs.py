@@ -62,3 +62,28 @@ def test_the_results_page_is_made_from_the_json_files(tmp_path):
     assert "| `fraction_of_bare_exec` | 0.123 |" in after and "0.123" not in before
     assert "`forge bench sandbox` on a test machine, 2031-01-02." in after
     assert all(f"## {p.stem}\n" in after for p in results.glob("*.json"))
+
+
+MOVED = sorted({(app, old) for app, cls in APPS.items() for old in cls.MOVED})
+
+
+@pytest.mark.parametrize("app,old", MOVED)
+def test_a_key_that_moved_says_where_it_lives_now(app, old, tmp_path):
+    """Each entry of an app's table of moved keys: a config that sets the old key stops with an
+    error naming the key now, and the config reference lists it."""
+    from forge.config import ConfigError, load_config
+
+    new, why = APPS[app].MOVED[old]
+    key, now = (old.replace("*", "exact"), new.replace("*", "exact")) if old.endswith("*") else (old, new)
+    config = tmp_path / "old.yaml"
+    config.write_text(f"app: {app}\n")
+    with pytest.raises(ConfigError, match=f"config key '{key}' .*{why}; it is '{now}' now"):
+        load_config(config, [f"{key}=1"], APPS[app])
+    assert f"| `{old}` | `{new}` |" in hooks.config_page(app)
+
+
+def test_a_number_that_is_a_sections_own_key_is_not_a_moved_weight():
+    from forge.config import load_config
+
+    cfg = load_config(ROOT / "configs/grpo_tiny.yaml", ["rewards.replicas=2", "rewards.weights.exact=1"], APPS["grpo"])
+    assert cfg.rewards.replicas == 2 and cfg.rewards.weights == {"exact": 1.0}
