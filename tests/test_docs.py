@@ -87,3 +87,21 @@ def test_a_number_that_is_a_sections_own_key_is_not_a_moved_weight():
 
     cfg = load_config(ROOT / "configs/grpo_tiny.yaml", ["rewards.replicas=2", "rewards.weights.exact=1"], APPS["grpo"])
     assert cfg.rewards.replicas == 2 and cfg.rewards.weights == {"exact": 1.0}
+
+
+def test_the_readmes_repl_loop_runs_as_written(tiny_model_dir):
+    """The README's GRPO loop, pasted into `python -m asyncio` (2 steps, on the test's tiny model):
+    each step trains on its groups and the generators hold the new version before the next."""
+    import re
+    import subprocess
+
+    block = (ROOT / "README.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    config = 'load_config("configs/grpo_tiny.yaml", [], GRPOConfig)'
+    assert config in block and "range(30)" in block
+    block = block.replace("range(30)", "range(2)")
+    block = block.replace(config, config.replace("[]", f'["model.path={tiny_model_dir}", "model.tiny=null"]'))
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncio"], input=block, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    steps = re.findall(r"step (\d+): reward [\d.]+, version (\d+)", out.stdout)
+    assert steps == [("0", "1"), ("1", "2")], out.stdout[-2000:] + out.stderr[-3000:]
