@@ -69,6 +69,11 @@ class Replica:
 
 
 class Service:
+    """N replicas of a ForgeActor behind one handle (`Actor.options(replicas=N).as_service(...)`
+    makes one): each endpoint is an attribute with `route` (one replica), `fanout` (every
+    healthy replica) and `call` (one replica, every rank); `session()` pins calls to one
+    replica; dead replicas are respawned (the module's docstring has the contract)."""
+
     def __init__(self, options: SpawnOptions, args: tuple, kwargs: dict):
         if options.router not in ROUTERS:
             raise ValueError(f"unknown router {options.router!r}; known: {', '.join(ROUTERS)}")
