@@ -42,10 +42,26 @@ def machine() -> str:
     return f"{os.cpu_count()} CPU cores, {memory:.0f} GiB{gpu}"
 
 
+HISTORY = 2  # earlier runs whose headline figures a result keeps (the manual shows the last three)
+
+
+def headline(result: dict) -> dict:
+    """A result's top-level figures and when and where it was produced: what `previous` keeps."""
+    kept = {k: v for k, v in result.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    return {**kept, "produced": result.get("produced")}
+
+
 def write_result(out: str | Path, result: dict) -> dict:
-    """`result` as JSON at `out`, with when and on what it was produced."""
-    result = {**result, "produced": {"date": datetime.date.today().isoformat(), "machine": machine()}}
+    """`result` as JSON at `out`, with when and on what it was produced, and the headline figures
+    of the runs before it there (`previous`, newest first)."""
     out = Path(out)
+    try:
+        before = json.loads(out.read_text())
+        previous = [headline(before), *before.get("previous", [])][:HISTORY]
+    except (OSError, ValueError, AttributeError):
+        previous = []
+    produced = {"date": datetime.date.today().isoformat(), "machine": machine()}
+    result = {**result, "produced": produced, "previous": previous}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     return result

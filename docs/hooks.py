@@ -173,25 +173,71 @@ def _render(data: dict, depth: int) -> list[str]:
     return out
 
 
-def performance_page(results: Path = RESULTS) -> str:
-    """Every benchmark's last result, from its JSON file: what `forge bench NAME` wrote."""
+def benchmark_text(name: str) -> tuple[str, str]:
+    """What benchmark `name` measures (its docstring's first paragraph) and its GOAL, read from
+    benchmarks/NAME.py (not imported: importing a benchmark imports vLLM)."""
+    path = ROOT / "benchmarks" / f"{name}.py"
+    if not path.exists():
+        return "", ""
+    tree = ast.parse(path.read_text())
+    goal = next(
+        (
+            node.value.value
+            for node in tree.body
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "GOAL" for t in node.targets)
+        ),
+        "",
+    )
+    return (ast.get_docstring(tree) or "").split("\n\n")[0].replace("\n", " "), goal
+
+
+def _discussed(name: str, docs: Path) -> str:
+    """Where the manual discusses benchmark `name`'s figures: its guide's "Measured" section."""
+    heading = f"## Measured: `forge bench {name}`"
+    for page in sorted(docs.rglob("*.md")):
+        text = page.read_text()
+        if heading in text:
+            title = text.split("\n", 1)[0].lstrip("# ")
+            return f" Discussed in [{title}]({page.relative_to(docs).as_posix()}#measured-forge-bench-{name})."
+    return ""
+
+
+def _runs(data: dict) -> list[str]:
+    """The top-level figures of the last run and the runs before it (`previous`), side by side."""
+    runs = [data, *data.get("previous", [])]
+    keys = [k for k in dict.fromkeys(k for r in runs for k, v in r.items() if _scalar(v))]
+    heads = [f"{(r.get('produced') or {}).get('date', '?')}" for r in runs]
+    out = ["| | " + " | ".join(heads) + " |", "|---" * (len(runs) + 1) + "|"]
+    out.append(
+        "| machine | "
+        + " | ".join(_cell((r.get("produced") or {}).get("machine", "not recorded")) for r in runs)
+        + " |"
+    )
+    out += [f"| `{k}` | " + " | ".join(_fmt(r.get(k, "")) for r in runs) + " |" for k in keys]
+    return out
+
+
+def performance_page(results: Path = RESULTS, docs: Path = ROOT / "docs") -> str:
+    """Every benchmark's result, from its JSON file (what `forge bench NAME` wrote): what it
+    measures, its goal, the top-level figures of its last runs, and the last run's tables."""
     lines = [
         "# Benchmark results",
         "",
-        "The last result of each benchmark (`forge bench NAME` writes `benchmarks/results/NAME.json`),",
-        "rendered from those files when this site is built. What each measures, and the targets, are in",
-        "[Benchmarks](performance.md).",
+        "What `forge bench NAME` wrote to `benchmarks/results/NAME.json`, rendered when this site is",
+        "built: each benchmark's goal, the top-level figures of its last runs (newest first, with the",
+        "date and machine of each), and its last run's tables. [Performance](performance.md) says how",
+        "they are run; each guide's *Measured* section discusses its benchmark's figures.",
         "",
     ]
     for path in sorted(results.glob("*.json")):
         data = json.loads(path.read_text())
-        produced = data.get("produced") or {}
-        lines += [f"## {path.stem}", ""]
-        lines.append(
-            f"`forge bench {path.stem}` on {produced.get('machine', 'a machine not recorded')}, "
-            f"{produced.get('date', 'date not recorded')}."
+        what, goal = benchmark_text(path.stem)
+        lines += [f"## {path.stem}", "", what, ""]
+        lines += [f"**Goal**: {goal or 'none (reported)'}.{_discussed(path.stem, docs)}", ""]
+        lines += ["### The last runs", "", *_runs(data), "", "### The last run's tables", ""]
+        lines += _render(
+            {k: v for k, v in data.items() if isinstance(v, dict) and k not in ("produced", "previous")}, 4
         )
-        lines += ["", *_render(data, 3)]
     return "\n".join(lines) + "\n"
 
 

@@ -51,6 +51,8 @@ def test_a_key_without_a_comment_fails_the_reference():
 
 
 def test_the_results_page_is_made_from_the_json_files(tmp_path):
+    """The page's tables come from benchmarks/results/*.json: a value changed in a file changes
+    the page; each benchmark shows its module's goal and the date and machine of each run."""
     results = tmp_path / "results"
     shutil.copytree(ROOT / "benchmarks" / "results", results)
     before = hooks.performance_page(results)
@@ -59,9 +61,23 @@ def test_the_results_page_is_made_from_the_json_files(tmp_path):
     sandbox["produced"] = {"date": "2031-01-02", "machine": "a test machine"}
     (results / "sandbox.json").write_text(json.dumps(sandbox))
     after = hooks.performance_page(results)
-    assert "| `fraction_of_bare_exec` | 0.123 |" in after and "0.123" not in before
-    assert "`forge bench sandbox` on a test machine, 2031-01-02." in after
+    assert "| `fraction_of_bare_exec` | 0.123 |" in after and "0.123 |" not in before
+    assert "| | 2031-01-02 |" in after and "| machine | a test machine |" in after
+    _, goal = hooks.benchmark_text("sandbox")
+    assert goal and f"**Goal**: {goal}." in after
     assert all(f"## {p.stem}\n" in after for p in results.glob("*.json"))
+
+
+def test_a_result_keeps_the_headline_figures_of_the_runs_before_it(tmp_path):
+    from benchmarks.common import HISTORY, write_result
+
+    out = tmp_path / "x.json"
+    for run in range(4):
+        write_result(out, {"speedup": float(run), "rows": {"a": {"n": run}}})
+    data = json.loads(out.read_text())
+    assert data["speedup"] == 3.0 and [p["speedup"] for p in data["previous"]] == [2.0, 1.0][:HISTORY]
+    assert all("rows" not in p and p["produced"]["machine"] for p in data["previous"])
+    assert "| `speedup` | 3 | 2 | 1 |" in hooks.performance_page(tmp_path)
 
 
 MOVED = sorted({(app, old) for app, cls in APPS.items() for old in cls.MOVED})
