@@ -66,7 +66,7 @@ from forge.types import RewardInput
 from services.agentic import AgenticRollouts
 from services.roles import Roles
 
-GOAL = "async ≥ 3× sync, ≥ 85% of ideal"  # the target the manual's Performance page shows beside the results
+GOAL = "async ≥ 3× sync, ≥ 85% of ideal"  # the target the manual's results page shows beside the figures
 
 SHORT, CAP = (2, 8), 48
 TASK_MEDIAN_S, TASK_SIGMA, TASK_CAP_S, JITTER_SIGMA = 0.098, 1.95, 6.0, 0.3  # P(< 60 ms) = 40%, P(> 1.2 s) = 10%

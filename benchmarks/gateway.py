@@ -24,7 +24,7 @@ import time
 
 from benchmarks.common import parse_args, tiny_model, write_result
 
-GOAL = "≥ 0.9 of direct on the 60M model; ≥ 0.8 on the tiny model"  # the target the manual's Performance page shows beside the results
+GOAL = "≥ 0.9 of direct on the 60M model; ≥ 0.8 on the tiny model"  # the target the manual's results page shows beside the figures
 
 SESSIONS, MAX_TOKENS = 64, 32
 MODELS = {  # name: (TinyModelSpec dims, turns per session)

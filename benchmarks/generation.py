@@ -20,7 +20,7 @@ from pathlib import Path
 
 from benchmarks.common import ROOT, parse_args, tiny_model, write_result
 
-GOAL = "service ≥ 90% of bare vLLM; vLLM ≥ 5× HF"  # the target the manual's Performance page shows beside the results
+GOAL = "service ≥ 90% of bare vLLM; vLLM ≥ 5× HF"  # the target the manual's results page shows beside the figures
 
 SAMPLING = {"temperature": 1.0, "ignore_eos": True}
 

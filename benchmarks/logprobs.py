@@ -27,7 +27,7 @@ import torch
 from benchmarks.common import ROOT, parse_args, write_result
 from services import titan
 
-GOAL = "peak memory ≤ 0.25 of all at once, step ≤ 1.1×"  # the target the manual's Performance page shows beside the results
+GOAL = "peak memory ≤ 0.25 of all at once, step ≤ 1.1×"  # the target the manual's results page shows beside the figures
 
 VOCAB = 151_936
 ROW = 1024

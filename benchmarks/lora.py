@@ -24,7 +24,7 @@ from benchmarks.common import parse_args, tiny_model, write_result
 from benchmarks.generation import prompts
 from benchmarks.weight_sync import MEDIUM
 
-GOAL = "reported: LoRA's publish -> live and optimizer bytes against full fine-tuning's, its generation tokens/s against the base model's"  # the target the manual's Performance page shows beside the results
+GOAL = "reported: LoRA's publish -> live and optimizer bytes against full fine-tuning's, its generation tokens/s against the base model's"  # the target the manual's results page shows beside the figures
 
 LORA = {"rank": 8, "alpha": 16}
 SAMPLING = {"temperature": 1.0, "ignore_eos": True}

@@ -29,7 +29,7 @@ from services.generator import Generator
 from services.schema import GeneratorConfig, SamplingConfig, TinyModelSpec
 from services.tiny_model import make_tiny_model
 
-GOAL = "MoE KL with routing replay < without"  # the target the manual's Performance page shows beside the results
+GOAL = "MoE KL with routing replay < without"  # the target the manual's results page shows beside the figures
 
 FAMILIES = ("qwen3", "llama3", "hf", "qwen3_moe")
 CAP = 2.0

@@ -31,7 +31,7 @@ from forge.schema import LossConfig
 from forge.types import Batch, Episode, collate
 from services import models, titan
 
-GOAL = "`step_speedup` ≥ 3 (512-token prompt, 8 × 32-token completions, 60M model); the same logprobs and gradients"  # the target the manual's Performance page shows beside the results
+GOAL = "`step_speedup` ≥ 3 (512-token prompt, 8 × 32-token completions, 60M model); the same logprobs and gradients"  # the target the manual's results page shows beside the figures
 
 GROUP, COMPLETION, TURNS = 8, 32, 4
 LOSS = LossConfig(name="grpo", kl_coef=0.01)

@@ -29,7 +29,7 @@ from benchmarks.common import parse_args, write_result
 from services.sandbox import Sandbox, default_python
 from services.schema import SandboxConfig
 
-GOAL = "Python programs ≥ 0.8 of bare `subprocess.run`; exec'd programs (bash) ≥ 0.5 at concurrency 8 and 32"  # the target the manual's Performance page shows beside the results
+GOAL = "Python programs ≥ 0.8 of bare `subprocess.run`; exec'd programs (bash) ≥ 0.5 at concurrency 8 and 32"  # the target the manual's results page shows beside the figures
 
 PROGRAMS = {
     "trivial": "print(1)\n",

@@ -48,7 +48,7 @@ from benchmarks.common import ROOT, parse_args, write_result
 from forge.actor import ForgeActor, SpawnOptions, spawn_procs, stop_procs
 from forge.types import Completion
 
-GOAL = "async ≥ 2.8× sync, ≥ 90% of ideal, at 64+ generators (agentic)"  # the target the manual's Performance page shows beside the results
+GOAL = "async ≥ 2.8× sync, ≥ 90% of ideal, at 64+ generators (agentic)"  # the target the manual's results page shows beside the figures
 
 REPLICAS_PER_HOST = 64
 MODES = (0, 1, 4)

@@ -17,7 +17,7 @@ from monarch.actor import endpoint
 from benchmarks.common import parse_args, write_result
 from forge.actor import ForgeActor
 
-GOAL = "reported: a service route() against a bare Monarch call_one() of a no-op endpoint"  # the target the manual's Performance page shows beside the results
+GOAL = "reported: a service route() against a bare Monarch call_one() of a no-op endpoint"  # the target the manual's results page shows beside the figures
 
 
 class Noop(ForgeActor):

@@ -42,7 +42,7 @@ from services.tinker import TinkerFront
 from services.tinker_wire import Limits, decode_forward_backward
 from services.trainer import Trainer
 
-GOAL = "SDK ≥ 0.9 of direct (training) and of the gateway (sampling)"  # the target the manual's Performance page shows beside the results
+GOAL = "SDK ≥ 0.9 of direct (training) and of the gateway (sampling)"  # the target the manual's results page shows beside the figures
 
 DATUMS, SEQ = 16, 128
 PROMPTS, SAMPLES, MAX_TOKENS = 32, 4, 32

@@ -23,7 +23,7 @@ from monarch.actor import endpoint
 from benchmarks.common import parse_args, tiny_model, write_result
 from forge.actor import ForgeActor
 
-GOAL = "≤ 5% overhead"  # the target the manual's Performance page shows beside the results
+GOAL = "≤ 5% overhead"  # the target the manual's results page shows beside the figures
 
 
 def batch(rows: int, seq: int):

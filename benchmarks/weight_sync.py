@@ -38,7 +38,7 @@ from benchmarks import weight_deltas
 from benchmarks.common import parse_args, tiny_model, write_result
 from benchmarks.gateway import MODELS
 
-GOAL = "push + pull ≥ 50% of memcpy; across hosts ≥ 0.8 of loopback TCP, into a new file too; generator pause ≤ 20% of publish → live (465 MB); a delta version ≤ 0.3 of a full fetch's time"  # the target the manual's Performance page shows beside the results
+GOAL = "push + pull ≥ 50% of memcpy; across hosts ≥ 0.8 of loopback TCP, into a new file too; generator pause ≤ 20% of publish → live (465 MB); a delta version ≤ 0.3 of a full fetch's time"  # the target the manual's results page shows beside the figures
 
 TENSOR_MB = 4  # the state dict is made of 4 MB fp32 tensors, like a model's weight matrices
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import io
 import json
@@ -30,6 +31,7 @@ class MissingComment(ValueError):
 # ---- the config reference ---------------------------------------------------------------
 
 
+@functools.cache  # a class's source is parsed once, not once per key
 def field_comments(cls: type) -> dict[str, str]:
     """Each field of `cls` (its own, not inherited) -> its comment in the source: the comment
     lines right above it and the comment at the end of its line, joined."""

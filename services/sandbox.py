@@ -586,10 +586,12 @@ def _build_exec_helper(directory: Path) -> Path | None:
     partial = directory / f".{target.name}.{os.getpid()}"
     for static in (["-static"], []):  # static: no dynamic loader per run; not every host has a static libc
         try:
-            command = [cc, "-O2", *static, "-o", str(partial), str(source)]
-            built = subprocess.run(command, capture_output=True, text=True)
-        except OSError as e:
-            built = subprocess.CompletedProcess([cc], 1, "", str(e))
+            built = subprocess.run(
+                [cc, "-O2", *static, "-o", str(partial), str(source)], capture_output=True, text=True
+            )
+        except OSError as e:  # CC names nothing runnable
+            log.warning("forge: sandbox: could not run the C compiler %s (exec'd programs start slower): %s", cc, e)
+            return None
         if built.returncode == 0:
             partial.chmod(0o755)
             os.replace(partial, target)

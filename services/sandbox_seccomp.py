@@ -10,8 +10,8 @@ is closed until it is added here. DENIED, the kernel surface a run must never re
 (namespaces, keyrings, ptrace, mounts, bpf, perf, modules, io_uring, ...), fails with EPERM, as
 clone does with a CLONE_NEW* flag. ALLOWED is Docker's default profile, less what a run has no
 use for (the kernel's administration, the clock, fanotify, personality). Built by hand (no
-libseccomp): the launcher, standard library only, loads it with prctl(PR_SET_SECCOMP) in each
-run's last process before the program starts.
+libseccomp): the launcher (standard library only), or services/sandbox_exec.c for a program it
+execs, loads it with prctl(PR_SET_SECCOMP) in each run's last process before the program starts.
 """
 
 from __future__ import annotations
