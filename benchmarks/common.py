@@ -8,9 +8,8 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 from forge import logs
+from forge.curves import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,13 +32,6 @@ def tiny_model(**dims: int) -> str:
 
     name = "bench-tiny" + "".join(f"-{k}{v}" for k, v in sorted(dims.items()))
     return str(make_tiny_model(ROOT / ".cache/forge/models" / name, TinyModelSpec(sft_steps=0, **dims)))
-
-
-def machine() -> str:
-    """What a result was measured on: its cores, memory and accelerator (the manual shows it)."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
-    return f"{os.cpu_count()} CPU cores, {memory:.0f} GiB{gpu}"
 
 
 HISTORY = 2  # earlier runs whose headline figures a result keeps (the manual shows the last three)

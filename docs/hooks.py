@@ -1,7 +1,9 @@
-"""The manual's pages made from the code and the benchmarks' results when the site is built (an
-MkDocs hook: `make docs`), so they cannot drift from either: the config reference (every app's
-keys from its schema dataclasses, with the comment beside each key in the code) and the
-performance tables (benchmarks/results/*.json)."""
+"""The manual's pages made from the code, the benchmarks' results and runs' metrics when the site
+is built (an MkDocs hook: `make docs`), so they cannot drift from them: the config reference
+(every app's keys from its schema dataclasses, with the comment beside each key in the code), the
+performance tables (benchmarks/results/*.json) and the learning curves (docs/curves/*.json, what
+`forge curves` saved of runs' metrics: a page's `<!-- curves: NAME -->` becomes the plot, a
+table of each run's figures and where they came from)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import functools
 import inspect
 import io
 import json
+import re
 import textwrap
 import tokenize
 from pathlib import Path
@@ -19,9 +22,12 @@ from typing import Any
 from mkdocs.structure.files import File
 
 from apps.schema import APPS
+from forge import curves
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+CURVES = ROOT / "docs" / "curves"
+PLACEHOLDER = re.compile(r"<!-- curves: ([\w.-]+) -->")
 
 
 class MissingComment(ValueError):
@@ -243,6 +249,34 @@ def performance_page(results: Path = RESULTS, docs: Path = ROOT / "docs") -> str
     return "\n".join(lines) + "\n"
 
 
+# ---- the learning curves ----------------------------------------------------------------
+
+
+def curves_png(path: Path) -> bytes:
+    """The plot of the curves file at `path`: every run's reward (and accuracy) vs step and time."""
+    data = json.loads(path.read_text())
+    png = io.BytesIO()
+    curves.plot(data["runs"], png, data.get("title", ""), data.get("keys", curves.KEYS))
+    return png.getvalue()
+
+
+def curves_block(name: str, page_uri: str, directory: Path = CURVES) -> str:
+    """What `<!-- curves: NAME -->` on the page at `page_uri` becomes: the plot of
+    docs/curves/NAME.json, a table of each run's figures, and the commands, date and machine."""
+    path = directory / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{page_uri}: <!-- curves: {name} --> names {path}, which does not exist")
+    data = json.loads(path.read_text())
+    up = "../" * page_uri.count("/")
+    produced = data.get("produced") or {}
+    table = curves.table(data["runs"], **data.get("table", {}))
+    lines = [f"![{data.get('title') or name}]({up}curves/{name}.png)", "", *table, ""]
+    command = f" `{data['command']}`;" if data.get("command") else ""
+    when = f"{produced.get('date', '?')}, {produced.get('machine', 'machine not recorded')}"
+    lines.append(f"*Made when this site was built from [curves/{name}.json]({up}curves/{name}.json):{command} {when}.*")
+    return "\n".join(lines)
+
+
 # ---- the MkDocs hook ---------------------------------------------------------------------
 
 
@@ -250,4 +284,10 @@ def on_files(files: Any, config: Any) -> Any:
     for app in APPS:
         files.append(File.generated(config, f"reference/config/{app}.md", content=config_page(app)))
     files.append(File.generated(config, "results.md", content=performance_page()))
+    for path in sorted(CURVES.glob("*.json")):
+        files.append(File.generated(config, f"curves/{path.stem}.png", content=curves_png(path)))
     return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    return PLACEHOLDER.sub(lambda m: curves_block(m.group(1), page.file.src_uri), markdown)

@@ -285,34 +285,3 @@ def read_rows(run_dir: str | Path) -> list[dict[str, float]]:
     """The rows of runs/<name>/metrics.jsonl (none before the first)."""
     jsonl = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
-
-
-def plot_rewards(run_dir: str | Path, keys: Sequence[str] = ("reward_mean", "accuracy", "eval/accuracy")) -> Path:
-    """runs/<name>/reward.png: `keys` vs step and vs wall time, from metrics.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_rows(run_dir)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, x in zip(axes, ("step", "wall_s")):
-        for style, key in zip(("-", "--", ":"), keys):
-            pts = [(r[x], r[key]) for r in rows if key in r]
-            if pts:
-                xs, ys = zip(*pts)
-                (line,) = ax.plot(xs, ys, alpha=0.3, linewidth=0.8)
-                w = max(1, len(ys) // 15)  # a moving average shows the trend through per-batch noise
-                avg = [sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1]) for i in range(len(ys))]
-                ax.plot(xs, avg, style, color=line.get_color(), label=f"{key} (mean of {w})")
-        ax.set_xlabel("step" if x == "step" else "wall time (s)")
-        ax.set_ylim(0, 1.05)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="lower right")
-    fig.suptitle(Path(run_dir).name)
-    fig.tight_layout()
-    out = Path(run_dir) / "reward.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out

@@ -26,7 +26,8 @@ from tqdm import tqdm
 from forge import checkpoint
 from forge.checkpoint import RunStopped
 from forge.config import to_yaml
-from forge.metrics import MetricWriter, discard_pending, plot_rewards
+from forge.curves import plot_run
+from forge.metrics import MetricWriter, discard_pending
 from forge.rollout import RolloutError, RolloutsStopped
 from forge.service import ServiceError
 from forge.summary import failures, summary
@@ -222,5 +223,5 @@ class Run:
 
     def _plot(self) -> None:
         if (self.dir / "metrics.jsonl").exists():
-            plot_rewards(self.dir, **({"keys": self.plot_keys} if self.plot_keys else {}))
+            plot_run(self.dir, **({"keys": self.plot_keys} if self.plot_keys else {}))
         self._plotted = time.monotonic()

@@ -80,6 +80,56 @@ def test_a_result_keeps_the_headline_figures_of_the_runs_before_it(tmp_path):
     assert "| `speedup` | 3 | 2 | 1 |" in hooks.performance_page(tmp_path)
 
 
+def _run(directory, rewards, seconds_per_step=0.5):
+    directory.mkdir(parents=True)
+    rows = [{"step": i + 1, "wall_s": (i + 1) * seconds_per_step, "reward_mean": r} for i, r in enumerate(rewards)]
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return directory
+
+
+def test_a_figure_is_drawn_from_its_runs_metrics(tmp_path):
+    """`forge curves` saves runs' metrics; the page's placeholder becomes the plot and a table
+    computed from them: a value changed in the file changes both."""
+    from forge.cli import main
+
+    fast = _run(tmp_path / "runs" / "fast", [0.1, 0.2, 0.3] + [0.85] * 17 + [0.95] * 30)
+    slow = _run(tmp_path / "runs" / "slow", [0.0] * 50, seconds_per_step=1.5)
+    out = tmp_path / "curves" / "cmp.json"
+    main(["curves", str(fast), str(slow), "--out", str(out), "--keys", "reward_mean", "--title", "t", "--command", "c"])
+    block = hooks.curves_block("cmp", "guides/page.md", out.parent)
+    assert "![t](../curves/cmp.png)" in block and "[curves/cmp.json](../curves/cmp.json): `c`;" in block
+    # first 3: 0.2; the 20-step mean over steps 3-22 is 0.83 (steps 2-21: 0.795), over 11-30 0.9
+    assert "| `fast` | 50 | 0.200 | step 22 (11 s) | step 30 (15 s) | 0.950 | 0.500 |" in block, block
+    assert "| `slow` | 50 | 0.000 | not reached | not reached | 0.000 | 1.500 |" in block, block
+    png = hooks.curves_png(out)
+    assert png.startswith(b"\x89PNG")
+    data = json.loads(out.read_text())
+    data["runs"]["slow"]["reward_mean"][-1] = 1.0
+    out.write_text(json.dumps(data))
+    assert "| `slow` | 50 | 0.000 | not reached | not reached | 0.040 | 1.500 |" in hooks.curves_block(
+        "cmp", "x.md", out.parent
+    )
+    assert hooks.curves_png(out) != png
+    evals = tmp_path / "runs" / "evals"  # a key logged every 5 steps: its table unsmoothed, by evals
+    _run(evals, [0.5] * 40)
+    rows = [json.loads(line) for line in (evals / "metrics.jsonl").read_text().splitlines()]
+    for r in rows[4::5]:
+        r["eval/accuracy"] = 0.1 * (r["step"] // 5)  # 0.1 at step 5 ... 0.8 at step 40
+    (evals / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main(["curves", str(evals), "--out", str(out), "--table", "eval/accuracy", "1"])
+    block = hooks.curves_block("cmp", "x.md", out.parent)
+    assert "| first 3 evals | first eval >= 0.8 | first eval >= 0.9 | last 4 evals |" in block, block
+    assert "| `evals` | 40 | 0.200 | step 40 (20 s) | not reached | 0.650 | 0.500 |" in block, block
+    with pytest.raises(FileNotFoundError, match="x.md: <!-- curves: nope -->"):
+        hooks.curves_block("nope", "x.md", out.parent)
+
+
+def test_every_figure_file_is_on_a_page_and_every_page_figure_has_its_file():
+    named = {m for page in (ROOT / "docs").rglob("*.md") for m in hooks.PLACEHOLDER.findall(page.read_text())}
+    files = {p.stem for p in hooks.CURVES.glob("*.json")}
+    assert named == files
+
+
 MOVED = sorted({(app, old) for app, cls in APPS.items() for old in cls.MOVED})
 
 
