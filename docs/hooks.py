@@ -27,7 +27,7 @@ from forge import curves
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CURVES = ROOT / "docs" / "curves"
-PLACEHOLDER = re.compile(r"<!-- curves: ([\w.-]+) -->")
+PLACEHOLDER = re.compile(r"^([ \t]*)<!-- curves: ([\w.-]+) -->", re.MULTILINE)  # indented: in a list item
 
 
 class MissingComment(ValueError):
@@ -225,9 +225,10 @@ def _runs(data: dict) -> list[str]:
     return out
 
 
-def performance_page(results: Path = RESULTS, docs: Path = ROOT / "docs") -> str:
+def performance_page(results: Path = RESULTS, docs: Path = ROOT / "docs", curves_dir: Path = CURVES) -> str:
     """Every benchmark's result, from its JSON file (what `forge bench NAME` wrote): what it
-    measures, its goal, the top-level figures of its last runs, and the last run's tables."""
+    measures, its goal, the top-level figures of its last runs, and the last run's tables; then
+    the manual's learning curves."""
     lines = [
         "# Benchmark results",
         "",
@@ -246,7 +247,7 @@ def performance_page(results: Path = RESULTS, docs: Path = ROOT / "docs") -> str
         lines += _render(
             {k: v for k, v in data.items() if isinstance(v, dict) and k not in ("produced", "previous")}, 4
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + learning_curves(curves_dir, docs)) + "\n"
 
 
 # ---- the learning curves ----------------------------------------------------------------
@@ -277,6 +278,19 @@ def curves_block(name: str, page_uri: str, directory: Path = CURVES) -> str:
     return "\n".join(lines)
 
 
+def learning_curves(directory: Path = CURVES, docs: Path = ROOT / "docs") -> list[str]:
+    """Every curves file's plot and table, each with the page that discusses it."""
+    lines = ["## Learning curves", "", "The runs behind the guides' figures, from their metrics (`forge curves`).", ""]
+    for path in sorted(directory.glob("*.json")):
+        title = json.loads(path.read_text()).get("title") or path.stem
+        lines += [f"### {title}", "", curves_block(path.stem, "results.md", directory), ""]
+        pages = [p for p in sorted(docs.rglob("*.md")) if f"<!-- curves: {path.stem} -->" in p.read_text()]
+        for page in pages:
+            heading = page.read_text().split("\n", 1)[0].lstrip("# ")
+            lines += [f"Discussed in [{heading}]({page.relative_to(docs).as_posix()}).", ""]
+    return lines
+
+
 # ---- the MkDocs hook ---------------------------------------------------------------------
 
 
@@ -290,4 +304,7 @@ def on_files(files: Any, config: Any) -> Any:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    return PLACEHOLDER.sub(lambda m: curves_block(m.group(1), page.file.src_uri), markdown)
+    def block(m: re.Match) -> str:
+        return textwrap.indent(curves_block(m.group(2), page.file.src_uri), m.group(1))
+
+    return PLACEHOLDER.sub(block, markdown)

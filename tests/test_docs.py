@@ -125,9 +125,14 @@ def test_a_figure_is_drawn_from_its_runs_metrics(tmp_path):
 
 
 def test_every_figure_file_is_on_a_page_and_every_page_figure_has_its_file():
-    named = {m for page in (ROOT / "docs").rglob("*.md") for m in hooks.PLACEHOLDER.findall(page.read_text())}
+    named = {m[1] for page in (ROOT / "docs").rglob("*.md") for m in hooks.PLACEHOLDER.findall(page.read_text())}
     files = {p.stem for p in hooks.CURVES.glob("*.json")}
     assert named == files
+    page = type("Page", (), {"file": type("File", (), {"src_uri": "guides/x.md"})})
+    name = sorted(files)[0]
+    text = hooks.on_page_markdown(f"- an item:\n\n  <!-- curves: {name} -->\n", page, None, None)
+    assert "  ![" in text and f"](../curves/{name}.png)" in text  # indented as the placeholder: in the item
+    assert all(line.startswith("  ") for line in text.splitlines()[2:] if line)
 
 
 MOVED = sorted({(app, old) for app, cls in APPS.items() for old in cls.MOVED})
