@@ -27,6 +27,7 @@ from forge import curves
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CURVES = ROOT / "docs" / "curves"
+MEASURED = re.compile(r"^## Measured: `forge bench (\w+)`\n", re.MULTILINE)
 PLACEHOLDER = re.compile(r"^([ \t]*)<!-- curves: ([\w.-]+) -->", re.MULTILINE)  # indented: in a list item
 
 
@@ -225,6 +226,21 @@ def _runs(data: dict) -> list[str]:
     return out
 
 
+def measured_block(name: str, page_uri: str, results: Path = RESULTS) -> str:
+    """What a guide's "Measured: `forge bench NAME`" section opens with: the top-level figures of
+    the benchmark's last runs, from its JSON file."""
+    path = results / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{page_uri}: its Measured section names {path}, which does not exist")
+    up = "../" * page_uri.count("/")
+    caption = (
+        f"*The top-level figures of the last runs of `forge bench {name}` (newest first), from"
+        f" `benchmarks/results/{name}.json` when this site was built; all its tables:"
+        f" [Benchmark results]({up}results.md#{name}).*"
+    )
+    return "\n".join(["", *_runs(json.loads(path.read_text())), "", caption, ""])
+
+
 def performance_page(results: Path = RESULTS, docs: Path = ROOT / "docs", curves_dir: Path = CURVES) -> str:
     """Every benchmark's result, from its JSON file (what `forge bench NAME` wrote): what it
     measures, its goal, the top-level figures of its last runs, and the last run's tables; then
@@ -307,4 +323,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     def block(m: re.Match) -> str:
         return textwrap.indent(curves_block(m.group(2), page.file.src_uri), m.group(1))
 
-    return PLACEHOLDER.sub(block, markdown)
+    def measured(m: re.Match) -> str:
+        return m.group(0) + measured_block(m.group(1), page.file.src_uri)
+
+    return MEASURED.sub(measured, PLACEHOLDER.sub(block, markdown))

@@ -4,6 +4,7 @@ default and its comment, and the results page is made from the benchmarks' JSON 
 import dataclasses
 import importlib.util
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -135,6 +136,18 @@ def test_every_figure_file_is_on_a_page_and_every_page_figure_has_its_file():
     assert all(line.startswith("  ") for line in text.splitlines()[2:] if line)
 
 
+def test_a_measured_section_opens_with_its_benchmarks_last_runs(tmp_path):
+    """A guide's "Measured: `forge bench NAME`" section shows the figures of the JSON file."""
+    page = type("Page", (), {"file": type("File", (), {"src_uri": "guides/x.md"})})
+    text = hooks.on_page_markdown("# X\n\n## Measured: `forge bench sandbox`\n\nWhat it means.\n", page, None, None)
+    data = json.loads((ROOT / "benchmarks" / "results" / "sandbox.json").read_text())
+    assert f"| `fraction_of_bare_exec` | {hooks._fmt(data['fraction_of_bare_exec'])} |" in text
+    assert text.index("## Measured") < text.index("| machine |") < text.index("What it means.")
+    assert "[Benchmark results](../results.md#sandbox)" in text
+    with pytest.raises(FileNotFoundError, match="guides/x.md: its Measured section names"):
+        hooks.on_page_markdown("## Measured: `forge bench nothing`\n", page, None, None)
+
+
 MOVED = sorted({(app, old) for app, cls in APPS.items() for old in cls.MOVED})
 
 
@@ -176,3 +189,14 @@ def test_the_readmes_repl_loop_runs_as_written(tiny_model_dir):
     )
     steps = re.findall(r"step (\d+): reward [\d.]+, version (\d+)", out.stdout)
     assert steps == [("0", "1"), ("1", "2")], out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_the_readme_is_short_and_each_feature_links_to_its_page():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    table = readme.split("## What forge does", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| **")]
+    assert len(rows) >= 10
+    for row in rows:
+        links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", row.rsplit("|", 2)[1])
+        assert links and all((ROOT / link).exists() for link in links), row
