@@ -8,14 +8,18 @@ table of each run's figures and where they came from)."""
 from __future__ import annotations
 
 import ast
+import base64
 import dataclasses
 import functools
+import hashlib
 import inspect
 import io
 import json
 import re
+import tarfile
 import textwrap
 import tokenize
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,10 @@ from forge import curves
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CURVES = ROOT / "docs" / "curves"
+# Material renders ```mermaid blocks with the page's `mermaid` if there is one, else fetches it from
+# a CDN: the site ships its own (npm's tarball of this version, checked), so it renders offline.
+MERMAID = "11.17.2"
+MERMAID_SHA512 = "V6K3C8EBdEsPFZXSKMJe6ppQOENxuHARr9GvHX4hh47lAbhMRD9qf4oEK7LoaRQxULMa80/qt5gHO73aCleBBg=="
 MEASURED = re.compile(r"^## Measured: `forge bench (\w+)`\n", re.MULTILINE)
 PLACEHOLDER = re.compile(r"^([ \t]*)<!-- curves: ([\w.-]+) -->", re.MULTILINE)  # indented: in a list item
 
@@ -307,6 +315,26 @@ def learning_curves(directory: Path = CURVES, docs: Path = ROOT / "docs") -> lis
     return lines
 
 
+# ---- the diagrams' renderer ---------------------------------------------------------------
+
+
+def mermaid_js(cache: Path = ROOT / ".cache" / "docs") -> bytes:
+    """mermaid.min.js of version MERMAID, from the npm registry's tarball (its sha512 checked),
+    kept in `cache`."""
+    kept = cache / f"mermaid-{MERMAID}.min.js"
+    if not kept.exists():
+        url = f"https://registry.npmjs.org/mermaid/-/mermaid-{MERMAID}.tgz"
+        with urllib.request.urlopen(url, timeout=120) as response:
+            tarball = response.read()
+        if base64.b64encode(hashlib.sha512(tarball).digest()).decode() != MERMAID_SHA512:
+            raise ValueError(f"{url}: not the tarball whose sha512 docs/hooks.py pins (MERMAID_SHA512)")
+        with tarfile.open(fileobj=io.BytesIO(tarball)) as tar:
+            script = tar.extractfile("package/dist/mermaid.min.js").read()
+        cache.mkdir(parents=True, exist_ok=True)
+        kept.write_bytes(script)
+    return kept.read_bytes()
+
+
 # ---- the MkDocs hook ---------------------------------------------------------------------
 
 
@@ -316,6 +344,7 @@ def on_files(files: Any, config: Any) -> Any:
     files.append(File.generated(config, "results.md", content=performance_page()))
     for path in sorted(CURVES.glob("*.json")):
         files.append(File.generated(config, f"curves/{path.stem}.png", content=curves_png(path)))
+    files.append(File.generated(config, "javascripts/mermaid.min.js", content=mermaid_js()))
     return files
 
 

@@ -1,12 +1,16 @@
 """The manual's generated pages: the config reference covers every key of every app with its
 default and its comment, and the results page is made from the benchmarks' JSON files."""
 
+import base64
 import dataclasses
+import hashlib
 import importlib.util
+import io
 import json
 import re
 import shutil
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -131,9 +135,9 @@ def test_every_figure_file_is_on_a_page_and_every_page_figure_has_its_file():
     assert named == files
     page = type("Page", (), {"file": type("File", (), {"src_uri": "guides/x.md"})})
     name = sorted(files)[0]
-    text = hooks.on_page_markdown(f"- an item:\n\n  <!-- curves: {name} -->\n", page, None, None)
-    assert "  ![" in text and f"](../curves/{name}.png)" in text  # indented as the placeholder: in the item
-    assert all(line.startswith("  ") for line in text.splitlines()[2:] if line)
+    text = hooks.on_page_markdown(f"- an item:\n\n    <!-- curves: {name} -->\n", page, None, None)
+    assert "    ![" in text and f"](../curves/{name}.png)" in text  # indented as the placeholder: in the item
+    assert all(line.startswith("    ") for line in text.splitlines()[2:] if line)
 
 
 def test_a_measured_section_opens_with_its_benchmarks_last_runs(tmp_path):
@@ -200,3 +204,48 @@ def test_the_readme_is_short_and_each_feature_links_to_its_page():
     for row in rows:
         links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", row.rsplit("|", 2)[1])
         assert links and all((ROOT / link).exists() for link in links), row
+
+
+def test_a_paragraph_in_a_list_item_is_indented_four_spaces():
+    """Python-Markdown ends a list item at a paragraph indented less than 4 spaces: the rest of
+    the item, and any figure in it, would leave the list."""
+    wrong = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        lines, fenced = page.read_text().splitlines(), False
+        for n, line in enumerate(lines):
+            fenced ^= line.lstrip().startswith("```")
+            if not fenced and n and not lines[n - 1].strip() and re.match(r"^ {1,3}[^ `-]", line):
+                wrong.append(f"{page.relative_to(ROOT)}:{n + 1}")
+    assert not wrong
+
+
+def test_the_diagrams_renderer_is_the_pinned_tarballs(tmp_path, monkeypatch):
+    """The site ships mermaid.min.js from npm's tarball only if its sha512 is the pinned one."""
+
+    class Response(io.BytesIO):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    tarball = io.BytesIO()
+    with tarfile.open(fileobj=tarball, mode="w:gz") as tar:
+        script = b"window.mermaid = {}"
+        info = tarfile.TarInfo("package/dist/mermaid.min.js")
+        info.size = len(script)
+        tar.addfile(info, io.BytesIO(script))
+    monkeypatch.setattr(hooks.urllib.request, "urlopen", lambda url, timeout: Response(tarball.getvalue()))
+    with pytest.raises(ValueError, match="not the tarball whose sha512"):
+        hooks.mermaid_js(tmp_path)
+    assert not list(tmp_path.iterdir())
+    digest = base64.b64encode(hashlib.sha512(tarball.getvalue()).digest()).decode()
+    monkeypatch.setattr(hooks, "MERMAID_SHA512", digest)
+    assert hooks.mermaid_js(tmp_path) == script
+
+
+def test_the_readme_and_the_home_page_draw_the_same_diagram():
+    def diagram(path):
+        return (ROOT / path).read_text().split("```mermaid\n", 1)[1].split("```", 1)[0]
+
+    assert diagram("README.md") == diagram("docs/index.md")
