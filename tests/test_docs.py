@@ -219,6 +219,19 @@ def test_a_paragraph_in_a_list_item_is_indented_four_spaces():
     assert not wrong
 
 
+def test_a_list_after_a_paragraph_has_a_blank_line_before_it():
+    """Python-Markdown reads a list right under a paragraph's line as more of the paragraph."""
+    wrong = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        lines, fenced = page.read_text().splitlines(), False
+        for n, line in enumerate(lines):
+            fenced ^= line.lstrip().startswith("```")
+            above = lines[n - 1] if n else ""
+            if not fenced and re.match(r"^(- |\d+\. )", line) and re.match(r"^[^\s|#>-]", above):
+                wrong.append(f"{page.relative_to(ROOT)}:{n + 1}")
+    assert not wrong
+
+
 def test_the_diagrams_renderer_is_the_pinned_tarballs(tmp_path, monkeypatch):
     """The site ships mermaid.min.js from npm's tarball only if its sha512 is the pinned one."""
 
