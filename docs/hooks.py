@@ -234,13 +234,18 @@ def _runs(data: dict) -> list[str]:
     return out
 
 
+def _up(page_uri: str) -> str:
+    """The way from the page at `page_uri` up to the site's root."""
+    return "../" * page_uri.count("/")
+
+
 def measured_block(name: str, page_uri: str, results: Path = RESULTS) -> str:
     """What a guide's "Measured: `forge bench NAME`" section opens with: the top-level figures of
     the benchmark's last runs, from its JSON file."""
     path = results / f"{name}.json"
     if not path.exists():
         raise FileNotFoundError(f"{page_uri}: its Measured section names {path}, which does not exist")
-    up = "../" * page_uri.count("/")
+    up = _up(page_uri)
     caption = (
         f"*The top-level figures of the last runs of `forge bench {name}` (newest first), from"
         f" `benchmarks/results/{name}.json` when this site was built; all its tables:"
@@ -292,7 +297,7 @@ def curves_block(name: str, page_uri: str, directory: Path = CURVES) -> str:
     if not path.exists():
         raise FileNotFoundError(f"{page_uri}: <!-- curves: {name} --> names {path}, which does not exist")
     data = json.loads(path.read_text())
-    up = "../" * page_uri.count("/")
+    up = _up(page_uri)
     produced = data.get("produced") or {}
     table = curves.table(data["runs"], **data.get("table", {}))
     lines = [f"![{data.get('title') or name}]({up}curves/{name}.png)", "", *table, ""]
@@ -308,10 +313,11 @@ def learning_curves(directory: Path = CURVES, docs: Path = ROOT / "docs") -> lis
     for path in sorted(directory.glob("*.json")):
         title = json.loads(path.read_text()).get("title") or path.stem
         lines += [f"### {title}", "", curves_block(path.stem, "results.md", directory), ""]
-        pages = [p for p in sorted(docs.rglob("*.md")) if f"<!-- curves: {path.stem} -->" in p.read_text()]
-        for page in pages:
-            heading = page.read_text().split("\n", 1)[0].lstrip("# ")
-            lines += [f"Discussed in [{heading}]({page.relative_to(docs).as_posix()}).", ""]
+        for page in sorted(docs.rglob("*.md")):
+            text = page.read_text()
+            if path.stem in (name for _, name in PLACEHOLDER.findall(text)):
+                heading = text.split("\n", 1)[0].lstrip("# ")
+                lines += [f"Discussed in [{heading}]({page.relative_to(docs).as_posix()}).", ""]
     return lines
 
 

@@ -94,16 +94,17 @@ COMMANDS = {
 
 def write_curves(a: argparse.Namespace) -> None:
     curves = importlib.import_module("forge.curves")  # its matplotlib and torch only for this command
-    missing = [d for d in a.runs if not (Path(d) / "metrics.jsonl").exists()]
-    if missing:
-        fail(f"RUN_DIR: no metrics.jsonl in {', '.join(missing)}")
-    if a.out.endswith(".json"):
-        table = {"key": a.table[0], "window": int(a.table[1])}
-        curves.save(a.out, a.runs, a.keys, title=a.title, command=a.command, table=table)
-    elif a.out.endswith(".png"):
-        curves.plot({Path(d).name: curves.series(d, a.keys) for d in a.runs}, a.out, a.title, a.keys)
-    else:
-        fail(f"--out {a.out}: a .png (a plot) or a .json (the curves)")
+    keys = a.keys or curves.KEYS
+    try:
+        if a.out.endswith(".json"):
+            table = {"key": a.table[0], "window": int(a.table[1])} if a.table else {}
+            curves.save(a.out, a.runs, keys, title=a.title, command=a.command, table=table)
+        elif a.out.endswith(".png"):
+            curves.plot(curves.load(a.runs, keys), a.out, a.title, keys)
+        else:
+            fail(f"--out {a.out}: a .png (a plot) or a .json (the curves)")
+    except ValueError as e:
+        fail(f"RUN_DIR: {e}")
     print(a.out)
 
 
@@ -156,15 +157,14 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser("curves", help="runs' learning curves side by side: a PNG, or the JSON the manual draws")
     c.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories, e.g. runs/grpo_tiny")
     c.add_argument("--out", required=True, help="FILE.png: a plot; FILE.json: the curves (the manual's: docs/curves/)")
-    c.add_argument("--keys", nargs="+", default=["reward_mean", "accuracy", "eval/accuracy"], help="metrics to keep")
+    c.add_argument("--keys", nargs="+", help="metrics to keep (default: reward_mean, accuracy, eval/accuracy)")
     c.add_argument("--title", default="", help="the plot's title")
     c.add_argument("--command", default="", help="the commands that made the runs (kept in the JSON)")
     c.add_argument(
         "--table",
         nargs=2,
         metavar=("KEY", "WINDOW"),
-        default=["reward_mean", "20"],
-        help="the manual's table: of KEY, means of WINDOW values",
+        help="the manual's table: of KEY, means of WINDOW values (default: reward_mean 20)",
     )
 
     b = sub.add_parser("bench", help="run a benchmark: prints a table, writes benchmarks/results/NAME.json")

@@ -49,13 +49,19 @@ def series(run_dir: str | Path, keys: Sequence[str] = KEYS) -> Series:
     return out
 
 
-def save(out: str | Path, run_dirs: Sequence[str | Path], keys: Sequence[str] = KEYS, **about: Any) -> dict:
-    """The curves of `run_dirs` (named by their directories) as JSON at `out`, with `about`
-    (title, command, the table's key and window) and when and where they were produced."""
+def load(run_dirs: Sequence[str | Path], keys: Sequence[str] = KEYS) -> dict[str, Series]:
+    """The curves of `run_dirs`, named by their directories; ValueError names those without metrics."""
     runs = {Path(d).name: series(d, keys) for d in run_dirs}
-    empty = [name for name, s in runs.items() if not s["step"]]
+    empty = [str(d) for d, s in zip(run_dirs, runs.values()) if not s["step"]]
     if empty:
         raise ValueError(f"no metrics in {', '.join(empty)}: a run directory holds metrics.jsonl")
+    return runs
+
+
+def save(out: str | Path, run_dirs: Sequence[str | Path], keys: Sequence[str] = KEYS, **about: Any) -> dict:
+    """The curves of `run_dirs` as JSON at `out`, with `about` (title, command, the table's key
+    and window) and when and where they were produced."""
+    runs = load(run_dirs, keys)
     last = max((Path(d) / "metrics.jsonl").stat().st_mtime for d in run_dirs)  # when the runs ended
     produced = {"date": datetime.date.fromtimestamp(last).isoformat(), "machine": machine()}
     data = {**about, "keys": list(keys), "produced": produced, "runs": runs}
