@@ -12,6 +12,7 @@ the series of each run, its title and command, and the date and machine that pro
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -41,12 +42,25 @@ def machine() -> str:
 def series(run_dir: str | Path, keys: Sequence[str] = KEYS) -> Series:
     """A run's curve: `step`, `wall_s` and each of `keys` its rows have (None on a row without it)."""
     rows = [r for r in read_rows(run_dir) if "step" in r]
-    out: Series = {"step": [r["step"] for r in rows], "wall_s": [round(r["wall_s"], 2) for r in rows]}
+    out: Series = {"step": [r["step"] for r in rows], "wall_s": _wall_s(rows, run_dir)}
     for key in keys:
         values = [r.get(key) for r in rows]
         if any(v is not None for v in values):
             out[key] = [None if v is None else round(v, 4) for v in values]
     return out
+
+
+def _wall_s(rows: Sequence[Mapping[str, Any]], run_dir: str | Path) -> list[float]:
+    """Seconds since the start at each row: forge's `wall_s`, or the running sum of the
+    tinker-cookbook's per-step `time/total` (its metrics.jsonl has no clock), so the cookbook's
+    recipes run against `forge tinker` are drawn by the same code."""
+    if all("wall_s" in r for r in rows):
+        return [round(r["wall_s"], 2) for r in rows]
+    if all("time/total" in r for r in rows):
+        return [round(t, 2) for t in itertools.accumulate(r["time/total"] for r in rows)]
+    raise ValueError(
+        f"{run_dir}/metrics.jsonl: a row with neither wall_s (forge's) nor time/total (the tinker-cookbook's)"
+    )
 
 
 def load(run_dirs: Sequence[str | Path], keys: Sequence[str] = KEYS) -> dict[str, Series]:

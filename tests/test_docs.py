@@ -129,10 +129,34 @@ def test_a_figure_is_drawn_from_its_runs_metrics(tmp_path):
         hooks.curves_block("nope", "x.md", out.parent)
 
 
+def test_a_tinker_cookbook_log_is_drawn_on_the_seconds_it_logged(tmp_path, capsys):
+    """The cookbook's metrics.jsonl has no clock, only each step's `time/total`: its wall time is
+    their running sum; a row with neither clock is an error naming the file."""
+    from forge.cli import main
+
+    log = tmp_path / "math_rl_seed0"
+    log.mkdir()
+    rows = [{"step": i, "time/total": 2.0 + i % 2, "env/all/reward/total": 0.9} for i in range(30)]
+    (log / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "curves" / "cb.json"
+    key = "env/all/reward/total"
+    main(["curves", str(log), "--out", str(out), "--keys", key, "--table", key, "20"])
+    assert json.loads(out.read_text())["runs"]["math_rl_seed0"]["wall_s"][:3] == [2.0, 5.0, 7.0]
+    block = hooks.curves_block("cb", "x.md", out.parent)
+    assert "| `math_rl_seed0` | 29 | 0.900 | step 19 (50 s) | step 19 (50 s) | 0.900 | 3.000 |" in block, block
+    rows[3].pop("time/total")
+    (log / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit):
+        main(["curves", str(log), "--out", str(out), "--keys", key])
+    assert "math_rl_seed0/metrics.jsonl: a row with neither wall_s" in capsys.readouterr().err
+
+
 def test_every_figure_file_is_on_a_page_and_every_page_figure_has_its_file():
     named = {m[1] for page in (ROOT / "docs").rglob("*.md") for m in hooks.PLACEHOLDER.findall(page.read_text())}
     files = {p.stem for p in hooks.CURVES.glob("*.json")}
     assert named == files
+    pictures = [str(p.relative_to(ROOT)) for ext in ("png", "svg", "jpg") for p in (ROOT / "docs").rglob(f"*.{ext}")]
+    assert not pictures, f"figures are drawn from their runs' metrics when the site is built, not committed: {pictures}"
     page = type("Page", (), {"file": type("File", (), {"src_uri": "guides/x.md"})})
     name = sorted(files)[0]
     text = hooks.on_page_markdown(f"- an item:\n\n    <!-- curves: {name} -->\n", page, None, None)
