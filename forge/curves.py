@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import statistics
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -122,7 +123,7 @@ def plot(runs: Mapping[str, Series], out: str | Path | BinaryIO, title: str = ""
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="lower right", fontsize="small")
-    fig.suptitle(title)
+    fig.suptitle(textwrap.fill(title, 100))  # one line holds ~100 characters at this width
     fig.tight_layout()
     fig.savefig(out, dpi=100, format="png")
     plt.close(fig)
