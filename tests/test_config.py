@@ -113,13 +113,13 @@ def test_shipped_configs_load(tmp_path, tiny_model_dir):
 
     cfg = load_config("configs/sft_tiny.yaml", ["run_name=x"], Config)
     assert cfg.model.tiny.task == cfg.task and cfg.model.path.endswith(cfg.task)
-    # The cookbook's arithmetic start: 300 steps of a 1000-step cosine schedule (README); its model
-    # and rows are the README's earlier steps' to make.
+    # The cookbook's arithmetic start: 400 steps of a 1000-step cosine schedule (docs/guides/tinker.md);
+    # its model and rows are that guide's earlier steps' to make.
     rows = tmp_path / "rows.jsonl"
     rows.write_text("{}\n")
     made = [f"model.path={tiny_model_dir}", f"data.path={rows}", f"eval.dataset.path={rows}"]
     cfg = load_config("configs/sft_arithmetic.yaml", made, Config)
-    assert (cfg.steps, cfg.trainer.total_steps, cfg.trainer.lr_decay) == (300, 1000, "cosine")
+    assert (cfg.steps, cfg.trainer.total_steps, cfg.trainer.lr_decay) == (400, 1000, "cosine")
     assert cfg.eval.dataset.messages_key == "prompt" and cfg.model.tiny is None
 
 
