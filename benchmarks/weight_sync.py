@@ -115,23 +115,32 @@ def _send_all(srv: socket.socket, data: list[memoryview], repeats: int) -> None:
 
 async def cross_host_s(sd: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
     """Median seconds for a reader on another host to stream one published version into its
-    host's cache (forge.transfer: sendfile from the writer's /dev/shm file): into a new file
-    (the first versions of a run), and into an older copy's file (from the third on); and, for
+    host's cache (forge.transfer: sendfile from the writer's /dev/shm file): a run's first
+    versions, into the file the reader reserved when it started (`reserve`, timed apart), and
+    into a new file where it did not; into an older copy's file (from the third on); and, for
     a server beyond loopback, the digest's cost: the writer's write hashed, the warm fetch checked."""
     from forge.shm import file_digest, write_safetensors
     from forge.store import WeightStore
-    from forge.transfer import fetch_file, host_cache_dir
+    from forge.transfer import fetch_file, host_cache_dir, reserve
 
     store = WeightStore("bench-xhost")
     await store.publish(1, sd)
     rec = await store.record(1)
     dest, older = host_cache_dir() / "bench-xhost.safetensors", host_cache_dir() / "bench-xhost-old.safetensors"
-    cold, warm = [], []
+    spare = host_cache_dir() / "bench-xhost-spare.safetensors"  # what `reserve` makes
+    cold, reserving, reserved, warm = [], [], [], []
     try:
         for _ in range(repeats + 1):
             t = time.perf_counter()
             await asyncio.to_thread(fetch_file, rec["addr"], Path(rec["path"]).name, dest, rec["key"])
             cold.append(time.perf_counter() - t)
+            os.unlink(dest)
+            t = time.perf_counter()
+            await asyncio.to_thread(reserve, "bench-xhost", rec["size"])
+            reserving.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await asyncio.to_thread(fetch_file, rec["addr"], Path(rec["path"]).name, dest, rec["key"], spare)
+            reserved.append(time.perf_counter() - t)
             os.unlink(dest)
         await asyncio.to_thread(fetch_file, rec["addr"], Path(rec["path"]).name, older, rec["key"])
         for _ in range(repeats + 1):
@@ -155,7 +164,9 @@ async def cross_host_s(sd: dict[str, torch.Tensor], repeats: int) -> dict[str, f
         older.unlink(missing_ok=True)
         await store.clear()
     return {
-        "cross_host_new_file_s": statistics.median(cold[1:]),
+        "cross_host_new_file_s": statistics.median(reserved[1:]),
+        "cross_host_unreserved_s": statistics.median(cold[1:]),
+        "reserve_s": statistics.median(reserving[1:]),
         "cross_host_s": statistics.median(warm[1:]),
         "cross_host_digest_s": statistics.median(checked[1:]),
         "write_s": statistics.median(plain[1:]),
@@ -171,7 +182,8 @@ MEDIUM = dict(
 async def generator_stall(model: str, versions: int = 6, cross_host: bool = False, staged: bool = True) -> dict:
     """A generator follows the store (told by a WeightSync) while 8 request streams run: per version, the time from
     publish to live and how long generation was paused. The writer keeps 2 versions, as the
-    trainer does; the first two versions go into new files (cold), the rest reuse them.
+    trainer does; the first two versions go into new files (cold: another host's copies into
+    the file reserved at start, then one allocated after the first), the rest reuse them.
     `cross_host`: the generator counts as another host's, so it streams each version first.
     `staged`: the swap stages the new weights first (the default), else vLLM reloads in place."""
     from safetensors.torch import load_file
@@ -187,6 +199,7 @@ async def generator_stall(model: str, versions: int = 6, cross_host: bool = Fals
     sync = WeightSync(None, gen)  # this bench publishes itself, as the trainer would
     await sync.start()
     sd = load_file(Path(model) / "model.safetensors")
+    await gen.reserve_weights.fanout(store.layout(sd))  # as WeightSync.start has it done for a trainer's versions
     stop = asyncio.Event()
 
     async def stream() -> None:
@@ -247,6 +260,7 @@ async def measure(
                 row.update(await cross_host_s(sd, 3 * repeats))
                 row["cross_host_fraction_of_tcp"] = row["tcp_s"] / row["cross_host_s"]
                 row["cross_host_new_file_fraction_of_tcp"] = row["tcp_s"] / row["cross_host_new_file_s"]
+                row["cross_host_unreserved_fraction_of_tcp"] = row["tcp_s"] / row["cross_host_unreserved_s"]
             del sd
         stall = [await generator_stall(m, cross_host=x, staged=s) for m in models for x, s in swaps]
         deltas = await weight_deltas.measure(delta_model, 3 * repeats, shaped)
@@ -260,6 +274,8 @@ async def measure(
         "torchstore_fraction_of_memcpy": largest["torchstore_fraction_of_memcpy"],
         "cross_host_fraction_of_tcp": largest["cross_host_fraction_of_tcp"],
         "cross_host_new_file_fraction_of_tcp": largest["cross_host_new_file_fraction_of_tcp"],
+        "cross_host_unreserved_fraction_of_tcp": largest["cross_host_unreserved_fraction_of_tcp"],
+        "reserve_s": largest["reserve_s"],
         "cross_host_gb_s": largest["mb"] / 1024 / largest["cross_host_s"],
         "cross_host_digest_gb_s": largest["mb"] / 1024 / largest["cross_host_digest_s"],
         "write_s": largest["write_s"],
@@ -300,7 +316,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"across hosts, {result['largest_mb']} MB: forge.transfer {result['cross_host_gb_s']:.2f} GB/s, plain loopback "
         f"TCP {result['tcp_gb_s']:.2f} GB/s: {result['cross_host_fraction_of_tcp']:.2f} of TCP "
-        f"({result['cross_host_new_file_fraction_of_tcp']:.2f} into a new file, a run's first two versions)"
+        f"({result['cross_host_new_file_fraction_of_tcp']:.2f} into a new file, a run's first two versions, the "
+        f"host's file reserved at start in {result['reserve_s'] * 1e3:.0f} ms; "
+        f"{result['cross_host_unreserved_fraction_of_tcp']:.2f} unreserved)"
     )
     print(
         f"beyond loopback (a digest per version): the fetch {result['cross_host_digest_gb_s']:.2f} GB/s, the writer's "

@@ -37,7 +37,7 @@ from forge.shm import (
     safetensors_size,
     write_safetensors,
 )
-from forge.transfer import FileServer, host_cache_dir, host_copy, host_id, version_of
+from forge.transfer import FileServer, host_cache_dir, host_copy, host_id, reserve, version_of
 
 
 def _beyond_loopback(host: str) -> bool:
@@ -181,6 +181,21 @@ class WeightStore:
         await torchstore.put(f"{self._key(version)}/record", record)
         await torchstore.put(f"{self.name}/latest", version)
         return nbytes
+
+    def layout(self, state_dict: dict[str, torch.Tensor]) -> dict | None:
+        """What a version of `state_dict`'s shape will be, for readers on other hosts to make room
+        for before the first one comes (`reserve`): the writer's host, its files' prefix and their
+        size. None for the "torchstore" transport (nothing lands in a file)."""
+        if self.transport != "shm":
+            return None
+        return {"host": host_id(), "writer": f"{self.name}-{self._token}", "size": safetensors_size(state_dict)}
+
+    def reserve(self, layout: dict | None) -> bool:
+        """A reader: allocate this host's file for the writer's versions now (`forge.transfer.reserve`),
+        unless it is the writer's host (its readers map the writer's files). Returns whether it did."""
+        if layout is None or layout["host"] == host_id():
+            return False
+        return reserve(layout["writer"], layout["size"])
 
     async def latest(self) -> int | None:
         try:  # one RPC: a get that misses raises, where exists-then-get costs two

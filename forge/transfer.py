@@ -21,7 +21,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -362,31 +362,83 @@ def host_copy(
     against), a host holding an older version's copy fetches the difference from it first
     (`fetch_delta`), the whole file where the server has no delta or it is refused. The
     copies whose names `stale` says are no longer read go: the oldest is rewritten as the new
-    one, the rest are removed. Returns the path and the bytes this call moved (0: another
-    reader had it)."""
+    one, the rest are removed; with none, the writer's spare (`reserve`) is written. Returns
+    the path and the bytes this call moved (0: another reader had it)."""
     directory = host_cache_dir()
     dest = directory / name
     writer = name.rsplit("-v", 1)[0]  # <store>-<writer token>
-    with open(os.open(directory / f"{writer}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)) as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _writer_lock(directory, writer):
         if dest.exists():
             return dest, 0
-        held = sorted(directory.glob(f"{writer}-v*.safetensors"), key=lambda p: version_of(p.name))
+        held = _copies(directory, writer)
         older = [p for p in held if version_of(p.name) < version_of(name)]
         base = older[-1] if older and deltas and digest else None
         old = sorted((p for p in held if stale(p.name) and p != base), key=os.path.getmtime)
         for p in old[1:]:
             p.unlink(missing_ok=True)
-        reuse = old[0] if old else None
-        if base is not None:
-            try:
-                return dest, fetch_delta(addr, name, base, dest, key, digest, reuse, timeout_s, validate)
-            except FileNotFoundError:
-                pass  # no delta to offer: the whole file
-            except (ValueError, OSError) as e:  # DeltaError is a ValueError; a cut or stalled connection an OSError
-                log.warning("forge: weights: a delta for %s was refused (%s); fetching the whole file", name, e)
-            reuse = reuse if reuse is not None and reuse.exists() else None  # an attempt that wrote it removed it
-        return dest, fetch_file(addr, name, dest, key, reuse, timeout_s, validate, size, digest)
+        spare = _spare(directory, writer)
+        reuse = old[0] if old else (spare if spare.exists() else None)
+        moved = _fetch(addr, name, dest, key, base, reuse, timeout_s, validate, size, digest)
+        if len(_copies(directory, writer)) >= 2:  # the next version rewrites the older copy
+            spare.unlink(missing_ok=True)
+        else:  # the next version finds no stale copy either
+            args = (writer, os.path.getsize(dest))
+            threading.Thread(target=reserve, args=args, name=f"forge-reserve-{writer}", daemon=True).start()
+        return dest, moved
+
+
+def _fetch(addr, name, dest, key, base, reuse, timeout_s, validate, size, digest) -> int:
+    """A delta from `base` where there is one (and it is accepted), else the whole file."""
+    if base is not None:
+        try:
+            return fetch_delta(addr, name, base, dest, key, digest, reuse, timeout_s, validate)
+        except FileNotFoundError:
+            pass  # no delta to offer: the whole file
+        except (ValueError, OSError) as e:  # DeltaError is a ValueError; a cut or stalled connection an OSError
+            log.warning("forge: weights: a delta for %s was refused (%s); fetching the whole file", name, e)
+        reuse = reuse if reuse is not None and reuse.exists() else None  # an attempt that wrote it removed it
+    return fetch_file(addr, name, dest, key, reuse, timeout_s, validate, size, digest)
+
+
+def reserve(writer: str, size: int) -> bool:
+    """Allocate this host's spare file for `writer`'s versions (`size` bytes of tmpfs pages)
+    now, off the path of any version: a version written into a new file pays for each page as
+    it arrives, at about half the link's speed. Skipped while the host holds two copies (the
+    next version rewrites the older) or a spare of that size already. Returns whether it
+    allocated one."""
+    directory = host_cache_dir()
+    with _writer_lock(directory, writer):
+        spare = _spare(directory, writer)
+        if len(_copies(directory, writer)) >= 2 or (spare.exists() and spare.stat().st_size == size):
+            return False
+        tmp = spare.with_name(spare.name + f".{os.getpid()}.tmp")
+        fd = open_new(tmp, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        os.replace(tmp, spare)
+        return True
+
+
+@contextlib.contextmanager
+def _writer_lock(directory: Path, writer: str) -> Iterator[None]:
+    """The host's readers of one writer, one at a time (a lock file per writer)."""
+    with open(os.open(directory / f"{writer}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _copies(directory: Path, writer: str) -> list[Path]:
+    """The host's copies of `writer`'s versions, oldest version first."""
+    return sorted(directory.glob(f"{writer}-v*.safetensors"), key=lambda p: version_of(p.name))
+
+
+def _spare(directory: Path, writer: str) -> Path:
+    return directory / f"{writer}-spare.safetensors"
 
 
 def version_of(name: str) -> int:

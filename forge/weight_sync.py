@@ -42,7 +42,10 @@ class WeightSync:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        """Begin on what the replicas hold now (services reused from an earlier run may be past 0)."""
+        """Begin on what the replicas hold now (services reused from an earlier run may be past 0);
+        replicas on another host than the trainer make room for its versions first."""
+        if self.trainer is not None:
+            await self.gen.reserve_weights.fanout(await self.trainer.weights_layout.route())
         self.held = min(await self.gen.policy_version.fanout())
         self.published = max(self.published, self.held)
         self._task = asyncio.create_task(self._follow())

@@ -676,6 +676,16 @@ class Generator(ForgeActor):
             await self._drop_unused_adapters(policy)
 
     @endpoint
+    async def reserve_weights(self, layout: dict | None) -> bool:
+        """Make room now for the versions a trainer on another host will publish (`layout`: its
+        `weights_layout`), so the first of them streams into allocated memory (`WeightStore.reserve`).
+        Returns whether this replica allocated it (one per host)."""
+        policy = self.policies[""]
+        if policy.store is None or policy.lora is not None:  # a LoRA version is fetched whole, not copied per host
+            return False
+        return await asyncio.to_thread(policy.store.reserve, layout)
+
+    @endpoint
     async def policy_version(self, policy: str = "") -> int:
         return self._policy(policy).version
 

@@ -495,6 +495,14 @@ class Trainer(ForgeActor):
         return self.version
 
     @endpoint
+    async def weights_layout(self) -> dict | None:
+        """What a published version will be (`WeightStore.layout`: its writer, file and size, rank
+        0's), for generators on other hosts to make room for before the first one comes (every
+        rank must call this)."""
+        sd = self._published()
+        return self.store.layout(sd) if self.rank == 0 else None
+
+    @endpoint
     async def policy_version(self) -> int:
         """The version of the current weights (the last step's, or the checkpoint's loaded)."""
         return self.version

@@ -111,6 +111,66 @@ def test_readers_on_another_host_share_one_transfer(tmp_path):
     asyncio.run(main())
 
 
+def test_a_hosts_first_versions_stream_into_files_allocated_ahead(tmp_path, monkeypatch):
+    """A reader host reserves a file for a writer's versions before the first comes (its tmpfs
+    pages allocated, off the version's path): the first version is written into it, a spare
+    for the second is allocated after it, and from the third on the oldest copy is rewritten,
+    with no spare left over. A spare of another size still ends as the writer's bytes."""
+    import threading
+    import time
+
+    from forge import shm
+    from forge.transfer import FileServer, host_cache_dir, host_copy
+
+    served = tmp_path / "served"
+    served.mkdir()
+    versions = {v: {"w": torch.full((70_000,), float(v))} for v in (1, 2, 3)}
+    digests = {v: shm.write_safetensors(sd, served / f"sp-tok-v{v}.safetensors", True) for v, sd in versions.items()}
+    size = os.path.getsize(served / "sp-tok-v1.safetensors")
+    server, cache = FileServer(served, key="k"), host_cache_dir()
+    spare = cache / "sp-tok-spare.safetensors"
+    stale = lambda v: lambda n: int(n.rsplit("-v", 1)[1].split(".")[0]) < v - 1  # noqa: E731
+
+    def settled() -> None:  # the spare a fetch leaves to allocate in the background
+        deadline = time.monotonic() + 10
+        while any(t.name.startswith("forge-reserve-") for t in threading.enumerate()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    try:
+        writer = WeightStore("sp")
+        layout = writer.layout(versions[1])
+        assert layout["size"] == size and not writer.reserve(layout)  # the writer's host maps its files
+        monkeypatch.setenv("_MONARCH_WORKER_ADDR", "ipc:///forge-test/spare-host")
+        assert writer.reserve(dict(layout, writer="sp-tok"))
+        assert spare.stat().st_size == size and spare.stat().st_blocks * 512 >= size  # allocated, not sparse
+        assert not writer.reserve(dict(layout, writer="sp-tok"))  # one per host
+        inodes = {}
+        for v in (1, 2, 3):
+            ahead = spare.stat().st_ino if spare.exists() else None
+            copy, moved = host_copy(
+                server.addr, f"sp-tok-v{v}.safetensors", "k", stale(v), size=size, digest=digests[v]
+            )
+            settled()
+            inodes[v] = os.stat(copy).st_ino
+            assert moved == size and copy.read_bytes() == (served / copy.name).read_bytes()
+            if v < 3:
+                assert inodes[v] == ahead  # written into the file allocated ahead
+            assert spare.exists() == (v == 1)  # a spare for the second version, none after it
+        assert inodes[3] == inodes[1]  # the oldest copy, rewritten
+        for p in cache.glob("sp-tok-v*"):
+            p.unlink()
+        monkeypatch.setenv("_MONARCH_WORKER_ADDR", "ipc:///forge-test/spare-host-2")
+        assert writer.reserve(dict(layout, writer="sp-tok", size=size + 12_345))
+        copy, _ = host_copy(server.addr, "sp-tok-v1.safetensors", "k", stale(1), size=size, digest=digests[1])
+        assert copy.read_bytes() == (served / copy.name).read_bytes()
+        settled()
+    finally:
+        server.close()
+        for p in cache.glob("sp-tok-*"):
+            p.unlink()
+
+
 @pytest.mark.slow  # 64 s: a trainer and a generator, ten versions
 def test_generator_follows_latest_while_generating(tiny_model_dir):
     base = load_file(tiny_model_dir / "model.safetensors")
