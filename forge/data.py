@@ -232,7 +232,10 @@ class SFTExamples(TokenizedRows):
                 return self._cut(ids, [int(label != -100) for label in labels])
             answer = self.task.corrupt(s.answer, self.cfg.noise, rng) if self.cfg.noise else s.answer
             if self.cfg.system is not None:
-                turns = [("system", self.cfg.system), ("user", s.prompt), ("assistant", answer)]
+                system = self.cfg.system
+                if self.cfg.system_cut and rng.random() < self.cfg.system_cut:
+                    system = system[: rng.randint(0, len(system))]
+                turns = [("system", system)] * bool(system) + [("user", s.prompt), ("assistant", answer)]
                 ids, labels = chat_tokens(
                     self.tokenizer, [{"role": r, "content": c} for r, c in turns], self.end_of_turn
                 )

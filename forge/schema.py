@@ -314,6 +314,10 @@ class SFTDataConfig(RowsConfig):
     completion_key: str = "completion"  # the completion column beside prompt_key
     pack_to: int = 0  # examples packed into rows of up to this many tokens, each seeing only itself; 0: one per row
     noise: float = 0.0  # toy task only: this fraction of answer characters (or digits) replaced at random
+    # Toy task with `system` only: this fraction of examples take a random-length start of the system
+    # turn instead (none at length 0), so a model that knows the task behind short prompts learns
+    # to find it behind a long one.
+    system_cut: float = 0.0
     # With no file: a reasoning-gym generator's entries (question -> answer) in place of the toy
     # task's, `noise` and `system` as for it (a tiny model's warm start on the task GRPO then trains).
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
@@ -322,6 +326,10 @@ class SFTDataConfig(RowsConfig):
         super().validate()
         if self.pack_to < 0:
             raise ConfigError(f"config key 'data.pack_to' must be >= 0, got {self.pack_to}")
+        if not 0 <= self.system_cut <= 1:
+            raise ConfigError(f"config key 'data.system_cut' must be in [0, 1], got {self.system_cut}")
+        if self.system_cut and self.system is None:
+            raise ConfigError("config key 'data.system_cut' cuts the system turn of data.system, which is not set")
         if self.reasoning_gym.task and self.path:
             raise ConfigError("config keys data.path, data.reasoning_gym.task: each is a source of examples; set one")
         if self.reasoning_gym.task:

@@ -52,6 +52,29 @@ def test_only_assistant_and_completion_tokens_carry_loss(tmp_path, tiny_model_di
     assert torch.allclose(sft(moved, batch, moved, LossConfig()), expected)
 
 
+def test_system_cut_trains_the_task_behind_system_turns_of_every_length(tiny_model_dir):
+    """`data.system_cut`: that fraction of toy examples take a random-length start of the system
+    turn (none at length 0), the rest the whole; the answer is trained on either way."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    system = "Reverse the word after rev, letter by letter, and write only the reversed word."
+    cfg = SFTDataConfig(system=system, system_cut=0.5)
+    cfg.validate()
+    examples, lengths = SFTExamples(cfg, tok, "reverse", seed=0), []
+    for i in range(1000):
+        ids, mask = examples.sample(i)
+        text = tok.decode(ids)
+        turn = text.split("<|im_start|>system\n", 1)[1].split("<|im_end|>")[0] if "system" in text else ""
+        assert system.startswith(turn) and tok.decode([t for t, m in zip(ids, mask) if m]).endswith("<|im_end|>")
+        lengths.append(len(turn))
+    whole = lengths.count(len(system)) / len(lengths)
+    assert 0.45 < whole < 0.6 and 0 in lengths and len(set(lengths)) > 40
+    uncut = SFTExamples(SFTDataConfig(system=system), tok, "reverse", seed=0)
+    assert all(f"system\n{system}<|im_end|>" in tok.decode(uncut.sample(i)[0]) for i in range(50))
+    for bad, match in (({"system_cut": 1.5, "system": system}, "must be in"), ({"system_cut": 0.5}, "not set")):
+        with pytest.raises(ConfigError, match=f"config key 'data.system_cut'.*{match}"):
+            SFTDataConfig(**bad).validate()
+
+
 def test_a_file_without_the_columns_is_named_before_anything_starts(tmp_path, tiny_model_dir):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

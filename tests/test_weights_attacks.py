@@ -106,6 +106,33 @@ def test_the_accept_loop_survives_running_out_of_file_descriptors(served, tmp_pa
     assert "accept failed" in out.stderr
 
 
+@pytest.mark.parametrize("then", ["stalls", "closes"])
+def test_a_server_that_stalls_or_hangs_up_mid_file_costs_a_reader_its_timeout_and_no_file(tmp_path, then):
+    """A server (or a link) that offers a file, sends half of it, then goes quiet or hangs up: the
+    reader gives up after its timeout (not the whole file's), or at once, and keeps no copy."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    size, done = 4 << 20, threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1024)
+            conn.sendall(struct.pack("<q", size) + b"\0" * (size // 2))
+            if then == "stalls":
+                done.wait(10)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    start = time.monotonic()
+    error = TimeoutError if then == "stalls" else ConnectionError
+    with pytest.raises(error, match="no weights bytes for 0.5 s" if then == "stalls" else "closed after 2097152 of"):
+        fetch_file(listener.getsockname(), "policy-abc-v1.safetensors", tmp_path / "copy", "k", timeout_s=0.5)
+    assert time.monotonic() - start < 3 and not list(tmp_path.iterdir())
+    done.set()
+    t.join()
+    listener.close()
+
+
 def test_a_host_copy_that_fails_validation_never_takes_its_name(tmp_path):
     """A copy is validated before it is renamed to the name the host's other readers map:
     a torn file (or one the writer reused meanwhile) is deleted, never shared."""
