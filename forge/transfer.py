@@ -426,7 +426,8 @@ def reserve(writer: str, size: int) -> bool:
     now, off the path of any version: a version written into a new file pays for each page as
     it arrives, at about half the link's speed. Skipped while the host holds two copies (the
     next version rewrites the older) or a spare of that size already. Returns whether it
-    allocated one."""
+    allocated one; where it cannot (a full /dev/shm), it says so and the run goes on: a
+    version then goes into a new file, which may itself fail, with its own error."""
     directory = host_cache_dir()
     with _writer_lock(directory, writer):
         spare = _spare(directory, writer)
@@ -436,9 +437,12 @@ def reserve(writer: str, size: int) -> bool:
         fd = open_new(tmp, os.O_RDWR)
         try:
             os.posix_fallocate(fd, 0, size)
-        except BaseException:
+        except OSError as e:
             tmp.unlink(missing_ok=True)
-            raise
+            log.warning(
+                "forge: weights: no room for %d bytes ahead of %s's versions in %s (%s)", size, writer, directory, e
+            )
+            return False
         finally:
             os.close(fd)
         os.replace(tmp, spare)

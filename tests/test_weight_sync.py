@@ -111,11 +111,12 @@ def test_readers_on_another_host_share_one_transfer(tmp_path):
     asyncio.run(main())
 
 
-def test_a_hosts_first_versions_stream_into_files_allocated_ahead(tmp_path, monkeypatch):
+def test_a_hosts_first_versions_stream_into_files_allocated_ahead(tmp_path, monkeypatch, caplog):
     """A reader host reserves a file for a writer's versions before the first comes (its tmpfs
     pages allocated, off the version's path): the first version is written into it, a spare
     for the second is allocated after it, and from the third on the oldest copy is rewritten,
-    with no spare left over. A spare of another size still ends as the writer's bytes."""
+    with no spare left over. A spare of another size still ends as the writer's bytes; a host
+    without room for one says so and goes on."""
     import threading
     import time
 
@@ -165,6 +166,16 @@ def test_a_hosts_first_versions_stream_into_files_allocated_ahead(tmp_path, monk
         copy, _ = host_copy(server.addr, "sp-tok-v1.safetensors", "k", stale(1), size=size, digest=digests[1])
         assert copy.read_bytes() == (served / copy.name).read_bytes()
         settled()
+        copy.unlink()
+        spare.unlink(missing_ok=True)
+
+        def full(fd, offset, length):  # /dev/shm without room
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        with caplog.at_level("WARNING", logger="forge"):
+            assert not writer.reserve(dict(layout, writer="sp-tok"))
+        assert "no room for" in caplog.text and not list(cache.glob("sp-tok-spare*"))
     finally:
         server.close()
         for p in cache.glob("sp-tok-*"):
