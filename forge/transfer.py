@@ -362,8 +362,11 @@ def _splice_in(s: socket.socket, pipe: int, most: int) -> int:
         try:
             return os.splice(s.fileno(), pipe, most, flags=os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK)
         except BlockingIOError:
-            if not select.select([s], [], [], s.gettimeout())[0]:
-                raise TimeoutError(f"no weights bytes for {s.gettimeout()} s") from None
+            waiting = select.poll()  # not select.select: a generator's process holds fds past its 1024
+            waiting.register(s, select.POLLIN)
+            timeout = s.gettimeout()
+            if not waiting.poll(None if timeout is None else timeout * 1000):
+                raise TimeoutError(f"no weights bytes for {timeout} s") from None
 
 
 def host_copy(
