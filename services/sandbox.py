@@ -25,8 +25,9 @@ few forks per run instead of a chain of util-linux tools. It runs on the sandbox
 Python program runs in a process forked from an interpreter already started (a fork server),
 which saves the interpreter's start-up, most of what a short program costs (every run then
 has the same hash seed; `fresh_interpreter` execs a new interpreter per run instead). Programs
-it execs start from services/sandbox_exec.c, compiled on start, set up alike without copying
-the launcher's interpreter (from the launcher's forks where the host has no C compiler).
+the sandbox execs (bash, a binary) start from services/sandbox_exec.c, compiled on start and
+spawned by this process, set up alike in each slot's namespaces (which the launcher makes
+once); where the host has no C compiler, from the launcher's forks.
 
 The result's status: `ok`, `error` (non-zero exit), `timeout` (wall or CPU limit), `oom` (the
 memory limit), `killed` (a signal). Bad input (an unknown language, a file outside the working
@@ -45,6 +46,7 @@ import json
 import logging
 import math
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -132,12 +134,13 @@ class _Launcher:
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
         self.waiting: dict[int, tuple[asyncio.Future, asyncio.Future]] = {}
+        self.asked: dict[int, asyncio.Future] = {}  # namespaces requests
         self.ids = itertools.count()
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def start(self, python: list[str], seccomp: bytes | None, exec_helper: Path | None = None) -> None:
+    async def start(self, python: list[str], seccomp: bytes | None) -> None:
         """Start the launcher on `python` (the interpreter and the programs' flags), with the
-        runs' syscall filter and the compiled services/sandbox_exec.c (None: none)."""
+        runs' syscall filter."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -145,7 +148,6 @@ class _Launcher:
                 str(Path(__file__).with_name("sandbox_launcher.py")),
                 str(theirs.fileno()),
                 (seccomp or b"").hex(),
-                *([str(exec_helper)] if exec_helper else []),
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,  # so its forked Pythons buffer stdout as a program's own would (not a tty)
@@ -171,22 +173,38 @@ class _Launcher:
             raise SandboxError(f"sandbox: the launcher does not answer: {e}") from e
         return _Started(await started, exited)
 
+    async def namespaces(self, spec: dict) -> list[int]:
+        """A slot's network and mount namespaces (fds, the caller's to close), made by the launcher."""
+        if self.sock is None:
+            raise SandboxError("sandbox: the launcher is not running")
+        run_id = next(self.ids)
+        self.asked[run_id] = asyncio.get_running_loop().create_future()
+        self.sock.send(json.dumps({**spec, "op": "namespaces", "id": run_id}).encode())
+        return await self.asked[run_id]
+
     def _receive(self) -> None:
         try:
-            data = self.sock.recv(1 << 16)
+            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 2)
         except BlockingIOError:
             return
         if not data:  # the launcher died: every run waiting on it fails, as does every later one
             asyncio.get_running_loop().remove_reader(self.sock.fileno())
             self.sock.close()
             self.sock = None
-            for started, exited in self.waiting.values():
-                for f in (started, exited):
-                    if not f.done():
-                        f.set_exception(SandboxError("sandbox: the launcher process died"))
+            for f in [*self.asked.values(), *(f for pair in self.waiting.values() for f in pair)]:
+                if not f.done():
+                    f.set_exception(SandboxError("sandbox: the launcher process died"))
             self.waiting.clear()
+            self.asked.clear()
             return
         msg = json.loads(data)
+        if msg["id"] in self.asked:
+            asked = self.asked.pop(msg["id"])
+            if "error" in msg:
+                asked.set_exception(SandboxError(f"sandbox: could not set up the run: {msg['error']}"))
+            else:
+                asked.set_result(fds)
+            return
         started, exited = self.waiting[msg["id"]]
         if "pid" in msg:
             started.set_result(msg["pid"])
@@ -231,7 +249,7 @@ class Sandbox(ForgeActor):
     async def __cleanup__(self, exc: Exception | None) -> None:
         await self.pool.stop()
 
-    @concurrent_endpoint
+    @concurrent_endpoint(instrument=False)  # no telemetry span per run: a short run's largest cost after its own
     async def run(
         self,
         code: str,
@@ -263,6 +281,7 @@ class SandboxPool:
         self.dir = owned_dir(base, mode=0o711)  # slots' directories below are 0700, each its own uid
         self.slots: asyncio.Queue[int] = asyncio.Queue()
         self.locks: list[int] = []
+        self.uids: list[int] = []  # the slots'
         self.namespaces = False
         self.runs = 0
         self.launcher = _Launcher()
@@ -270,18 +289,20 @@ class SandboxPool:
         self.oom_kills: dict[int, int] = {}  # slot uid -> the kernel's oom kills in its cgroup, after its last run
         self.harness = self.dir / "forge_harness.py"  # runs a program, then its tests
         self.exec_helper: Path | None = None  # starts exec'd programs' runs (services/sandbox_exec.c)
+        self.slot_namespaces: dict[int, list[int]] = {}  # slot uid -> its network and mount namespaces' fds
 
     async def start(self) -> None:
         # in the base directory, shared by this host's sandboxes (each has its own below it)
         self.exec_helper = await asyncio.to_thread(_build_exec_helper, self.dir.parent)
         try:
-            await self.launcher.start(self.python, self.seccomp, self.exec_helper)
+            await self.launcher.start(self.python, self.seccomp)
         except OSError as e:
             raise SandboxError(f"sandbox: could not start its launcher: {e}") from e
         self.harness.write_text(Path(__file__).with_name("sandbox_harness.py").read_text())
         self.harness.chmod(0o644)
         (self.dir / "root").mkdir(mode=0o755, exist_ok=True)
-        for uid in self._take_uids(self.cfg.workers):
+        self.uids = self._take_uids(self.cfg.workers)
+        for uid in self.uids:
             self.slots.put_nowait(uid)
         made = SlotCgroups.make(os.getpid()) if self.root else "not root"
         self.cgroups = made if isinstance(made, SlotCgroups) else None
@@ -305,8 +326,14 @@ class SandboxPool:
             log.warning("forge: sandbox.isolation=unsafe_local: runs without %s", "; ".join(missing))
 
     async def stop(self) -> None:
-        """Stop the launcher and remove the slots' cgroups."""
+        """Stop the launcher, remove the programs kept in the slots' directories and the slots' cgroups."""
         await self.launcher.stop()
+        for uid in self.uids:
+            for name in LANGUAGES.values():
+                (self.dir / str(uid) / name).unlink(missing_ok=True)
+        for fd in (fd for fds in self.slot_namespaces.values() for fd in fds):
+            os.close(fd)
+        self.slot_namespaces.clear()
         if self.cgroups is not None:
             self.cgroups.remove()
 
@@ -373,10 +400,10 @@ class SandboxPool:
                 theirs.append(os.open(os.devnull, os.O_WRONLY))
             start = time.perf_counter()
             if self.launcher.sock is None:  # it died (its runs then failed): a new one for this run
-                await self.launcher.start(self.python, self.seccomp, self.exec_helper)
+                await self.launcher.start(self.python, self.seccomp)
             if self.cgroups is not None:
                 self.cgroups.limit(uid, req.memory_mb << 20, self.cfg.max_processes, self.cfg.cpu_cores)
-            run = await self.launcher.spawn(self._spec(work, req, uid, argv), theirs)
+            run = await self._start(self._spec(work, req, uid, argv), theirs)
             for fd in theirs:
                 os.close(fd)
             theirs = []
@@ -388,7 +415,7 @@ class SandboxPool:
         finally:
             for fd in ours + theirs:
                 os.close(fd)
-            _empty(work)
+            _empty(work, keep=LANGUAGES[req.language] if self.namespaces else None)
         if run.setup_error is not None:
             raise SandboxError(f"sandbox: could not set up the run: {run.setup_error}")
         oom = False
@@ -397,16 +424,36 @@ class SandboxPool:
             oom, self.oom_kills[uid] = kills > self.oom_kills.get(uid, 0), kills
         return self._result(run.returncode, out, err, wall, timed_out, truncated, req, report, oom)
 
+    async def _start(self, spec: dict, fds: list[int]) -> _Started:
+        """Start a run: an exec'd program from the helper, spawned here (a posix_spawn, where the
+        launcher's Python would cost as much again), else by the launcher."""
+        if self.exec_helper is None or spec["python"] or spec["copy"]:  # the helper copies no files
+            return await self.launcher.spawn(spec, fds)
+        uid = spec["uid"]
+        if spec["namespaces"] and uid not in self.slot_namespaces:
+            self.slot_namespaces[uid] = await self.launcher.namespaces(spec)
+        try:
+            return _spawn_exec(self.exec_helper, self.seccomp, spec, fds, self.slot_namespaces.get(uid, []))
+        except OSError:  # the helper could not be started (e.g. removed): the launcher's forks
+            return await self.launcher.spawn(spec, fds)
+
     def _write_files(self, work: Path, req: _Request, uid: int) -> list[str]:
         """The run's directory; returns the argv (for Python, the script's). With namespaces the program stays
         here, readable by the slot's group and written by no one but root, and the request's
         files (owned by the slot's uid) are copied into the private /tmp, the working directory.
-        Without, this directory is the working directory, the slot's uid owns it all."""
+        Without, this directory is the working directory, the slot's uid owns it all.
+        With namespaces, the program's file stays between runs (rewritten in place: creating a
+        file costs a journaled inode on a disk's file system), no other run's beside it."""
         own = work / "files" if self.namespaces else work  # what the program's uid owns
         main = work / LANGUAGES[req.language]
         try:
             work.mkdir(mode=0o750, exist_ok=True)
-            _write_new(main, req.code.encode())
+            if self.namespaces:
+                for other in set(LANGUAGES.values()) - {main.name}:
+                    (work / other).unlink(missing_ok=True)
+                _rewrite(main, req.code.encode())
+            else:
+                _write_new(main, req.code.encode())
             for name, content in req.files.items():
                 (own / name).parent.mkdir(parents=True, exist_ok=True)
                 _write_new(own / name, content)
@@ -572,6 +619,73 @@ class SandboxPool:
         return True
 
 
+# A static program of its own system calls, no C library (services/sandbox_exec.c says why).
+_FREESTANDING = ["-O2", "-static", "-nostdlib", "-ffreestanding", "-fno-stack-protector", "-fno-pie", "-no-pie"]
+
+
+# What the helper's processes start with: default signal handlers, nothing blocked.
+_SIGNALS = set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
+
+
+def _spawn_exec(helper: Path, seccomp: bytes | None, spec: dict, fds: list[int], namespaces: list[int]) -> _Started:
+    """Start a run of an exec'd program from the helper (services/sandbox_exec.c says how): fds
+    0-4 the run's (4 of them, or 5 with tests), 5 its set-up pipe, 6 and 7 the slot's
+    namespaces. Its exit is seen on a pidfd."""
+    setup_r, setup_w = os.pipe()
+    targets = [*range(len(fds)), *range(5, 6 + len(namespaces))]
+    # above any number the child's fds take, so no dup2 below overwrites a source still to come
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in [*fds, setup_w, *namespaces]]
+    uid = spec["uid"] if spec["uid"] is not None else -1
+    rlimits = [str(x) for name, v in spec["rlimits"].items() for x in (getattr(resource, name), v)]
+    argv = [
+        *(str(helper), str(int(spec["namespaces"])), str(uid), spec["cwd"], str(len(spec["cgroups"]))),
+        *(*spec["cgroups"], str(len(spec["tmpfs"])), *(x for pair in spec["tmpfs"] for x in pair)),
+        *(str(len(spec["rlimits"])), *rlimits, seccomp.hex() if seccomp else "-", "--", *spec["argv"]),
+    ]
+    try:
+        pid = os.posix_spawn(
+            str(helper),
+            argv,
+            spec["env"],
+            file_actions=[(os.POSIX_SPAWN_DUP2, fd, i) for fd, i in zip(high, targets)],
+            setsid=True,
+            setsigmask=(),
+            setsigdef=_SIGNALS,
+        )
+    except OSError:
+        os.close(setup_r)
+        raise
+    finally:
+        for fd in [*high, setup_w]:
+            os.close(fd)
+    loop, pidfd = asyncio.get_running_loop(), os.pidfd_open(pid)
+    exited = loop.create_future()
+
+    def reap() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        try:
+            status = os.waitpid(pid, 0)[1]
+            exited.set_result((os.waitstatus_to_exitcode(status), _setup_error(setup_r)))
+        except OSError as e:  # another waiter took its status: the run's result is unknown
+            os.close(setup_r)
+            exited.set_exception(SandboxError(f"sandbox: lost the run's exit status: {e}"))
+
+    loop.add_reader(pidfd, reap)
+    return _Started(pid, exited)
+
+
+def _setup_error(fd: int) -> str | None:
+    """What a run's set-up wrote to its pipe (None: it set up); closes the pipe."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 4096).decode(errors="replace") or None
+    except BlockingIOError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _build_exec_helper(directory: Path) -> Path | None:
     """services/sandbox_exec.c compiled into `directory` (once per version of its source), or None
     where the host has no C compiler (exec'd programs then start from the launcher's forks)."""
@@ -584,21 +698,18 @@ def _build_exec_helper(directory: Path) -> Path | None:
         log.info("forge: sandbox: no C compiler; exec'd programs start from the launcher's forks (slower)")
         return None
     partial = directory / f".{target.name}.{os.getpid()}"
-    for static in (["-static"], []):  # static: no dynamic loader per run; not every host has a static libc
-        try:
-            built = subprocess.run(
-                [cc, "-O2", *static, "-o", str(partial), str(source)], capture_output=True, text=True
-            )
-        except OSError as e:  # CC names nothing runnable
-            log.warning("forge: sandbox: could not run the C compiler %s (exec'd programs start slower): %s", cc, e)
-            return None
-        if built.returncode == 0:
-            partial.chmod(0o755)
-            os.replace(partial, target)
-            for old in directory.glob("sandbox_exec-*"):  # other versions' (a launcher that still names one falls back)
-                if old != target:
-                    old.unlink(missing_ok=True)
-            return target
+    try:
+        built = subprocess.run([cc, *_FREESTANDING, "-o", str(partial), str(source)], capture_output=True, text=True)
+    except OSError as e:  # CC names nothing runnable
+        log.warning("forge: sandbox: could not run the C compiler %s (exec'd programs start slower): %s", cc, e)
+        return None
+    if built.returncode == 0:
+        partial.chmod(0o755)
+        os.replace(partial, target)
+        for old in directory.glob("sandbox_exec-*"):  # other versions' (a launcher that still names one falls back)
+            if old != target:
+                old.unlink(missing_ok=True)
+        return target
     log.warning("forge: sandbox: could not compile %s (exec'd programs start slower): %s", source, built.stderr[-500:])
     return None
 
@@ -606,18 +717,31 @@ def _build_exec_helper(directory: Path) -> Path | None:
 async def _read(fd: int, cap: int) -> tuple[bytes, bool]:
     """Up to `cap` bytes of a pipe; the rest is read (so the writer never blocks) and dropped."""
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=1 << 16)
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(fd), "rb", buffering=0)
-    )
+    ended = loop.create_future()
     kept, dropped = bytearray(), False
+
+    def ready() -> None:
+        nonlocal dropped
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            loop.remove_reader(fd)
+            ended.set_result(None)
+            return
+        room = cap - len(kept)
+        kept.extend(chunk[:room])
+        dropped |= len(chunk) > room
+
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, ready)
     try:
-        while chunk := await reader.read(1 << 16):
-            room = cap - len(kept)
-            kept += chunk[:room]
-            dropped |= len(chunk) > room
+        await ended
     finally:
-        transport.close()
+        loop.remove_reader(fd)
     return bytes(kept), dropped
 
 
@@ -665,10 +789,28 @@ def _write_new(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def _empty(directory: Path) -> None:
-    """Remove what a run left in its slot's directory."""
+def _rewrite(path: Path, data: bytes) -> None:
+    """Write `path` in place where it is root's own file, one link, else afresh (never through a
+    symlink or into another name's file)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:  # a symlink
+        return _write_new(path, data)
+    with open(fd, "wb") as f:
+        st = os.fstat(fd)
+        if st.st_nlink == 1 and st.st_uid == os.geteuid():
+            f.truncate(0)
+            f.write(data)
+            return None
+    return _write_new(path, data)
+
+
+def _empty(directory: Path, keep: str | None = None) -> None:
+    """Remove what a run left in its slot's directory (but the file named `keep`)."""
     with os.scandir(directory) as entries:
         for e in entries:
+            if e.name == keep:
+                continue
             if e.is_dir(follow_symlinks=False):
                 shutil.rmtree(e.path, ignore_errors=True)
             else:

@@ -37,6 +37,7 @@ class SlotCgroups:
     def __init__(self, dirs: dict[str, Path], v2: bool):
         self.dirs, self.v2 = dirs, v2  # "memory"/"pids"/"cpu" -> the base directory in that hierarchy
         self.limits: dict[int, tuple] = {}  # uid -> the limits its cgroups have
+        self.events: dict[int, int] = {}  # uid -> an fd of its memory cgroup's events
 
     @property
     def cpu(self) -> bool:
@@ -125,7 +126,9 @@ class SlotCgroups:
         """How many of the slot's processes the kernel killed for its memory limit, so far."""
         name = "memory.events" if self.v2 else "memory.oom_control"
         with contextlib.suppress(OSError, ValueError):
-            for line in (self.dirs["memory"] / str(uid) / name).read_text().splitlines():
+            if uid not in self.events:  # kept open: a cgroup file's lookup and open cost more than its read
+                self.events[uid] = os.open(self.dirs["memory"] / str(uid) / name, os.O_RDONLY | os.O_CLOEXEC)
+            for line in os.pread(self.events[uid], 4096, 0).decode().splitlines():
                 key, _, value = line.partition(" ")
                 if key == "oom_kill":
                     return int(value)
@@ -133,6 +136,9 @@ class SlotCgroups:
 
     def remove(self) -> None:
         """Remove the slots' cgroups (their processes are gone), then the base."""
+        for fd in self.events.values():
+            os.close(fd)
+        self.events.clear()
         for d in set(self.dirs.values()):
             for child in d.glob("*/"):
                 if child.is_dir():

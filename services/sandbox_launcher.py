@@ -1,14 +1,15 @@
 """The sandbox's launcher: a small single-threaded process (standard library only) that starts
 each run, so a run costs a few forks of this process instead of a chain of util-linux tools.
 
-    python -I [-S] services/sandbox_launcher.py FD [FILTER [EXEC]]
-    # FD: a SOCK_SEQPACKET socket to the pool; FILTER: the runs' seccomp filter, hex (sandbox_seccomp.py);
-    # EXEC: the compiled services/sandbox_exec.c, which starts the runs of exec'd programs
+    python -I [-S] services/sandbox_launcher.py FD [FILTER]
+    # FD: a SOCK_SEQPACKET socket to the pool; FILTER: the runs' seccomp filter, hex (sandbox_seccomp.py)
 
 Each request (JSON, with the run's stdin, stdout, stderr, report and tests file descriptors
 attached) is answered with {"id", "pid"} once started and {"id", "status", "setup_error"} (a wait
 status; why the sandbox could not be set up, from a pipe the program never holds, or null) once it
-ended.
+ended. A request {"op": "namespaces", ...} is answered with the slot's network and mount
+namespaces (two fds, for the pool to start exec'd programs in with services/sandbox_exec.c) or
+{"id", "error"}.
 A run is three processes: the first leaves the launcher's session and unshares the namespaces;
 its child is pid 1 of the new pid namespace, makes the run's minimal read-only root (the
 interpreter, its libraries, the run's files, private tmpfs, /proc, a few devices; nothing else
@@ -19,14 +20,13 @@ killed at the timeout) the kernel kills everything left in the namespace.
 The launcher runs on the sandbox's own Python with the programs' flags, so a Python program
 runs in that last process, forked from an interpreter already started (as a fork server does),
 as `python -I script args` would run it there: starting the interpreter is most of what a short
-program costs. Other programs are exec'd: by EXEC where there is one (the same three processes,
-set up the same way, spawned without copying this interpreter), else from the forked chain.
+program costs. Other programs are exec'd at the end of the same chain where the pool has no
+services/sandbox_exec.c (it starts them itself otherwise).
 """
 
 import atexit
 import builtins
 import ctypes
-import fcntl
 import gc
 import importlib.machinery
 import io
@@ -74,10 +74,6 @@ class SockFprog(ctypes.Structure):
 
 
 FILTER = None  # a SockFprog: the runs' seccomp filter, made once: a run only loads it
-FILTER_HEX = "-"  # the same, for EXEC
-EXEC = ""  # the compiled sandbox_exec.c; "" when the host had no C compiler
-# What EXEC's processes start with: default signal handlers (this process's SIGCHLD one too)
-SIGNALS = set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
 
 
 def exit_code(pid: int) -> int:
@@ -272,35 +268,6 @@ def run(req: dict, fds: list[int], setup: int) -> NoReturn:
     run_python(req["argv"], req["env"])
 
 
-def spawn_exec(req: dict, fds: list[int], setup: int) -> int:
-    """Start a run of an exec'd program with EXEC (see services/sandbox_exec.c): its fds 0-4 the
-    run's, 5 `setup`, 6 and 7 the slot's namespaces; returns its pid."""
-    ns = [NETNS[req["uid"]], MNTNS[req["uid"]]] if req["namespaces"] else []
-    targets = [*range(len(fds)), *range(5, 6 + len(ns))]  # fds: 4 of them, or 5 with tests
-    # above any number the child's fds take, so no dup2 below overwrites a source still to come
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in [*fds, setup, *ns]]
-    uid = req["uid"] if req["uid"] is not None else -1
-    rlimits = [str(x) for name, v in req["rlimits"].items() for x in (getattr(resource, name), v)]
-    argv = [
-        *(EXEC, str(int(req["namespaces"])), str(uid), req["cwd"], str(len(req["cgroups"])), *req["cgroups"]),
-        *(str(len(req["tmpfs"])), *(x for pair in req["tmpfs"] for x in pair), str(len(req["rlimits"])), *rlimits),
-        *(FILTER_HEX, "--", *req["argv"]),
-    ]
-    try:
-        return os.posix_spawn(
-            EXEC,
-            argv,
-            req["env"],
-            file_actions=[(os.POSIX_SPAWN_DUP2, fd, i) for fd, i in zip(high, targets)],
-            setsid=True,
-            setsigmask=(),
-            setsigdef=SIGNALS,
-        )
-    finally:
-        for fd in high:
-            os.close(fd)
-
-
 def limit(req: dict) -> None:
     """The program's process: its rlimits, its directory, the slot's uid, the syscall filter."""
     for name, value in req["rlimits"].items():
@@ -394,14 +361,7 @@ def setup_error(fd: int) -> str | None:
 
 
 def start(req: dict, fds: list[int], setup: int, sock: socket.socket) -> int:
-    """Start a run: by EXEC, or forked (a Python program; the request's files to copy, which EXEC
-    does not do; a slot whose namespaces failed, which run() reports; EXEC failing to start)."""
-    by_exec = EXEC and not req["python"] and not req["copy"]
-    if by_exec and (not req["namespaces"] or req["uid"] in MNTNS):
-        try:
-            return spawn_exec(req, fds, setup)
-        except OSError:
-            pass
+    """Start a run, forked; its pid."""
     pid = os.fork()
     if pid == 0:
         sock.close()
@@ -409,12 +369,29 @@ def start(req: dict, fds: list[int], setup: int, sock: socket.socket) -> int:
     return pid
 
 
-def main(fd: int, syscall_filter: bytes = b"", exec_helper: str = "") -> None:
-    global FILTER, FILTER_HEX, EXEC
+def make_namespaces(req: dict) -> None:
+    """The slot's network and mount namespaces, made once (a run's setns fails with why not)."""
+    try:
+        slot_netns(req["uid"])
+        slot_mntns(req)
+    except OSError as e:
+        SLOT_ERRORS[req["uid"]] = str(e)
+
+
+def send_namespaces(sock: socket.socket, req: dict) -> None:
+    """Answer a pool's {"op": "namespaces"}: the slot's two namespaces' fds, or why there are none."""
+    make_namespaces(req)
+    uid = req["uid"]
+    if uid in MNTNS:
+        socket.send_fds(sock, [json.dumps({"id": req["id"]}).encode()], [NETNS[uid], MNTNS[uid]])
+    else:
+        sock.send(json.dumps({"id": req["id"], "error": SLOT_ERRORS.get(uid, "no namespaces")}).encode())
+
+
+def main(fd: int, syscall_filter: bytes = b"") -> None:
+    global FILTER
     if syscall_filter:
         FILTER = SockFprog(len(syscall_filter) // 8, syscall_filter)
-        FILTER_HEX = syscall_filter.hex()
-    EXEC = exec_helper
     parent = os.getppid()
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")  # the pool's process gone: so is this
     if os.getppid() != parent:
@@ -441,12 +418,11 @@ def main(fd: int, syscall_filter: bytes = b"", exec_helper: str = "") -> None:
             if not msg:
                 return  # the pool is gone
             req = json.loads(msg)
+            if req.get("op") == "namespaces":
+                send_namespaces(sock, req)
+                continue
             if req["namespaces"]:
-                try:
-                    slot_netns(req["uid"])
-                    slot_mntns(req)
-                except OSError as e:  # the run's setns fails and says so
-                    SLOT_ERRORS[req["uid"]] = str(e)
+                make_namespaces(req)
             setup_r, setup_w = os.pipe()
             pid = start(req, fds, setup_w, sock)
             for f in (*fds, setup_w):
@@ -456,4 +432,4 @@ def main(fd: int, syscall_filter: bytes = b"", exec_helper: str = "") -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), bytes.fromhex(sys.argv[2] if len(sys.argv) > 2 else ""), *sys.argv[3:4])
+    main(int(sys.argv[1]), bytes.fromhex(sys.argv[2] if len(sys.argv) > 2 else ""))

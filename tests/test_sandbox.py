@@ -614,14 +614,14 @@ def test_root_never_writes_or_chowns_through_a_symlink_in_a_slot(tmp_path):
 
     victim = tmp_path / "victim"
     victim.write_text("precious")
-    pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=61600))
-    work = pool.dir / "61600"
+    pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=61650))
+    work = pool.dir / "61650"
     work.mkdir(mode=0o750, exist_ok=True)
     (work / "main.py").symlink_to(victim)
     (work / "files").mkdir(exist_ok=True)
     (work / "files" / "data.txt").symlink_to(victim)
     pool.namespaces = True
-    pool._write_files(work, sb._Request("print(1)", "python", b"", files={"data.txt": b"mine"}), 61600)
+    pool._write_files(work, sb._Request("print(1)", "python", b"", files={"data.txt": b"mine"}), 61650)
     assert victim.read_text() == "precious" and victim.stat().st_uid == os.geteuid()
     assert (work / "main.py").read_text() == "print(1)" and not (work / "main.py").is_symlink()
     sb._empty(work)
