@@ -249,7 +249,7 @@ class Sandbox(ForgeActor):
     async def __cleanup__(self, exc: Exception | None) -> None:
         await self.pool.stop()
 
-    @concurrent_endpoint(instrument=False)  # no telemetry span per run: a short run's largest cost after its own
+    @concurrent_endpoint(instrument=False)  # no telemetry span per run: ~0.1 ms of a short run's ~3 ms of CPU
     async def run(
         self,
         code: str,
@@ -796,13 +796,18 @@ def _rewrite(path: Path, data: bytes) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError:  # a symlink
         return _write_new(path, data)
-    with open(fd, "wb") as f:
+    try:
         st = os.fstat(fd)
-        if st.st_nlink == 1 and st.st_uid == os.geteuid():
-            f.truncate(0)
-            f.write(data)
-            return None
-    return _write_new(path, data)
+        if st.st_nlink != 1 or st.st_uid != os.geteuid():
+            return _write_new(path, data)
+        # over the old bytes, then cut to length: ext4 flushes a file truncated to 0 when closed
+        view, done = memoryview(data), 0
+        while done < len(data):
+            done += os.pwrite(fd, view[done:], done)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+    return None
 
 
 def _empty(directory: Path, keep: str | None = None) -> None:

@@ -7,7 +7,7 @@
  * feature probes trap to the hypervisor in a VM) and its pages' faults in each of the three
  * processes cost as much again as the rest of the helper.
  *
- *   sandbox_exec SPEC... -- PROGRAM ARGS...   (spawned by the launcher, its session leader)
+ *   sandbox_exec SPEC... -- PROGRAM ARGS...   (spawned by the sandbox's pool, its session leader)
  *   fds: 0-4 the run's stdin, stdout, stderr, report, tests; 5 the set-up pipe (why the sandbox
  *   could not be set up; closed before the program runs); 6 and 7 the slot's network and mount
  *   namespaces (namespaces only). SPEC, in order:
@@ -234,7 +234,7 @@ static void start(int argc, char **argv, char **envp) {
     struct spec s;
     long parent = sys(__NR_getppid);
     if (sys(__NR_fcntl, SETUP_FD, F_SETFD, FD_CLOEXEC) != 0) leave(SETUP_FAILED);
-    check(sys(__NR_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "pdeathsig"); /* the launcher gone: so is the run */
+    check(sys(__NR_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "pdeathsig"); /* the pool's thread gone: so is the run */
     if (sys(__NR_getppid) != parent) leave(SETUP_FAILED);
     if (parse(argc, argv, &s) != 0) fail("the launcher's arguments", -22);
     unsigned short len = parse_filter(s.filter, FILTER);
@@ -247,7 +247,7 @@ static void start(int argc, char **argv, char **envp) {
         check(sys(__NR_setns, MNTNS_FD, CLONE_NEWNS), "setns (the slot's mount namespace)");
         check(sys(__NR_chdir, "/"), "chdir /");
     }
-    check(sys(__NR_close_range, SETUP_FD + 1, ~0U, 0), "close the launcher's fds");
+    check(sys(__NR_close_range, SETUP_FD + 1, ~0U, 0), "close the spawner's fds");
     if (s.namespaces) {
         check(sys(__NR_unshare, CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWPID), "unshare");
         long child = fork_();

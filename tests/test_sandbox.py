@@ -627,6 +627,33 @@ def test_root_never_writes_or_chowns_through_a_symlink_in_a_slot(tmp_path):
     sb._empty(work)
 
 
+def test_a_run_never_reads_the_slots_previous_program(loop):
+    """A slot keeps its program's file between runs (written over in place): a later run of the
+    slot, in either language, finds neither the previous program's code nor its other-language file."""
+    from services import sandbox as sb
+
+    async def runs() -> list:
+        pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=61660))
+        await pool.start()
+        try:
+            look = 'cat "$(dirname "$0")"/main.py "$(dirname "$0")"/main.sh 2>/dev/null'
+            return [
+                await pool.run("print('SECRET-ONE-' * 40)", "python"),
+                await pool.run(look, "bash"),
+                await pool.run("echo SECRET-TWO-SECRET-TWO-SECRET-TWO", "bash"),
+                await pool.run("import pathlib; print(pathlib.Path(__file__).with_name('main.sh').exists())", "python"),
+                await pool.run("echo x", "bash"),
+                await pool.run(look, "bash"),
+            ]
+        finally:
+            await pool.stop()
+
+    one, looked, two, sees_sh, _, looked_again = loop.run_until_complete(runs())
+    assert one.status == two.status == "ok" and "SECRET" not in looked.stdout, looked
+    assert looked.stdout.startswith("cat "), looked  # it reads the slot's directory: its own program, only
+    assert sees_sh.stdout == "False\n" and "SECRET" not in looked_again.stdout, (sees_sh, looked_again)
+
+
 # ---- second round: the kernel's surface, the CPU, the grader, the tests file, the hash seed ---
 
 # Raw syscalls (x86_64 numbers): each printed with its errno (0: it worked). Creating a user
@@ -941,9 +968,12 @@ def test_exec_d_programs_are_isolated_alike_with_or_without_the_exec_helper():
         finally:
             if not helper:
                 sb._build_exec_helper = pool_build
+        leak = os.open(os.devnull, os.O_RDONLY)  # an fd of the pool's process, inheritable: never the program's
+        os.set_inheritable(leak, True)
         try:
             assert (pool.exec_helper is not None) == helper
             probe = await pool.run(EXEC_PROBE, "bash")
+            os.close(leak)
             left = sb._pids_of_uid(uid_base)
             timeout = await pool.run("setsid sleep 100 & sleep 100", "bash", run_timeout=0.5)
             own_125 = await pool.run("exit 125", "bash")
