@@ -432,8 +432,9 @@ class SandboxPool:
         uid = spec["uid"]
         if spec["namespaces"] and uid not in self.slot_namespaces:
             self.slot_namespaces[uid] = await self.launcher.namespaces(spec)
+        cgroups = self.cgroups.procs_fds(uid) if self.cgroups is not None else []
         try:
-            return _spawn_exec(self.exec_helper, self.seccomp, spec, fds, self.slot_namespaces.get(uid, []))
+            return _spawn_exec(self.exec_helper, self.seccomp, spec, fds, self.slot_namespaces.get(uid, []), cgroups)
         except OSError:  # the helper could not be started (e.g. removed): the launcher's forks
             return await self.launcher.spawn(spec, fds)
 
@@ -459,9 +460,9 @@ class SandboxPool:
                 _write_new(own / name, content)
             if self.root:  # lchown: a symlink left in the slot's directory is never followed as root
                 owned = [own, *own.rglob("*")] if req.files or own == work else []
-                for path in (work, main):
+                for path, mode in ((work, 0o750), (main, 0o640)):
                     os.lchown(path, uid if path in owned else 0, uid)
-                    path.chmod(0o750 if path.is_dir() else 0o640)
+                    os.chmod(path, mode)
                 for path in owned:
                     os.lchown(path, uid, uid)
         except OSError as e:
@@ -627,19 +628,21 @@ _FREESTANDING = ["-O2", "-static", "-nostdlib", "-ffreestanding", "-fno-stack-pr
 _SIGNALS = set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
 
 
-def _spawn_exec(helper: Path, seccomp: bytes | None, spec: dict, fds: list[int], namespaces: list[int]) -> _Started:
+def _spawn_exec(
+    helper: Path, seccomp: bytes | None, spec: dict, fds: list[int], namespaces: list[int], cgroups: list[int]
+) -> _Started:
     """Start a run of an exec'd program from the helper (services/sandbox_exec.c says how): fds
     0-4 the run's (4 of them, or 5 with tests), 5 its set-up pipe, 6 and 7 the slot's
-    namespaces. Its exit is seen on a pidfd."""
+    namespaces, from 8 its cgroup.procs files. Its exit is seen on a pidfd."""
     setup_r, setup_w = os.pipe()
-    targets = [*range(len(fds)), *range(5, 6 + len(namespaces))]
+    targets = [*range(len(fds)), 5, *range(6, 6 + len(namespaces)), *range(8, 8 + len(cgroups))]
     # above any number the child's fds take, so no dup2 below overwrites a source still to come
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in [*fds, setup_w, *namespaces]]
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in [*fds, setup_w, *namespaces, *cgroups]]
     uid = spec["uid"] if spec["uid"] is not None else -1
     rlimits = [str(x) for name, v in spec["rlimits"].items() for x in (getattr(resource, name), v)]
     argv = [
-        *(str(helper), str(int(spec["namespaces"])), str(uid), spec["cwd"], str(len(spec["cgroups"]))),
-        *(*spec["cgroups"], str(len(spec["tmpfs"])), *(x for pair in spec["tmpfs"] for x in pair)),
+        *(str(helper), str(int(spec["namespaces"])), str(uid), spec["cwd"], str(len(cgroups))),
+        *(str(len(spec["tmpfs"])), *(x for pair in spec["tmpfs"] for x in pair)),
         *(str(len(spec["rlimits"])), *rlimits, seccomp.hex() if seccomp else "-", "--", *spec["argv"]),
     ]
     try:

@@ -38,6 +38,7 @@ class SlotCgroups:
         self.dirs, self.v2 = dirs, v2  # "memory"/"pids"/"cpu" -> the base directory in that hierarchy
         self.limits: dict[int, tuple] = {}  # uid -> the limits its cgroups have
         self.events: dict[int, int] = {}  # uid -> an fd of its memory cgroup's events
+        self.procs: dict[int, list[int]] = {}  # uid -> fds of its cgroup.procs files
 
     @property
     def cpu(self) -> bool:
@@ -90,6 +91,13 @@ class SlotCgroups:
             procs.append(str(d / str(uid) / "cgroup.procs"))
         return procs
 
+    def procs_fds(self, uid: int) -> list[int]:
+        """The slot's cgroup.procs files, open for writing (kept: a run's first process joins by
+        writing its pid to these, where opening their long paths cost it more than the write)."""
+        if uid not in self.procs:
+            self.procs[uid] = [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in self.slot(uid)]
+        return self.procs[uid]
+
     def limit(self, uid: int, memory_bytes: int, pids: int, cpu_cores: float = 1.0) -> None:
         """A run's limits: `memory_bytes` (no swap beyond it), `pids` processes at once and
         `cpu_cores` of CPU time per wall second, all its processes together."""
@@ -136,9 +144,10 @@ class SlotCgroups:
 
     def remove(self) -> None:
         """Remove the slots' cgroups (their processes are gone), then the base."""
-        for fd in self.events.values():
+        for fd in [*self.events.values(), *(fd for fds in self.procs.values() for fd in fds)]:
             os.close(fd)
         self.events.clear()
+        self.procs.clear()
         for d in set(self.dirs.values()):
             for child in d.glob("*/"):
                 if child.is_dir():

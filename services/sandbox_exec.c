@@ -10,8 +10,8 @@
  *   sandbox_exec SPEC... -- PROGRAM ARGS...   (spawned by the sandbox's pool, its session leader)
  *   fds: 0-4 the run's stdin, stdout, stderr, report, tests; 5 the set-up pipe (why the sandbox
  *   could not be set up; closed before the program runs); 6 and 7 the slot's network and mount
- *   namespaces (namespaces only). SPEC, in order:
- *     NAMESPACES(0|1) UID(-1: keep) CWD NCGROUPS PROCS... NTMPFS (TARGET OPTIONS)...
+ *   namespaces (namespaces only); from 8, NCGROUPS cgroup.procs files to join. SPEC, in order:
+ *     NAMESPACES(0|1) UID(-1: keep) CWD NCGROUPS NTMPFS (TARGET OPTIONS)...
  *     NRLIMITS (RESOURCE VALUE)... FILTER(hex, or -)
  * Exits with the program's code, 128 + the signal that ended it, or 125 if set-up failed.
  */
@@ -99,7 +99,7 @@ static char *decimal(u64 v, char *end) {
 static void __attribute__((noreturn)) leave(int code) {
     for (;;) sys(__NR_exit_group, code);
 }
-enum { SETUP_FD = 5, NETNS_FD = 6, MNTNS_FD = 7, SETUP_FAILED = 125 };
+enum { SETUP_FD = 5, NETNS_FD = 6, MNTNS_FD = 7, CGROUPS_FD = 8, SETUP_FAILED = 125 };
 
 /* The names of the errors a set-up step may meet; others by number. */
 static const char *const ERRORS[] = {
@@ -141,9 +141,13 @@ static void __attribute__((noreturn)) exit_as(long pid) {
     leave(signal ? 128 + signal : (status >> 8) & 0xff);
 }
 
+static void write_fd(long fd, const char *text, const char *what) {
+    check(sys(__NR_write, fd, text, length(text)), what);
+}
+
 static void write_file(const char *path, const char *text) {
     long fd = check(sys(__NR_openat, AT_FDCWD, path, O_WRONLY | O_CLOEXEC), path);
-    check(sys(__NR_write, fd, text, length(text)), path);
+    write_fd(fd, text, path);
     sys(__NR_close, fd);
 }
 
@@ -172,7 +176,7 @@ struct spec {
     long uid;
     const char *cwd;
     int ncgroups, ntmpfs, nrlimits;
-    char **cgroups, **tmpfs, **rlimits;
+    char **tmpfs, **rlimits;
     const char *filter;
     char **argv;
 };
@@ -189,8 +193,7 @@ static int parse(int argc, char **argv, struct spec *s) {
     s->namespaces = (int)integer(argv[i++]);
     s->uid = integer(argv[i++]);
     s->cwd = argv[i++];
-    s->cgroups = argv + i + 1;
-    if ((i = count(i, argc, argv, 1, &s->ncgroups)) < 0) return -1;
+    if ((i = count(i, argc, argv, 0, &s->ncgroups)) < 0) return -1;
     s->tmpfs = argv + i + 1;
     if ((i = count(i, argc, argv, 2, &s->ntmpfs)) < 0) return -1;
     s->rlimits = argv + i + 1;
@@ -240,7 +243,7 @@ static void start(int argc, char **argv, char **envp) {
     unsigned short len = parse_filter(s.filter, FILTER);
     char pid[24];
     const char *self = decimal((u64)sys(__NR_getpid), pid + sizeof pid);
-    for (int i = 0; i < s.ncgroups; i++) write_file(s.cgroups[i], self); /* the slot's limits hold over all it forks */
+    for (int i = 0; i < s.ncgroups; i++) write_fd(CGROUPS_FD + i, self, "join the slot's cgroup"); /* its limits hold over all it forks */
     write_file("/proc/self/oom_score_adj", "1000");                     /* out of memory, the run dies first */
     if (s.namespaces) {
         check(sys(__NR_setns, NETNS_FD, CLONE_NEWNET), "setns (the slot's network namespace)");
