@@ -41,8 +41,10 @@ CONCURRENCY = (1, 8, 32)
 
 
 def runs_for(program: str, concurrency: int, quick: bool) -> int:
+    # A trial long enough (20 runs per slot) that its start and its tail, when fewer than
+    # `concurrency` runs are in flight, weigh little beside its steady state.
     if program.endswith("trivial"):
-        return (8 if quick else 40) * max(1, concurrency // 4)
+        return (8 if quick else 40) * max(1, concurrency // 2)
     return max(2, concurrency * (1 if quick else 3))
 
 
