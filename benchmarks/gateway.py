@@ -4,8 +4,11 @@ HTTP, vLLM's serving layer, the recording) and straight through `gen.generate.ro
     python -m benchmarks.gateway [--quick]       # or: forge bench gateway
 
 - Throughput: SESSIONS concurrent sessions, each sending `turns` requests of MAX_TOKENS tokens
-  (EOS ignored, so both sides generate the same number of tokens); rounds of the two sides
-  alternate and their medians are compared. Goal: gateway >= 0.9 of direct.
+  (EOS ignored, so every side generates the same number of tokens); rounds of the sides
+  alternate and their medians are compared. Goal: gateway >= 0.9 of direct. A third side,
+  `engine`, sends the same requests through the gateway's engine client (vLLM's rendered
+  prompt and SamplingParams, streamed back from the generator through a Monarch port) without
+  HTTP, the `openai` client or vLLM's serving layer: what forge's own path costs.
 - Added latency per call: one request at a time, gateway and direct alternating; the
   difference of each pair, p50 and p99; and the controller's CPU time per call on each side.
 Two models: the 2.4M-parameter tiny model, whose engine is so cheap that the gateway's Python
@@ -21,6 +24,7 @@ import asyncio
 import statistics
 import sys
 import time
+import uuid
 
 from benchmarks.common import parse_args, tiny_model, write_result
 
@@ -51,6 +55,7 @@ def percentile(xs: list[float], q: float) -> float:
 async def measure(model: str, turns: int, rounds: int, pairs: int) -> dict:
     import openai
     from transformers import AutoTokenizer
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     from services.gateway import Gateway
     from services.generator import Generator
@@ -73,32 +78,41 @@ async def measure(model: str, turns: int, rounds: int, pairs: int) -> dict:
     async def direct(*_) -> int:
         return len((await gen.generate.route(ids, sampling=sampling))[0].token_ids)
 
+    async def via_engine(*_) -> int:
+        params = SamplingParams(
+            max_tokens=MAX_TOKENS, ignore_eos=True, temperature=1.0, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        outputs = [
+            o async for o in gw.engine_client.generate({"prompt_token_ids": list(ids)}, params, uuid.uuid4().hex)
+        ]
+        return len(outputs[-1].outputs[0].token_ids)  # FINAL_ONLY: the one output
+
     async def session_loop(call, session: str | None, client) -> int:
         return sum([await call(session, client) for _ in range(turns)])
 
-    cpu: dict[str, list[float]] = {"gateway": [], "direct": []}  # this process's CPU ms per call
+    sides = {"gateway": via_gateway, "engine": via_engine, "direct": direct}
+    cpu: dict[str, list[float]] = {side: [] for side in sides}  # this process's CPU ms per call
 
-    async def round_of(call) -> float:
+    async def round_of(side: str) -> float:
+        call = sides[side]
         sessions = [gw.open_session() for _ in range(SESSIONS)] if call is via_gateway else [None] * SESSIONS
         clients = [openai.AsyncOpenAI(base_url=gw.base_url, api_key=s or "-", max_retries=0) for s in sessions]
         start, cpu_start = time.perf_counter(), time.process_time()
         tokens = sum(await asyncio.gather(*(session_loop(call, s, c) for s, c in zip(sessions, clients))))
         seconds = time.perf_counter() - start
-        cpu["gateway" if call is via_gateway else "direct"].append(
-            1000 * (time.process_time() - cpu_start) / (SESSIONS * turns)
-        )
+        cpu[side].append(1000 * (time.process_time() - cpu_start) / (SESSIONS * turns))
         for s in sessions:
             if s is not None:
                 await gw.finish(s)
         return tokens / seconds
 
+    rates: dict[str, list[float]] = {side: [] for side in sides}
     try:
-        await round_of(via_gateway)  # warm-up: HTTP connections, vLLM's serving caches
-        await round_of(direct)
-        gateway_rates, direct_rates = [], []
+        for side in sides:  # warm-up: HTTP connections, vLLM's serving caches
+            await round_of(side)
         for _ in range(rounds):
-            gateway_rates.append(await round_of(via_gateway))
-            direct_rates.append(await round_of(direct))
+            for side in sides:
+                rates[side].append(await round_of(side))
         session = gw.open_session()
         client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=session, max_retries=0)
         added = []
@@ -113,15 +127,17 @@ async def measure(model: str, turns: int, rounds: int, pairs: int) -> dict:
     finally:
         await gw.shutdown()
         await gen.shutdown()
-    g, d = statistics.median(gateway_rates), statistics.median(direct_rates)
+    g, e, d = (statistics.median(rates[side]) for side in sides)
     return {
         "gateway_tokens_per_s": g,
+        "engine_tokens_per_s": e,
         "direct_tokens_per_s": d,
         "gateway_fraction_of_direct": g / d,
+        "engine_fraction_of_direct": e / d,
         "added_latency_ms_p50": 1000 * percentile(added, 0.5),
         "added_latency_ms_p99": 1000 * percentile(added, 0.99),
         "controller_cpu_ms_per_call": {k: statistics.median(v) for k, v in cpu.items()},
-        "rounds": {"gateway": gateway_rates, "direct": direct_rates},
+        "rounds": rates,
         "workload": {"sessions": SESSIONS, "turns": turns, "max_tokens": MAX_TOKENS, "latency_pairs": pairs},
     }
 
@@ -134,15 +150,16 @@ def main(argv: list[str] | None = None) -> dict:
         for name, (dims, turns) in models.items()
     }
     print(
-        f"{'model':<12}{'gateway tok/s':>15}{'direct tok/s':>14}{'fraction':>10}{'added p50 ms':>14}"
-        f"{'added p99 ms':>14}{'cpu ms/call gw':>16}{'direct':>8}"
+        f"{'model':<12}{'gateway tok/s':>15}{'engine':>8}{'direct':>8}{'fraction':>10}{'engine':>8}"
+        f"{'added p50 ms':>14}{'added p99 ms':>14}{'cpu ms/call gw':>16}{'engine':>8}{'direct':>8}"
     )
     for name, r in rows.items():
         c = r["controller_cpu_ms_per_call"]
         print(
-            f"{name:<12}{r['gateway_tokens_per_s']:>15.0f}{r['direct_tokens_per_s']:>14.0f}"
-            f"{r['gateway_fraction_of_direct']:>10.2f}{r['added_latency_ms_p50']:>14.1f}"
-            f"{r['added_latency_ms_p99']:>14.1f}{c['gateway']:>16.2f}{c['direct']:>8.2f}"
+            f"{name:<12}{r['gateway_tokens_per_s']:>15.0f}{r['engine_tokens_per_s']:>8.0f}{r['direct_tokens_per_s']:>8.0f}"
+            f"{r['gateway_fraction_of_direct']:>10.2f}{r['engine_fraction_of_direct']:>8.2f}"
+            f"{r['added_latency_ms_p50']:>14.1f}{r['added_latency_ms_p99']:>14.1f}"
+            f"{c['gateway']:>16.2f}{c['engine']:>8.2f}{c['direct']:>8.2f}"
         )
     last = rows[list(rows)[-1]]
     result = {

@@ -27,9 +27,9 @@ def true_values(sampled: list[int], right: list[int], step_p: torch.Tensor) -> l
     ]
 
 
-def samples(model, tok, prompts: int) -> tuple[list[Episode], list[float], list[list[float]]]:
+def samples(model, tok, prompts: int, seed: int = 7) -> tuple[list[Episode], list[float], list[list[float]]]:
     task, episodes, rewards, values = get_task("reverse"), [], [], []
-    for s in generate("reverse", prompts, seed=7):
+    for s in generate("reverse", prompts, seed=seed):
         p = tok(s.prompt)["input_ids"]
         right = tok(s.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         with torch.no_grad():
