@@ -239,7 +239,7 @@ static void start(int argc, char **argv, char **envp) {
     if (sys(__NR_fcntl, SETUP_FD, F_SETFD, FD_CLOEXEC) != 0) leave(SETUP_FAILED);
     check(sys(__NR_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "pdeathsig"); /* the pool's thread gone: so is the run */
     if (sys(__NR_getppid) != parent) leave(SETUP_FAILED);
-    if (parse(argc, argv, &s) != 0) fail("the launcher's arguments", -22);
+    if (parse(argc, argv, &s) != 0) fail("the helper's arguments", -22);
     unsigned short len = parse_filter(s.filter, FILTER);
     char pid[24];
     const char *self = decimal((u64)sys(__NR_getpid), pid + sizeof pid);
