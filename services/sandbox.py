@@ -159,28 +159,28 @@ class _Launcher:
         self.sock = ours
         asyncio.get_running_loop().add_reader(ours.fileno(), self._receive)
 
-    async def spawn(self, spec: dict, fds: list[int]) -> _Started:
+    def _send(self, request: dict, fds: list[int]) -> int:
+        """Send `request` (with `fds`) to the launcher; its id, which the answers carry."""
         if self.sock is None:
             raise SandboxError("sandbox: the launcher is not running")
-        loop = asyncio.get_running_loop()
         run_id = next(self.ids)
-        started, exited = loop.create_future(), loop.create_future()
-        self.waiting[run_id] = (started, exited)
         try:
-            socket.send_fds(self.sock, [json.dumps({**spec, "id": run_id}).encode()], fds)
+            socket.send_fds(self.sock, [json.dumps({**request, "id": run_id}).encode()], fds)
         except OSError as e:
-            self.waiting.pop(run_id)
             raise SandboxError(f"sandbox: the launcher does not answer: {e}") from e
+        return run_id
+
+    async def spawn(self, spec: dict, fds: list[int]) -> _Started:
+        loop = asyncio.get_running_loop()
+        started, exited = loop.create_future(), loop.create_future()
+        self.waiting[self._send(spec, fds)] = (started, exited)  # answered on this loop, after this
         return _Started(await started, exited)
 
     async def namespaces(self, spec: dict) -> list[int]:
         """A slot's network and mount namespaces (fds, the caller's to close), made by the launcher."""
-        if self.sock is None:
-            raise SandboxError("sandbox: the launcher is not running")
-        run_id = next(self.ids)
-        self.asked[run_id] = asyncio.get_running_loop().create_future()
-        self.sock.send(json.dumps({**spec, "op": "namespaces", "id": run_id}).encode())
-        return await self.asked[run_id]
+        asked = asyncio.get_running_loop().create_future()
+        self.asked[self._send({**spec, "op": "namespaces"}, [])] = asked
+        return await asked
 
     def _receive(self) -> None:
         try:
@@ -425,8 +425,8 @@ class SandboxPool:
         return self._result(run.returncode, out, err, wall, timed_out, truncated, req, report, oom)
 
     async def _start(self, spec: dict, fds: list[int]) -> _Started:
-        """Start a run: an exec'd program from the helper, spawned here (a posix_spawn, where the
-        launcher's Python would cost as much again), else by the launcher."""
+        """Start a run: an exec'd program from the helper, spawned here (no round trip through the
+        launcher's Python), else by the launcher."""
         if self.exec_helper is None or spec["python"] or spec["copy"]:  # the helper copies no files
             return await self.launcher.spawn(spec, fds)
         uid = spec["uid"]
