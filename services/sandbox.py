@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import fcntl
 import hashlib
 import itertools
@@ -403,7 +404,7 @@ class SandboxPool:
                 await self.launcher.start(self.python, self.seccomp)
             if self.cgroups is not None:
                 self.cgroups.limit(uid, req.memory_mb << 20, self.cfg.max_processes, self.cfg.cpu_cores)
-            run = await self._start(self._spec(work, req, uid, argv), theirs)
+            run = await self._started(self._spec(work, req, uid, argv), theirs, uid)
             for fd in theirs:
                 os.close(fd)
             theirs = []
@@ -423,6 +424,21 @@ class SandboxPool:
             kills = self.cgroups.oom_kills(uid)
             oom, self.oom_kills[uid] = kills > self.oom_kills.get(uid, 0), kills
         return self._result(run.returncode, out, err, wall, timed_out, truncated, req, report, oom)
+
+    async def _started(self, spec: dict, fds: list[int], uid: int) -> _Started:
+        """`_start`, carried through if the caller gives up meanwhile (its answer from the launcher
+        is on its way): the run it started is then killed, and gone before the slot is free."""
+        starting = asyncio.ensure_future(self._start(spec, fds))
+        try:
+            return await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                run = await starting
+                self._kill(run.pid, uid)
+                await run.exited
+                if self.root:
+                    await _gone(uid)
+            raise
 
     async def _start(self, spec: dict, fds: list[int]) -> _Started:
         """Start a run: an exec'd program from the helper, spawned here (no round trip through the

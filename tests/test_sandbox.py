@@ -5,6 +5,7 @@ opens on 127.0.0.1."""
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import os
 import shutil
@@ -652,6 +653,56 @@ def test_a_run_never_reads_the_slots_previous_program(loop):
     assert one.status == two.status == "ok" and "SECRET" not in looked.stdout, looked
     assert looked.stdout.startswith("cat "), looked  # it reads the slot's directory: its own program, only
     assert sees_sh.stdout == "False\n" and "SECRET" not in looked_again.stdout, (sees_sh, looked_again)
+
+
+def open_fds() -> set[str]:
+    """What this process's descriptors refer to (each with its number)."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            fds.add(f"{os.readlink(f'/proc/self/fd/{fd}')} (fd {fd})")
+    return fds
+
+
+@pytest.mark.parametrize("language", ["python", "bash"])
+def test_a_caller_that_gives_up_while_its_run_starts_leaves_nothing(loop, language):
+    """The caller is cancelled after the run's start was asked of the launcher (a Python
+    program's fork, or the namespaces of a slot before its first exec'd program) and before the
+    answer: the run that starts is killed and gone before the slot serves again, no answer comes
+    to a future nobody awaits, and no descriptor is left open."""
+    from services import sandbox as sb
+
+    uids = [61670, 61671]  # the probe at start takes the first: the call below gets the second, new
+    errors = []
+    code = "import time; time.sleep(30)" if language == "python" else "sleep 30"
+
+    async def scenario() -> tuple:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: errors.append(ctx.get("message")))
+        fds_before = open_fds()
+        pool = sb.SandboxPool(SandboxConfig(workers=2, uid_base=uids[0]))
+        await pool.start()
+        try:
+            pending = pool.launcher.waiting if language == "python" else pool.launcher.asked
+            task = asyncio.ensure_future(pool.run(code, language))
+            deadline = time.monotonic() + 10
+            while not pending and time.monotonic() < deadline:  # asked of the launcher, not yet answered
+                await asyncio.sleep(0)
+            assert pending, "the run never asked the launcher"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.3)  # where the run was left to itself, it has started by now
+            left = [p for uid in uids for p in sb._pids_of_uid(uid)]
+            after = [await pool.run("echo next", "bash") for _ in uids]  # each slot serves again
+        finally:
+            await pool.stop()
+        await asyncio.sleep(0.2)  # a late answer would land by now
+        # but the pool's locks on its directory and uids, held while this process lives
+        return left, after, [f for f in open_fds() - fds_before if not f.startswith(str(pool.dir.parent))]
+
+    left, after, leaked = loop.run_until_complete(scenario())
+    assert left == [], f"the cancelled run's processes outlived the call: {left}"
+    assert [r.stdout for r in after] == ["next\n"] * 2 and errors == [] and leaked == [], (after, errors, leaked)
 
 
 # ---- second round: the kernel's surface, the CPU, the grader, the tests file, the hash seed ---
