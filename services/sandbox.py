@@ -650,10 +650,7 @@ def _spawn_exec(
     """Start a run of an exec'd program from the helper (services/sandbox_exec.c says how): fds
     0-4 the run's (4 of them, or 5 with tests), 5 its set-up pipe, 6 and 7 the slot's
     namespaces, from 8 its cgroup.procs files. Its exit is seen on a pidfd."""
-    setup_r, setup_w = os.pipe()
     targets = [*range(len(fds)), 5, *range(6, 6 + len(namespaces)), *range(8, 8 + len(cgroups))]
-    # above any number the child's fds take, so no dup2 below overwrites a source still to come
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in [*fds, setup_w, *namespaces, *cgroups]]
     uid = spec["uid"] if spec["uid"] is not None else -1
     rlimits = [str(x) for name, v in spec["rlimits"].items() for x in (getattr(resource, name), v)]
     argv = [
@@ -661,7 +658,12 @@ def _spawn_exec(
         *(str(len(spec["tmpfs"])), *(x for pair in spec["tmpfs"] for x in pair)),
         *(str(len(spec["rlimits"])), *rlimits, seccomp.hex() if seccomp else "-", "--", *spec["argv"]),
     ]
+    setup_r, setup_w = os.pipe()
+    high: list[int] = []
     try:
+        for fd in [*fds, setup_w, *namespaces, *cgroups]:
+            # above any number the child's fds take, so no dup2 below overwrites a source still to come
+            high.append(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64))
         pid = os.posix_spawn(
             str(helper),
             argv,
@@ -677,7 +679,14 @@ def _spawn_exec(
     finally:
         for fd in [*high, setup_w]:
             os.close(fd)
-    loop, pidfd = asyncio.get_running_loop(), os.pidfd_open(pid)
+    loop = asyncio.get_running_loop()
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError as e:  # started, but not to be watched: it ends here (not started again elsewhere)
+        _signal(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(setup_r)
+        raise SandboxError(f"sandbox: could not watch the run's process: {e}") from e
     exited = loop.create_future()
 
     def reap() -> None:

@@ -705,6 +705,55 @@ def test_a_caller_that_gives_up_while_its_run_starts_leaves_nothing(loop, langua
     assert [r.stdout for r in after] == ["next\n"] * 2 and errors == [] and leaked == [], (after, errors, leaked)
 
 
+def test_a_run_whose_start_fails_midway_leaves_nothing_and_never_runs_twice(loop, monkeypatch):
+    """The pool's own calls fail while it starts an exec'd program: a descriptor not duplicated
+    (nothing started: the launcher's fork runs it, no descriptor left open), or the started
+    helper's process not watchable (the run fails with why, its process is killed and reaped, and
+    it is not started a second time by the launcher)."""
+    from services import sandbox as sb
+
+    uid = 61680
+    real_fcntl, real_pidfd_open = sb.fcntl.fcntl, sb.os.pidfd_open
+    failures = {"fcntl": 0, "pidfd_open": 0}
+
+    def fcntl(fd, cmd, arg=0):
+        if cmd == sb.fcntl.F_DUPFD_CLOEXEC and failures["fcntl"]:
+            failures["fcntl"] -= 1
+            if failures["fcntl"] == 0:  # the third duplicate of the run
+                raise OSError(24, "Too many open files")
+        return real_fcntl(fd, cmd, arg)
+
+    def pidfd_open(pid, flags=0):
+        if failures["pidfd_open"]:
+            failures["pidfd_open"] = 0
+            raise OSError(24, "Too many open files")
+        return real_pidfd_open(pid, flags)
+
+    async def scenario() -> tuple:
+        pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=uid))
+        await pool.start()
+        try:
+            await pool.run("echo warm", "bash")  # the slot's namespaces exist
+            before = open_fds()
+            monkeypatch.setattr(sb.fcntl, "fcntl", fcntl)
+            monkeypatch.setattr(sb.os, "pidfd_open", pidfd_open)
+            failures["fcntl"] = 3
+            dup_failed = await pool.run("echo once", "bash")
+            failures["pidfd_open"] = 1
+            with pytest.raises(sb.SandboxError, match="could not watch the run's process: .*Too many open files"):
+                await pool.run("sleep 30", "bash")
+            left = sb._pids_of_uid(uid)
+            after = await pool.run("echo next", "bash")
+            leaked = [f for f in open_fds() - before if not f.startswith(str(pool.dir.parent))]
+        finally:
+            await pool.stop()
+        return dup_failed, left, after, leaked
+
+    dup_failed, left, after, leaked = loop.run_until_complete(scenario())
+    assert dup_failed.stdout == "once\n" and after.stdout == "next\n", (dup_failed, after)
+    assert left == [] and leaked == [], (left, leaked)
+
+
 # ---- second round: the kernel's surface, the CPU, the grader, the tests file, the hash seed ---
 
 # Raw syscalls (x86_64 numbers): each printed with its errno (0: it worked). Creating a user
