@@ -60,7 +60,10 @@ def batch(vocab: int) -> tuple[list[types.Datum], Datums]:
         data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs))
     fb = types.ForwardBackwardInput(data=data, loss_fn="cross_entropy")
     wire = forward_backward_request_to_proto(types.ForwardBackwardRequest(fb, model_id="m", seq_id=1))
-    return data, decode_forward_backward(wire.SerializeToString(), vocab, Limits(DATUMS, DATUMS * SEQ, SEQ)).datums
+    (_, datums), *_ = decode_forward_backward(
+        wire.SerializeToString(), vocab, Limits(DATUMS, DATUMS * SEQ, SEQ)
+    ).batches
+    return data, datums  # one batch: every datum is SEQ tokens
 
 
 async def measure(quick: bool) -> dict:

@@ -39,6 +39,7 @@ from typing import Any
 import openai
 import torch
 
+from forge.http_bounds import bounded_http
 from forge.schema import ADAPTER_CONFIG
 from forge.types import Episode
 from services.generator import Generator, engine_args
@@ -163,6 +164,8 @@ class _Session:
     inflight: int = 0  # HTTP requests
     generating: int = 0  # generations (a request makes one per prompt)
     tokens: int = 0  # recorded: each turn's prompt and sampled tokens
+    requests: set[str] = field(default_factory=set)  # its generations' ids, while they run
+    closed: bool = False  # finished: nothing more is recorded
 
     def full(self, cfg: GatewayConfig, pending: int) -> str | None:
         """Why the session may start no more work, with `pending` turns on the way; else None."""
@@ -173,6 +176,8 @@ class _Session:
         return None
 
     def record_turn(self, turn: Turn) -> None:
+        if self.closed:  # a generation `finish` stopped: its record was returned without it
+            return
         self.record.turns.append(turn)
         self.tokens += len(turn.prompt_ids) + sum(map(len, turn.token_ids))
 
@@ -221,6 +226,7 @@ class _ServiceEngine:
         ended = False
         if session is not None:
             session.generating += 1
+            session.requests.add(request_id)
         try:
             yielded = False
             while True:
@@ -245,6 +251,7 @@ class _ServiceEngine:
             self._targets.pop(request_id, None)
             if session is not None:
                 session.generating -= 1
+                session.requests.discard(request_id)
             if not ended:  # the client went away (or the call failed): vLLM must stop too
                 call.cancel()
                 await asyncio.shield(_quietly(target.abort.route(request_id)))
@@ -375,14 +382,15 @@ async def _respond(send: Any, refusal: tuple[int, bytes]) -> None:
 
 async def _read_body(receive: Any, limit: int) -> bytes | None:
     """The request's body, or None once it passes `limit` bytes."""
-    body = b""
+    chunks, size = [], 0
     while True:
         message = await receive()
-        body += message.get("body", b"")
-        if len(body) > limit:
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
             return None
         if not message.get("more_body"):
-            return body
+            return b"".join(chunks)
 
 
 def _replay(body: bytes, receive: Any) -> Any:
@@ -437,6 +445,8 @@ def _checked_request(
         parsed = _request_models()[path].model_validate(request)
     except ValueError:  # not JSON, or not a valid request (pydantic's ValidationError is one)
         return body, None
+    except RecursionError:  # JSON nested deeper than any parser here follows
+        return body, _error(400, "the request body is not valid JSON (nested too deeply)", "invalid_request_error")
     # The fields as parsed (`vars`: reading the deprecated max_tokens attribute would warn).
     values = {**vars(parsed), **(parsed.model_extra or {})}
     refusal = _refused_option(values) or _over_limits(values, cfg)
@@ -458,7 +468,7 @@ def _refused_option(values: dict[str, Any]) -> tuple[int, bytes] | None:
 
 
 def _over_limits(values: dict[str, Any], cfg: GatewayConfig) -> tuple[int, bytes] | None:
-    prompt = values.get("prompt")
+    prompt = values.get("prompt") if "messages" not in values else None  # a chat request's extra field: not its prompts
     prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
     choices = (values.get("n") or 1) * prompts
     if choices > cfg.max_n:
@@ -497,26 +507,26 @@ class _Gate:
             )
         if scope["path"] in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        auth = headers.get(b"authorization", b"").decode()
-        token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
-        session, refusal = self.gateway._admit(token)
+        # any bytes a client sends (HTTP allows obs-text); the scheme in any case (RFC 9110)
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").partition(" ")
+        session, refusal = self.gateway._admit(token.strip() if scheme.lower() == "bearer" else None)
         generating = scope["path"] in GENERATION_PATHS
         if refusal is None and generating:
             refusal = self._capacity(session)
-        body = await _read_body(receive, self.gateway.cfg.max_body_bytes) if refusal is None else b""
-        if body is None:
-            limit = self.gateway.cfg.max_body_bytes
-            refusal = _error(
-                400, f"the request body exceeds the gateway's max_body_bytes ({limit})", "invalid_request_error"
-            )
-        elif generating and refusal is None:
-            body, refusal = _checked_request(body, scope["path"], self.gateway.cfg, self.gateway.default_max_tokens)
         if refusal is not None:
             return await _respond(send, refusal)
-        # vLLM names a request by the client's X-Request-Id when there is one: drop it.
-        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"x-request-id"]}
-        await self._forward(scope, _replay(body, receive), send, session, generating)
+        # Its place in the limits is taken now, before its body arrives (checked and taken with
+        # no wait between: no request passes while another's body is on its way).
+        self.inflight += generating
+        if session is not None:
+            session.inflight += 1
+        try:
+            await self._checked_forward(scope, receive, send, session, generating)
+        finally:
+            self.inflight -= generating
+            if session is not None:
+                session.inflight -= 1
+                session.last_used = time.monotonic()
 
     def _capacity(self, session: _Session | None) -> tuple[int, bytes] | None:
         cfg = self.gateway.cfg
@@ -537,18 +547,27 @@ class _Gate:
         full = session.full(cfg, session.inflight) if session is not None else None
         return _error(429, full, "rate_limit_error") if full is not None else None
 
-    async def _forward(self, scope: dict, receive: Any, send: Any, session: _Session | None, generating: bool) -> None:
+    async def _checked_forward(
+        self, scope: dict, receive: Any, send: Any, session: _Session | None, generating: bool
+    ) -> None:
+        """Read the body within the request limits, then hand the request to vLLM's app."""
+        body = await _read_body(receive, self.gateway.cfg.max_body_bytes)
+        refusal = None
+        if body is None:
+            limit = self.gateway.cfg.max_body_bytes
+            refusal = _error(
+                400, f"the request body exceeds the gateway's max_body_bytes ({limit})", "invalid_request_error"
+            )
+        elif generating:
+            body, refusal = _checked_request(body, scope["path"], self.gateway.cfg, self.gateway.default_max_tokens)
+        if refusal is not None:
+            return await _respond(send, refusal)
+        # vLLM names a request by the client's X-Request-Id when there is one: drop it.
+        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"x-request-id"]}
         token_ctx = _SESSION.set(session)
-        self.inflight += generating
-        if session is not None:
-            session.inflight += 1
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, _replay(body, receive), send)
         finally:
-            self.inflight -= generating
-            if session is not None:
-                session.inflight -= 1
-                session.last_used = time.monotonic()
             _SESSION.reset(token_ctx)
 
 
@@ -620,7 +639,13 @@ class Gateway:
         host, port = sock.getsockname()[:2]
         self.base_url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"
         self._server = uvicorn.Server(
-            uvicorn.Config(_Gate(app, self), log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+            uvicorn.Config(
+                _Gate(app, self),
+                log_level="warning",
+                lifespan="on",
+                timeout_graceful_shutdown=2,
+                http=bounded_http(self.cfg.request_deadline_s, self.cfg.max_connections),
+            )
         )
         # The gateway serves inside a run, whose process owns Ctrl-C (it saves a checkpoint):
         # uvicorn would take SIGINT for itself and close the gateway under the run's episodes.
@@ -662,14 +687,17 @@ class Gateway:
         return sid
 
     async def finish(self, session: str, timeout_s: float = 30.0) -> SessionRecord:
-        """Close `session` and return what it recorded (after its calls in flight end)."""
-        s = self.sessions.get(session)
+        """Close `session` (its key is refused from now) and return what it recorded, once its
+        calls in flight end; those still generating after `timeout_s` are stopped, unrecorded."""
+        s = self.sessions.pop(session, None)
         if s is None:
             raise KeyError(f"no open session {session!r} (finished, timed out or never opened)")
         deadline = time.monotonic() + timeout_s
         while s.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        del self.sessions[session]
+        s.closed = True
+        for request_id in list(s.requests):
+            await _quietly(s.target.abort.route(request_id))
         return s.record
 
     def _admit(self, token: str | None) -> tuple[_Session | None, tuple[int, bytes] | None]:

@@ -52,6 +52,7 @@ from forge.types import Completion
 from services.schema import GeneratorConfig
 
 log = logging.getLogger("forge")
+ABORTS_KEPT = 4096  # aborted stream ids a replica remembers (see Generator._aborted)
 
 
 def _lora_args(cfg: GeneratorConfig, loras: list[LoRAConfig]) -> dict[str, Any]:
@@ -120,6 +121,12 @@ def _record(found: tuple[tuple[int, ...], bytes] | None, length: int) -> torch.T
 def _prompt_logprobs(found: list[Any] | None) -> list[dict[int, float] | None]:
     """vLLM's prompt logprobs ({token id: Logprob} per position, None first) as plain floats."""
     return [None if p is None else {t: lp.logprob for t, lp in p.items()} for p in found or []]
+
+
+async def _nothing() -> Any:
+    """No outputs: the stream of a request aborted before it started."""
+    return
+    yield
 
 
 def _preview(prompt: Any) -> str:
@@ -208,6 +215,9 @@ class Generator(ForgeActor):
         self._stage_errors: set[str] = set()
         self._pauses: collections.deque[float] = collections.deque(maxlen=32)
         self._lora_loads: dict[int, asyncio.Future] = {}  # adapter id -> its add_lora under way
+        # `stream` requests aborted (the newest ABORTS_KEPT): one whose abort came before vLLM knew
+        # it, which vLLM's abort then missed, ends at its start or first output, not after all its tokens.
+        self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._in_flight, self._busy_mark = 0, 0.0
 
     @endpoint
@@ -476,20 +486,29 @@ class Generator(ForgeActor):
         port.send("start")
         try:
             shown = prompt.get("prompt_token_ids")
-            async for out in self._outputs(prompt, params, request_id, None, shown, policy, adapter):
+            outputs = self._outputs(prompt, params, request_id, None, shown, policy, adapter)
+            async for out in outputs if request_id not in self._aborted else _nothing():
+                if request_id in self._aborted:  # aborted while vLLM took it in
+                    await self.engine.abort(request_id)
+                    break
                 for c in out.outputs:  # tokens so far: DELTA outputs carry only the new ones
                     n = len(c.token_ids)
                     sampled[c.index] = sampled[c.index] + n if params.output_kind == RequestOutputKind.DELTA else n
                 port.send(out)
         finally:
             port.send(None)
+            self._aborted.pop(request_id, None)
         prompt_len = len(prompt.get("prompt_token_ids") or [])
         finished = admitted if policy.lora else policy.version
         return admitted, finished, await self._routed_experts(request_id, prompt_len, sorted(sampled.items()))
 
     @endpoint
     async def abort(self, request_id: str) -> None:
-        """Stop a `stream` request (its client went away): vLLM frees its sequence."""
+        """Stop a `stream` request (its client went away): vLLM frees its sequence; one not started
+        yet ends as it starts."""
+        self._aborted[request_id] = None
+        while len(self._aborted) > ABORTS_KEPT:
+            self._aborted.popitem(last=False)
         await self.engine.abort(request_id)
 
     @endpoint

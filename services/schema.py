@@ -574,6 +574,10 @@ class GatewayConfig:
     max_session_inflight: int = 16  # a session's requests in flight
     max_turns: int = 256  # a session's turns recorded or in flight
     max_session_tokens: int = 1 << 22  # a session's tokens recorded
+    # Before any key is checked: each request arrives whole (head and body) within
+    # request_deadline_s, or its connection is closed; connections past max_connections are closed.
+    request_deadline_s: float = 30.0  # seconds for a request to arrive whole
+    max_connections: int = 4096  # connections held at once
     chat_template: str | None = None  # a file or a Jinja string; default: the tokenizer's
     tool_parser: str | None = None  # a vLLM tool parser (e.g. "hermes"): tool calls come back as tool_calls
     reasoning_parser: str | None = None  # a vLLM reasoning parser (e.g. "qwen3")
@@ -592,7 +596,8 @@ class GatewayConfig:
                 )
             log.warning("forge: the gateway listens on %s, beyond this machine", self.host)
         limits = ("max_body_bytes", "max_n", "max_tokens", "default_max_tokens", "max_session_inflight", "max_turns")
-        for key in ("max_sessions", "max_inflight", "session_timeout_s", *limits, "max_session_tokens"):
+        limits += ("max_session_tokens", "request_deadline_s", "max_connections")
+        for key in ("max_sessions", "max_inflight", "session_timeout_s", *limits):
             if getattr(self, key) <= 0:
                 raise ValueError(f"config key 'gateway.{key}' must be > 0, got {getattr(self, key)}")
         if self.default_max_tokens > self.max_tokens:
@@ -623,6 +628,10 @@ class TinkerConfig:
     max_samplers_per_session: int = 8  # more: the oldest is released
     max_inflight_per_session: int = 64  # requests submitted and not done; more get 429 (the SDK retries)
     max_request_bytes: int = 16 << 20  # a request body's bytes
+    # Before any key is checked: each request arrives whole (head and body) within
+    # request_deadline_s, or its connection is closed; connections past max_connections are closed.
+    request_deadline_s: float = 30.0  # seconds for a request to arrive whole
+    max_connections: int = 1024  # connections held at once
     max_datums: int = 1024  # per forward_backward request
     max_tokens: int = 65536  # per forward_backward request, over its datums
     # The trainer's passes over a request hold at most this many tokens (their activations; the
@@ -646,6 +655,7 @@ class TinkerConfig:
         limits = ("max_lora_rank", "lora_alpha", "session_timeout_s", "poll_s", "max_sessions", "max_models")
         limits += ("max_models_per_session", "max_samplers_per_session", "max_inflight_per_session")
         limits += ("max_request_bytes", "max_datums", "max_tokens", "tokens_per_pass", "max_seq_len", "max_samples")
+        limits += ("request_deadline_s", "max_connections")
         for key in limits:
             if getattr(self, key) <= 0:
                 raise ConfigError(f"config key 'tinker.{key}' must be > 0, got {getattr(self, key)}")

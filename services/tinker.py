@@ -40,6 +40,7 @@ from starlette.routing import Route
 from tinker import types
 
 from forge import console
+from forge.http_bounds import bounded_http
 from forge.lora import read_adapter, write_adapter
 from services.schema import TinkerConfig
 from services.tenants import modules_of
@@ -62,6 +63,7 @@ PATH = re.compile(
 )
 META = "forge_tinker.json"  # beside a checkpoint's files: its owner, kind and LoRA shape
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
+MAX_TTL_S = 100 * 365 * 86400  # a checkpoint's ttl_seconds at most (its expiry stays a date)
 
 
 class Refused(Exception):
@@ -111,10 +113,19 @@ class Session:
     seen: float
     models: dict[str, Model] = field(default_factory=dict)
     samplers: collections.OrderedDict[str, Sampler] = field(default_factory=collections.OrderedDict)
+    # one sampler loads at a time: its cap holds on the generators, and a retry finds the first's
+    loading: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 def _iso(t: float | None) -> str | None:
     return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _count(text: str, name: str) -> int:
+    """A query parameter that counts (a page's `limit`, `offset`): an integer >= 0."""
+    if not text.isdigit():
+        raise UserError(f"{name}: {text!r}; an integer >= 0")
+    return int(text)
 
 
 def _category(e: BaseException) -> str:
@@ -240,7 +251,8 @@ class TinkerFront:
         """Start the HTTP server (and the session reaper); returns once it listens."""
         import uvicorn
 
-        config = uvicorn.Config(self.app(), host=self.cfg.host, port=self.cfg.port, log_level="warning")
+        http = bounded_http(self.cfg.request_deadline_s, self.cfg.max_connections)
+        config = uvicorn.Config(self.app(), host=self.cfg.host, port=self.cfg.port, log_level="warning", http=http)
         self._server = uvicorn.Server(config)
         self._serving = asyncio.ensure_future(self._server.serve())
         self._spawn(self._reap())
@@ -348,10 +360,8 @@ class TinkerFront:
 
     async def _close(self, session: Session) -> None:
         self.sessions.pop(session.id, None)
-        for model in session.models.values():
-            self.models.pop(model.id, None)
-            for pending, _ in model.waiting.values():
-                self._fail(pending, f"session {session.id} closed", "user")
+        for model in list(session.models.values()):
+            self._forget(model, f"session {session.id} closed", "user")
             await self._quietly(self.trainer.remove_tenant.route(model.id))
         for sampler in session.samplers.values():
             await self._release(sampler)
@@ -367,13 +377,17 @@ class TinkerFront:
 
     # ---- futures ---------------------------------------------------------------------
 
+    def _room(self, session: Session) -> None:
+        """A 429 if `session` has `max_inflight_per_session` requests in flight."""
+        busy = sum(1 for p in self.futures.values() if p.session == session.id and not p.done.is_set())
+        if busy >= self.cfg.max_inflight_per_session:
+            raise Refused(429, f"{busy} requests in flight for this session (tinker.max_inflight_per_session)")
+
     def _admit(self, session: Session, key: tuple[Any, ...]) -> tuple[str, Pending | None]:
         """The future of `key` if it was submitted before (a retry), else a new one."""
         if key in self.keys and self.keys[key] in self.futures:
             return self.keys[key], None
-        busy = sum(1 for p in self.futures.values() if p.session == session.id and not p.done.is_set())
-        if busy >= self.cfg.max_inflight_per_session:
-            raise Refused(429, f"{busy} requests in flight for this session (tinker.max_inflight_per_session)")
+        self._room(session)
         rid = f"req-{uuid.uuid4().hex}"
         pending = Pending(session.id)
         self.futures[rid], self.keys[key] = pending, rid
@@ -437,7 +451,11 @@ class TinkerFront:
     def _check_base(self, base_model: str | None) -> None:
         if base_model is None or base_model == self.base_model:
             return
-        if not Path(base_model).is_dir() or Path(base_model).resolve() != self.model_dir:
+        try:
+            served = Path(base_model).is_dir() and Path(base_model).resolve() == self.model_dir
+        except OSError:  # e.g. a name longer than a path may be
+            served = False
+        if not served:
             raise UserError(f"base_model {base_model!r} is not served here; this server serves {self.base_model!r}")
 
     def _new_model(self, session: Session, seq: int) -> Model:
@@ -448,6 +466,7 @@ class TinkerFront:
         model = Model(f"{session.id}:train:{seq}", session.id, 0, set())
         if model.id in self.models:
             raise UserError(f"model {model.id} exists (model_seq_id {seq} was used)")
+        self._room(session)  # refused here, a retry of this model_seq_id is a new request
         session.models[model.id] = self.models[model.id] = model
         return model
 
@@ -471,20 +490,36 @@ class TinkerFront:
         seed = lora.seed if lora.seed is not None else secrets.randbits(31)
 
         async def create() -> dict[str, Any]:
-            try:
-                await self.trainer.add_tenant.route(model.id, lora.rank, self.cfg.lora_alpha, modules, seed)
-            except Exception:
-                self._forget(model)
-                raise
-            model.created.set()
+            await self._created(
+                model, self.trainer.add_tenant.route(model.id, lora.rank, self.cfg.lora_alpha, modules, seed)
+            )
             return {"model_id": model.id, "type": "create_model"}
 
         return {**self._submit(session, key, create), "model_id": model.id}
 
-    def _forget(self, model: Model) -> None:
+    async def _created(self, model: Model, creating: Awaitable[Any]) -> None:
+        """Await `model`'s tenant being made; its queued requests run after. If that fails, they
+        fail with it; if its session closed meanwhile, the tenant goes at once."""
+        try:
+            await creating
+        except Exception as e:
+            self._forget(model, f"model {model.id} was not made: {e}", _category(e))
+            await self._quietly(self.trainer.remove_tenant.route(model.id))
+            raise
+        if model.id not in self.models:
+            await self._quietly(self.trainer.remove_tenant.route(model.id))
+            raise UserError(f"model {model.id}: its session closed")
+        model.created.set()
+
+    def _forget(self, model: Model, why: str, category: str) -> None:
+        """`model` gone: its queued requests fail with `why`, its drain ends."""
         self.models.pop(model.id, None)
         if model.session in self.sessions:
             self.sessions[model.session].models.pop(model.id, None)
+        for pending, _ in model.waiting.values():
+            self._fail(pending, why, category)
+        model.waiting.clear()
+        model.created.set()  # a drain waiting for it wakes, finds it gone, and ends
 
     async def get_info(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
         req = parse(types.GetInfoRequest, body)
@@ -531,9 +566,15 @@ class TinkerFront:
         model = self._model(fb.model_id, owner)
 
         async def run() -> bytes:
-            logprobs, loss = await self.trainer.forward_backward.route(
-                model.id, fb.datums, fb.loss_fn, fb.config, not fb.forward_only, self.cfg.tokens_per_pass
-            )
+            logprobs: list[list[float]] = [[] for _ in range(fb.count)]
+            loss = 0.0
+            for rows, datums in fb.batches:  # Tinker's losses are sums, gradients add up: each batch its own call
+                got, part = await self.trainer.forward_backward.route(
+                    model.id, datums, fb.loss_fn, fb.config, not fb.forward_only, self.cfg.tokens_per_pass
+                )
+                for i, row in zip(rows, got):
+                    logprobs[i] = row
+                loss += part
             return encode_forward_backward(logprobs, loss)
 
         return self._ordered(model, fb.seq_id, run)
@@ -563,6 +604,13 @@ class TinkerFront:
             raise UserError(f"checkpoint tinker://{model.id}/{kind}/{name} exists (overwrite=True replaces it)")
         return where, f"tinker://{model.id}/{kind}/{name}"
 
+    @staticmethod
+    def _ttl(ttl_s: int | None) -> int | None:
+        """A checkpoint's `ttl_seconds`: none, or 1 s to MAX_TTL_S (its expiry a date)."""
+        if ttl_s is not None and not 0 < ttl_s <= MAX_TTL_S:
+            raise UserError(f"ttl_seconds: {ttl_s}; 1 to {MAX_TTL_S} (or none: kept)")
+        return ttl_s
+
     def _write_meta(self, where: Path, model: Model, owner: str, kind: str, ttl_s: int | None) -> None:
         now = time.time()
         meta = {"owner": owner, "kind": kind, "rank": model.rank, "modules": sorted(model.modules), "time": now}
@@ -583,12 +631,14 @@ class TinkerFront:
         req = parse(types.SaveWeightsRequest, body)
         model = self._model(req.model_id, owner)
         where, path = self._checkpoint(model, "weights", req.path, req.overwrite)
+        ttl = self._ttl(req.ttl_seconds)
 
         async def run() -> dict[str, Any]:
+            self._checkpoint(model, "weights", req.path, req.overwrite)  # again: an earlier request may have made it
             shutil.rmtree(where, ignore_errors=True)
             where.mkdir(parents=True)
             await self.trainer.save_tenant.route(model.id, str(where))
-            self._write_meta(where, model, owner, "weights", req.ttl_seconds)
+            self._write_meta(where, model, owner, "weights", ttl)
             return {"path": path, "type": "save_weights"}
 
         return self._ordered(model, req.seq_id, run)
@@ -608,12 +658,13 @@ class TinkerFront:
 
             return self._ordered(model, req.seq_id, live)
         where, path = self._checkpoint(model, "sampler_weights", req.path, overwrite=True)
+        ttl = self._ttl(req.ttl_seconds)
 
         async def save() -> dict[str, Any]:
             tensors, lora = await self.trainer.tenant_adapter.route(model.id)
             shutil.rmtree(where, ignore_errors=True)
             await asyncio.to_thread(write_adapter, where, tensors, lora, str(self.model_dir))
-            self._write_meta(where, model, owner, "sampler_weights", req.ttl_seconds)
+            self._write_meta(where, model, owner, "sampler_weights", ttl)
             return {"path": path, "type": "save_weights_for_sampler"}
 
         return self._ordered(model, req.seq_id, save)
@@ -655,21 +706,21 @@ class TinkerFront:
         model = self._new_model(session, req.model_seq_id)
         model.rank, model.modules = meta["rank"], set(meta["modules"])
 
+        async def add_and_load() -> None:
+            await self.trainer.add_tenant.route(model.id, model.rank, self.cfg.lora_alpha, model.modules, 0)
+            await self.trainer.load_tenant.route(model.id, str(where), bool(req.optimizer))
+
         async def create_and_load() -> dict[str, Any]:
-            try:
-                await self.trainer.add_tenant.route(model.id, model.rank, self.cfg.lora_alpha, model.modules, 0)
-                await self.trainer.load_tenant.route(model.id, str(where), bool(req.optimizer))
-            except Exception:
-                self._forget(model)
-                await self._quietly(self.trainer.remove_tenant.route(model.id))
-                raise
-            model.created.set()
+            await self._created(model, add_and_load())
             return {"path": req.path, "model_id": model.id, "type": "load_weights"}
 
         return {**self._submit(session, key, create_and_load), "model_id": model.id}
 
     async def weights_info(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
-        path = json.loads(body or b"{}").get("tinker_path")
+        given = json.loads(body or b"{}")
+        if not isinstance(given, dict) or not isinstance(given.get("tinker_path"), str):
+            raise UserError('weights_info: the body is {"tinker_path": "tinker://..."}')
+        path = given["tinker_path"]
         kind = "sampler_weights" if "/sampler_weights/" in str(path) else "weights"
         _, meta = self._resolve(str(path), owner, kind)
         return {"base_model": self.base_model, "is_lora": True, "lora_rank": meta["rank"]}
@@ -677,23 +728,30 @@ class TinkerFront:
     # ---- sampling --------------------------------------------------------------------
 
     async def _add_sampler(self, session: Session, sampler_id: str, tensors: Any, lora: Any, path: str | None) -> None:
-        """A sampler on the generators: its adapter as a LoRA policy of its own, loaded on every replica."""
-        if sampler_id in self.samplers:
-            return
-        sampler = Sampler(sampler_id, sampler_id if tensors is not None else "", path)
-        if tensors is not None:
-            await self.gen.add_policy.fanout(sampler.policy, lora)
-            try:
-                await self.gen.load_weights.fanout(tensors, 1, policy=sampler.policy)
-            except Exception:
-                await self._quietly(self.gen.remove_policy.fanout(sampler.policy))
-                raise
-            self.adapters[sampler.policy] = (lora, tensors)
-        session.samplers[sampler_id] = sampler
-        self.samplers[sampler_id] = (session, sampler)
-        while len(session.samplers) > self.cfg.max_samplers_per_session:  # the oldest goes
-            _, oldest = session.samplers.popitem(last=False)
-            await self._release(oldest)
+        """A sampler on the generators: its adapter as a LoRA policy of its own, loaded on every
+        replica. A session's samplers load one at a time, its oldest freed first when it holds
+        `max_samplers_per_session`."""
+        async with session.loading:
+            if sampler_id in self.samplers:  # a retry, or another request for the same one
+                return
+            while len(session.samplers) >= self.cfg.max_samplers_per_session:  # the oldest goes
+                _, oldest = session.samplers.popitem(last=False)
+                await self._release(oldest)
+            sampler = Sampler(sampler_id, sampler_id if tensors is not None else "", path)
+            if tensors is not None:
+                await self.gen.add_policy.fanout(sampler.policy, lora)
+                try:
+                    await self.gen.load_weights.fanout(tensors, 1, policy=sampler.policy)
+                except Exception:
+                    await self._quietly(self.gen.remove_policy.fanout(sampler.policy))
+                    raise
+            if session.id not in self.sessions:  # closed while it loaded: nothing holds it
+                await self._release(sampler)
+                raise UserError(f"sampling session {sampler_id}: its session closed")
+            if tensors is not None:
+                self.adapters[sampler.policy] = (lora, tensors)
+            session.samplers[sampler_id] = sampler
+            self.samplers[sampler_id] = (session, sampler)
 
     async def _release(self, sampler: Sampler) -> None:
         self.samplers.pop(sampler.id, None)
@@ -736,7 +794,7 @@ class TinkerFront:
         if not 0 < req.num_samples <= self.cfg.max_samples:
             raise UserError(f"sample: num_samples {req.num_samples}; 1 to {self.cfg.max_samples} (tinker.max_samples)")
         tokens = prompt_tokens(req, self.vocab, self.max_len)
-        args = sampling_args(req, self.max_len - len(tokens), self.max_tokens)
+        args = sampling_args(req, self.max_len - len(tokens), self.max_tokens, self.vocab)
         if args["seed"] is None and self.sample_seeds is not None:
             args["seed"] = self.sample_seeds.getrandbits(31)
 
@@ -779,6 +837,6 @@ class TinkerFront:
 
     async def list_checkpoints(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
         found = self._checkpoints(owner)
-        limit, offset = int(request.query_params.get("limit", 100)), int(request.query_params.get("offset", 0))
+        limit, offset = (_count(request.query_params.get(k, str(d)), k) for k, d in (("limit", 100), ("offset", 0)))
         page = found[offset : offset + limit]
         return {"checkpoints": page, "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}

@@ -50,7 +50,13 @@ class ForwardBackward:
     loss_fn: str
     config: dict[str, float]
     forward_only: bool
-    datums: Datums
+    # the datums by length class (1, 2, 3-4, 5-8, ... tokens), each class padded to its own longest:
+    # at most twice the request's tokens in cells, whatever its lengths; (their indices, tensors)
+    batches: list[tuple[list[int], Datums]]
+
+    @property
+    def count(self) -> int:
+        return sum(len(rows) for rows, _ in self.batches)
 
 
 def parse(cls: type[T], body: bytes | dict[str, Any]) -> T:
@@ -132,7 +138,8 @@ def _datum(datum: pb.Datum, i: int, loss_fn: str, vocab: int, longest: int) -> t
 
 
 def decode_forward_backward(body: bytes, vocab: int, limits: Limits) -> ForwardBackward:
-    """A `forward_backward` request (protobuf) as padded tensors, every field checked."""
+    """A `forward_backward` request (protobuf) as padded tensors (`ForwardBackward.batches`),
+    every field checked."""
     try:
         msg = pb.ForwardBackwardRequest.FromString(body)
     except DecodeError as e:
@@ -152,7 +159,11 @@ def decode_forward_backward(body: bytes, vocab: int, limits: Limits) -> ForwardB
         raise UserError(
             f"forward_backward: {total} tokens in one request; at most {limits.max_tokens} (tinker.max_tokens)"
         )
-    return ForwardBackward(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, _pad(rows))
+    classes: dict[int, list[int]] = {}
+    for i, (tokens, _) in enumerate(rows):
+        classes.setdefault((len(tokens) - 1).bit_length(), []).append(i)
+    batches = [(found, _pad([rows[i] for i in found])) for _, found in sorted(classes.items())]
+    return ForwardBackward(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, batches)
 
 
 def _pad(rows: list[tuple[np.ndarray, dict[str, np.ndarray]]]) -> Datums:
@@ -187,7 +198,7 @@ def encode_forward_backward(logprobs: list[list[float]], loss: float) -> bytes:
     return out.SerializeToString()
 
 
-def sampling_args(req: types.SampleRequest, max_len: int, default_max_tokens: int) -> dict[str, Any]:
+def sampling_args(req: types.SampleRequest, max_len: int, default_max_tokens: int, vocab: int) -> dict[str, Any]:
     """A sample request's options as the generator's `sampling` dict (vLLM's SamplingParams); an
     option forge does not serve is a UserError naming it."""
     unsupported = {
@@ -213,6 +224,8 @@ def sampling_args(req: types.SampleRequest, max_len: int, default_max_tokens: in
     elif isinstance(p.stop, str):
         out["stop"] = [p.stop]
     elif p.stop and all(isinstance(s, int) for s in p.stop):
+        if not all(0 <= s < vocab for s in p.stop):
+            raise UserError(f"sampling_params.stop: token ids outside the vocabulary [0, {vocab})")
         out["stop_token_ids"] = list(p.stop)
     elif p.stop:
         out["stop"] = list(p.stop)
@@ -220,6 +233,8 @@ def sampling_args(req: types.SampleRequest, max_len: int, default_max_tokens: in
         raise UserError(f"sample: topk_prompt_logprobs {req.topk_prompt_logprobs}; 0 to {MAX_TOPK}")
     if req.prompt_logprobs or req.topk_prompt_logprobs:
         out["prompt_logprobs"] = req.topk_prompt_logprobs
+    if p.seed is not None and not -(2**63) <= p.seed < 2**63:
+        raise UserError(f"sampling_params.seed: {p.seed}; a 64-bit integer")
     if not 0 < out["max_tokens"] <= max_len:
         raise UserError(f"sampling_params.max_tokens: {out['max_tokens']}; 1 to {max_len}")
     return out

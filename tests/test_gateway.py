@@ -865,3 +865,118 @@ def test_every_scope_is_allow_listed(loop):
     loop.run_until_complete(gate({"type": "lifespan"}, receive, send))
     assert reached == ["lifespan"]
     assert [m["type"] for m in sent] == ["websocket.close", "websocket.close"]
+
+
+def test_odd_headers_and_bodies_get_answers_not_server_errors(loop, served):
+    """A key with a byte that is not UTF-8 is a 401, a lower-case `bearer` scheme is a bearer, JSON
+    nested past any parser's depth is a 400, and a chat request's extra `prompt` field counts for
+    no choices."""
+    gw, *_ = served
+
+    async def main():
+        sid = gw.open_session()
+        url, hi = f"{gw.base_url}/chat/completions", {"model": MODEL_NAME, "messages": HI, "max_tokens": 2}
+        async with httpx.AsyncClient(timeout=60) as h:
+            got = {
+                "latin-1 key": await h.post(url, json=hi, headers={"Authorization": b"Bearer \xff" + sid.encode()}),
+                "lower-case scheme": await h.post(url, json=hi, headers={"Authorization": f"bearer {sid}"}),
+                "deep JSON": await h.post(
+                    url, content=b"[" * 60000 + b"]" * 60000, headers={"Authorization": f"Bearer {sid}"}
+                ),
+                "extra prompt": await h.post(
+                    url, json={**hi, "prompt": ["x"] * 20}, headers={"Authorization": f"Bearer {sid}"}
+                ),
+            }
+        await gw.finish(sid)
+        return got
+
+    got = loop.run_until_complete(main())
+    assert got["latin-1 key"].status_code == 401, got["latin-1 key"].text
+    assert got["lower-case scheme"].status_code == 200, got["lower-case scheme"].text
+    assert got["deep JSON"].status_code == 400 and "nested too deeply" in got["deep JSON"].text
+    assert got["extra prompt"].status_code == 200, got["extra prompt"].text
+
+
+def test_a_request_takes_its_place_in_the_limits_before_its_body_arrives(loop, served):
+    """Requests whose bodies come slowly after their headers: only max_session_inflight of them
+    pass, the rest get 429, and a finish while one is admitted waits for it and returns its turn."""
+    gw, *_ = served
+
+    async def main():
+        sid = gw.open_session()
+        body = json.dumps({"model": MODEL_NAME, "messages": HI, "max_tokens": 2}).encode()
+
+        async def slow_body():
+            await asyncio.sleep(0.5)
+            yield body
+
+        saved = gw.cfg.max_session_inflight
+        gw.cfg.max_session_inflight = 1
+        try:
+            async with httpx.AsyncClient(timeout=60) as h:
+                sent = [
+                    asyncio.ensure_future(
+                        h.post(
+                            f"{gw.base_url}/chat/completions",
+                            content=slow_body(),
+                            headers={"Authorization": f"Bearer {sid}", "Content-Type": "application/json"},
+                        )
+                    )
+                    for _ in range(4)
+                ]
+                await asyncio.sleep(0.2)  # all admitted or refused; no body has arrived
+                record = await gw.finish(sid)
+                got = await asyncio.gather(*sent)
+        finally:
+            gw.cfg.max_session_inflight = saved
+        print([r.text for r in got])
+        return sorted(r.status_code for r in got), record
+
+    statuses, record = loop.run_until_complete(main())
+    assert statuses == [200, 429, 429, 429] and len(record.turns) == 1, (statuses, record.turns)
+
+
+def test_finish_stops_the_calls_it_waits_no_longer_for(loop, served):
+    """finish(timeout_s) with a long generation running: the generation is stopped in vLLM, and
+    the record finish returned does not change after it."""
+    gw, gen, *_ = served
+
+    async def main():
+        sid = gw.open_session()
+        c = client(gw, sid)
+        call = asyncio.ensure_future(chat(c, HI, max_tokens=400, extra_body={"ignore_eos": True}))
+        await asyncio.sleep(0.5)
+        record = await gw.finish(sid, timeout_s=0.2)
+        turns = len(record.turns)
+        await asyncio.gather(call, return_exceptions=True)
+        deadline = time.monotonic() + 10
+        while await gen.unfinished_requests.route() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return turns, len(record.turns), await gen.unfinished_requests.route()
+
+    at_finish, later, running = loop.run_until_complete(main())
+    assert at_finish == later == 0 and running == 0
+
+
+def test_a_stream_aborted_before_it_starts_generates_nothing(loop, served, tiny_model_dir):
+    """The gateway's abort of a request its client left can reach the replica before the request
+    does (vLLM does not know it yet, and its abort does nothing): the replica remembers it, and the
+    request ends as it starts instead of sampling all its tokens for nobody."""
+    from monarch.actor import Channel
+    from vllm.sampling_params import SamplingParams
+
+    gw, gen, *_ = served
+
+    async def main():
+        target = gen.pinned()
+        await target.abort.route("left-early")
+        port, receiver = Channel.open()
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        call = asyncio.ensure_future(target.stream.route(port, {"prompt_token_ids": [1, 2, 3]}, params, "left-early"))
+        got = []
+        while (message := await receiver.recv()) is not None:
+            got.append(message)
+        await call
+        return got
+
+    assert loop.run_until_complete(main()) == ["start"]

@@ -1,0 +1,56 @@
+"""uvicorn's HTTP protocol with the bounds forge's HTTP front doors (the gateway, the Tinker API)
+hold against any peer, before its key is checked: each request arrives whole (head and body)
+within a deadline, however its bytes trickle, and a server holds at most so many connections.
+
+    uvicorn.Config(app, http=bounded_http(deadline_s=30, max_connections=4096), ...)
+
+uvicorn has neither: a connection that sends nothing, or half a request, is held for as long as
+the peer keeps it open (only a kept-alive connection between requests times out). This is the
+thinnest adapter: its protocol class, a timer per request and a count at each accept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+
+def bounded_http(deadline_s: float, max_connections: int) -> type[HttpToolsProtocol]:
+    """A uvicorn `http` protocol class: a connection is closed if a request of it has not arrived
+    whole `deadline_s` after the connection (or its previous response) began, and one accepted
+    while `max_connections` are open is closed at once."""
+
+    class BoundedHttp(HttpToolsProtocol):
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.deadline: asyncio.TimerHandle | None = None
+            if len(self.connections) > max_connections:
+                transport.close()
+                return
+            self._arm()
+
+        def _arm(self) -> None:
+            self.deadline = self.loop.call_later(deadline_s, self._expire)
+
+        def _expire(self) -> None:
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def on_message_complete(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+            super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():  # the next request on this connection: the same bound
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+            super().connection_lost(exc)
+
+    return BoundedHttp

@@ -1,0 +1,384 @@
+"""The Tinker API's front door over stand-in trainer and generator services (each endpoint can be
+made slow or to fail): what it does when a service call fails, a session closes mid-request,
+requests race, or a client sends what no SDK would. Its HTTP server listens on 127.0.0.1 only.
+(tests/test_tinker.py runs the real services under the SDK.)"""
+
+import asyncio
+import socket
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from tinker.proto import tinker_public_pb2 as pb
+
+from forge.schema import LoRAConfig
+from services.schema import TinkerConfig
+from services.tinker import TinkerFront
+
+PROTO = {"content-type": "application/x-protobuf"}
+VOCAB = 100
+
+
+class Endpoint:
+    def __init__(self, service: "Stand", name: str):
+        self.service, self.name = service, name
+
+    async def route(self, *args, **kwargs):
+        return await self.service.call(self.name, *args)
+
+    async def fanout(self, *args, **kwargs):
+        return [await self.service.call(self.name, *args)]
+
+
+class Stand:
+    """A service stand-in: `delay[name]` seconds per call, `fail[name]` raised; it keeps the
+    tenants and LoRA policies made and not removed, and what forward_backward was given."""
+
+    def __init__(self):
+        self.delay, self.fail = {}, {}
+        self.tenants, self.policies, self.batches = set(), set(), []
+        self.peak_policies = 0
+
+    def set_restore_point(self, point):
+        self.restore = point
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return Endpoint(self, name)
+
+    async def call(self, name, *args):
+        await asyncio.sleep(self.delay.get(name, 0))
+        if name in self.fail:
+            raise self.fail[name]
+        if name in ("add_tenant", "remove_tenant"):
+            (self.tenants.add if name == "add_tenant" else self.tenants.discard)(args[0])
+        elif name in ("add_policy", "remove_policy"):
+            if name == "add_policy" and args[0] in self.policies:
+                raise ValueError(f"policy {args[0]!r} exists")
+            (self.policies.add if name == "add_policy" else self.policies.discard)(args[0])
+            self.peak_policies = max(self.peak_policies, len(self.policies))
+        elif name == "tenant_adapter":
+            key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+            return {key: torch.zeros(4, 8)}, LoRAConfig(rank=4, alpha=8, targets=["q_proj"])
+        elif name == "forward_backward":
+            datums = args[1]
+            self.batches.append(tuple(datums.input_ids.shape))
+            return [[float(n)] * n for n in datums.lengths], 1.0  # a row's "logprobs": its length, per token
+        elif name == "optim_step":
+            return {"grad_norm": 0.0}
+        return None
+
+
+@pytest.fixture
+def front(loop, tmp_path):
+    """(front, trainer, generator, an httpx client's factory) on a fresh server; `cfg` overrides."""
+    made = []
+
+    def make(**cfg):
+        trainer, gen = Stand(), Stand()
+        f = TinkerFront(trainer, gen, tmp_path, TinkerConfig(port=0, **cfg), tmp_path / "run", VOCAB, 64)
+        made.append(f)
+        return f, trainer, gen
+
+    yield make
+    for f in made:
+        if f._server is not None:
+            loop.run_until_complete(f.shutdown())
+
+
+def client(front: TinkerFront) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"{front.base_url}/api/v1", timeout=30)
+
+
+async def session(c: httpx.AsyncClient) -> str:
+    return (await c.post("/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "x"})).json()[
+        "session_id"
+    ]
+
+
+async def create(c: httpx.AsyncClient, front: TinkerFront, sid: str, seq: int = 0) -> httpx.Response:
+    body = {"session_id": sid, "model_seq_id": seq, "base_model": front.base_model, "lora_config": {"rank": 4}}
+    return await c.post("/create_model", json=body)
+
+
+async def new_model(c: httpx.AsyncClient, front: TinkerFront) -> tuple[str, dict]:
+    """A new session and its first model, made: (the session's id, the create's answer)."""
+    sid = await session(c)
+    made = (await create(c, front, sid)).json()
+    await wait(c, made["request_id"])
+    return sid, made
+
+
+async def wait(c: httpx.AsyncClient, rid: str):
+    for _ in range(100):
+        r = await c.post("/retrieve_future", json={"request_id": rid})
+        if r.headers["content-type"].startswith("application/x-protobuf"):
+            return r.content
+        if r.json().get("type") != "try_again":
+            return r.json()
+    raise AssertionError(f"{rid} never finished")
+
+
+def fwdbwd(model_id: str, seq: int, lengths: list[int]) -> bytes:
+    msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq, loss_fn="cross_entropy")
+    for n in lengths:
+        d = msg.data.add()
+        d.model_input.add().encoded_text.tokens = np.full(n, 1, "<i4").tobytes()
+        targets = pb.Tensor(dense=np.full(n, 5, "<i8").tobytes(), dtype=pb.DTYPE_INT64, shape=[n])
+        d.loss_fn_inputs["target_tokens"].CopyFrom(targets)
+        weights = pb.Tensor(dense=np.ones(n, "<f4").tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[n])
+        d.loss_fn_inputs["weights"].CopyFrom(weights)
+    return msg.SerializeToString()
+
+
+def logprob_rows(result: bytes) -> list[list[float]]:
+    record = pb.ForwardBackwardOutput.FromString(result).loss_fn_outputs[0].fields["logprobs"]
+    data, offsets = np.frombuffer(record.data, "<f4"), np.frombuffer(record.offsets, "<i8") // 4
+    return [data[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def serve(loop, make, **cfg):
+    f, trainer, gen = make(**cfg)
+    loop.run_until_complete(f.serve())
+    return f, trainer, gen
+
+
+def test_a_create_refused_for_a_full_session_holds_no_model_and_its_retry_is_made(loop, front):
+    """The SDK retries a 429 with the same model_seq_id: the refused create registered nothing
+    (no model, no slot of max_models), so the retry, once the session has room, makes it."""
+    f, trainer, _ = serve(loop, front, max_inflight_per_session=2, max_models=2)
+
+    async def scenario():
+        async with client(f) as c:
+            sid = await session(c)
+            first = (await create(c, f, sid, 0)).json()
+            await wait(c, first["request_id"])
+            trainer.delay["forward_backward"] = 0.5
+            busy = [
+                (await c.post("/forward_backward", content=fwdbwd(first["model_id"], s, [3]), headers=PROTO))
+                for s in (1, 2)
+            ]
+            refused = await create(c, f, sid, 1)
+            models_then = sorted(f.models)
+            for r in busy:
+                await wait(c, r.json()["request_id"])
+            retried = await create(c, f, sid, 1)
+            return refused, models_then, retried, await wait(c, retried.json()["request_id"])
+
+    refused, models_then, retried, made = loop.run_until_complete(scenario())
+    assert refused.status_code == 429 and "max_inflight_per_session" in refused.text, refused.text
+    assert len(models_then) == 1, models_then
+    assert retried.status_code == 200 and made["model_id"].endswith(":train:1"), (retried.text, made)
+    assert len(trainer.tenants) == 2
+
+
+def test_a_model_not_made_fails_its_queued_requests_and_leaves_no_task(loop, front):
+    """The trainer fails to make a model's tenant: the requests queued behind it fail too, with
+    why, instead of waiting forever (each holding a slot of the session's in-flight budget)."""
+    f, trainer, _ = serve(loop, front, poll_s=1.0)
+    trainer.delay["add_tenant"] = 0.3
+    trainer.fail["add_tenant"] = RuntimeError("trainer: out of memory")
+
+    async def scenario():
+        async with client(f) as c:
+            sid = await session(c)
+            made = (await create(c, f, sid)).json()
+            queued = await c.post("/forward_backward", content=fwdbwd(made["model_id"], 1, [3]), headers=PROTO)
+            answers = await wait(c, made["request_id"]), await wait(c, queued.json()["request_id"])
+            await asyncio.sleep(0.1)
+            return answers, [t.get_coro().__qualname__ for t in f._tasks]
+
+    (made, queued), tasks = loop.run_until_complete(scenario())
+    assert made["category"] == "server" and "out of memory" in made["error"], made
+    assert "was not made" in queued["error"] and "out of memory" in queued["error"], queued
+    assert tasks == ["TinkerFront._reap"], tasks
+
+
+def test_a_session_closed_while_its_model_or_sampler_loads_leaves_neither(loop, front):
+    """The session finishes while its model's tenant is being made, and while a sampler's adapter
+    is on its way to the generators: neither stays on its service, nor in the generators'
+    restore point."""
+    f, trainer, gen = serve(loop, front)
+
+    async def scenario():
+        async with client(f) as c:
+            sid, made = await new_model(c, f)
+            gen.delay["load_weights"] = 0.4
+            body = {"model_id": made["model_id"], "sampling_session_seq_id": 0, "seq_id": 1}
+            sampler = (await c.post("/save_weights_for_sampler", json=body)).json()
+            trainer.delay["add_tenant"] = 0.4
+            second = (await create(c, f, sid, 1)).json()
+            await asyncio.sleep(0.2)  # both on their way
+            await c.post(f"/sessions/{sid}/finish")
+            await asyncio.sleep(0.6)
+            return sampler, second
+
+    loop.run_until_complete(scenario())
+    assert trainer.tenants == set() and gen.policies == set() and f.adapters == {} and f.samplers == {}
+
+
+def test_a_sessions_sampler_cap_holds_against_requests_at_once(loop, front):
+    """Many create_sampling_session requests of one session at once (and a retry of one while it
+    loads): at most max_samplers_per_session adapters of it are ever on the generators, and the
+    retry gets the same sampler."""
+    f, _, gen = serve(loop, front, max_samplers_per_session=3)
+
+    async def scenario():
+        async with client(f) as c:
+            sid, made = await new_model(c, f)
+            saved = (
+                await c.post("/save_weights_for_sampler", json={"model_id": made["model_id"], "path": "s", "seq_id": 1})
+            ).json()
+            path = (await wait(c, saved["request_id"]))["path"]
+            gen.delay["load_weights"] = 0.05
+            bodies = [{"session_id": sid, "sampling_session_seq_id": i % 20, "model_path": path} for i in range(40)]
+            return await asyncio.gather(*(c.post("/create_sampling_session", json=b) for b in bodies))
+
+    answers = loop.run_until_complete(scenario())
+    assert {r.status_code for r in answers} == {200}, {r.text for r in answers if r.status_code != 200}
+    assert gen.peak_policies <= 3 and len(gen.policies) == 3, (gen.peak_policies, gen.policies)
+
+
+def test_datums_of_mixed_lengths_are_padded_by_length_class(loop, front):
+    """One long datum among many short ones: the trainer gets each length class padded to its
+    own longest (at most twice the request's tokens in cells, not rows x the longest), and the
+    logprobs come back in the request's order."""
+    f, trainer, _ = serve(loop, front, max_seq_len=64)
+    lengths = [60] + [3] * 50 + [17, 2, 33]
+
+    async def scenario():
+        async with client(f) as c:
+            _, made = await new_model(c, f)
+            handle = await c.post("/forward_backward", content=fwdbwd(made["model_id"], 1, lengths), headers=PROTO)
+            return await wait(c, handle.json()["request_id"])
+
+    rows = logprob_rows(loop.run_until_complete(scenario()))
+    assert [len(r) for r in rows] == lengths and [r[0] for r in rows] == lengths
+    cells = sum(n * width for n, width in trainer.batches)
+    assert sum(n for n, _ in trainer.batches) == len(lengths) and cells <= 2 * sum(lengths), trainer.batches
+
+
+@pytest.mark.parametrize(
+    "method, path, body, named",
+    [
+        ("post", "/weights_info", b"[]", "tinker_path"),
+        ("post", "/weights_info", b'{"tinker_path": 5}', "tinker_path"),
+        ("get", "/checkpoints?limit=x", None, "limit"),
+        ("get", "/checkpoints?offset=-5", None, "offset"),
+    ],
+)
+def test_malformed_fields_are_400s_naming_them(loop, front, method, path, body, named):
+    f, *_ = serve(loop, front)
+
+    async def scenario():
+        async with client(f) as c:
+            return await (c.get(path) if method == "get" else c.post(path, content=body))
+
+    r = loop.run_until_complete(scenario())
+    assert r.status_code == 400 and named in r.json()["detail"], r.text
+
+
+def test_odd_values_are_refused_before_they_reach_a_service_or_the_disk(loop, front):
+    """A base_model longer than a path may be, a ttl whose expiry is no date (or negative), a
+    seed or stop token no engine takes: each a 400 naming the field; nothing half-saved."""
+    f, *_ = serve(loop, front)
+
+    async def scenario():
+        async with client(f) as c:
+            sid, made = await new_model(c, f)
+            long_base = {"session_id": sid, "model_seq_id": 1, "base_model": "a" * 5000, "lora_config": {"rank": 4}}
+            out = {"base_model": await c.post("/create_model", json=long_base)}
+            for i, ttl in enumerate((10**308, -1)):
+                body = {"model_id": made["model_id"], "path": f"x{i}", "seq_id": 1, "ttl_seconds": ttl}
+                out[f"ttl {ttl}"] = await c.post("/save_weights", json=body)
+            out["listing"] = await c.get("/checkpoints")
+            await c.post("/create_sampling_session", json={"session_id": sid, "sampling_session_seq_id": 0})
+            prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+            for name, params in (("seed", {"seed": 2**70}), ("stop", {"stop": [VOCAB + 5]})):
+                body = {"sampling_session_id": f"{sid}:sample:0", "prompt": prompt, "num_samples": 1}
+                out[name] = await c.post("/asample", json={**body, "sampling_params": {"max_tokens": 4, **params}})
+            return out, sorted(p.name for p in (f.root / made["model_id"] / "weights").glob("*"))
+
+    out, saved = loop.run_until_complete(scenario())
+    for what, named in (
+        ("base_model", "base_model"),
+        ("ttl 10", "ttl_seconds"),
+        ("ttl -1", "ttl_seconds"),
+        ("seed", "sampling_params.seed"),
+        ("stop", "sampling_params.stop"),
+    ):
+        (r,) = [v for k, v in out.items() if k.startswith(what)]
+        assert r.status_code == 400 and named in r.json()["detail"], (what, r.text)
+    assert out["listing"].status_code == 200 and saved == [], (out["listing"].text, saved)
+
+
+def test_overwrite_false_holds_for_saves_queued_together(loop, front):
+    """Two saves to one name, both submitted before either ran: the second is refused when it
+    runs (the name exists by then), not written over the first."""
+    f, trainer, _ = serve(loop, front)
+
+    async def scenario():
+        async with client(f) as c:
+            _, made = await new_model(c, f)
+            trainer.delay["forward_backward"] = 0.3  # the saves wait behind it
+            await c.post("/forward_backward", content=fwdbwd(made["model_id"], 1, [3]), headers=PROTO)
+            handles = [
+                await c.post("/save_weights", json={"model_id": made["model_id"], "path": "x", "seq_id": s})
+                for s in (2, 3)
+            ]
+            return [await wait(c, h.json()["request_id"]) for h in handles]
+
+    first, second = loop.run_until_complete(scenario())
+    assert first["path"].endswith("/weights/x") and "exists" in second["error"], (first, second)
+
+
+def test_connections_that_never_send_a_whole_request_are_closed(loop, front):
+    """Before any key is checked: connections that send nothing, half a head or half a body are
+    closed at the request deadline; past max_connections, new ones are closed at once; a whole
+    request is still served."""
+    f, *_ = serve(loop, front, api_keys=["tml-" + "a" * 28], request_deadline_s=1.0, max_connections=12)
+    port = int(f.base_url.rsplit(":", 1)[1])
+    partial = [
+        b"",
+        b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\n",
+        b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{",
+    ]
+
+    def closed(s: socket.socket) -> bool:  # what the server answered read, then: did it close?
+        try:
+            while s.recv(4096):
+                pass
+            return True
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    async def scenario():
+        socks = []
+        for i in range(12):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(partial[i % 3])
+            s.setblocking(False)
+            socks.append(s)
+        await asyncio.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", port))
+        extra.setblocking(False)
+        await asyncio.sleep(0.3)
+        over = closed(extra)
+        before = sum(closed(s) for s in socks)
+        await asyncio.sleep(1.5)
+        after = sum(closed(s) for s in socks)
+        for s in [*socks, extra]:
+            s.close()
+        async with httpx.AsyncClient(base_url=f"{f.base_url}/api/v1", headers={"X-API-Key": "tml-" + "a" * 28}) as c:
+            served = await c.get("/healthz")
+        return over, before, after, served.status_code
+
+    t = time.monotonic()
+    over, before, after, served = loop.run_until_complete(scenario())
+    assert over and before == 0 and after == 12 and served == 200, (over, before, after, served)
+    assert time.monotonic() - t < 10
