@@ -34,6 +34,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-parser", help="a vLLM tool parser, e.g. hermes")
     p.add_argument("--reasoning-parser", help="a vLLM reasoning parser, e.g. qwen3")
     p.add_argument(
+        "--prompt-logprobs",
+        action="store_true",
+        help="take `echo` and `prompt_logprobs` (a distribution per prompt token: for trusted clients)",
+    )
+    p.add_argument(
         "--lora",
         nargs="+",
         default=[],
@@ -67,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         chat_template=a.chat_template,
         tool_parser=a.tool_parser,
         reasoning_parser=a.reasoning_parser,
+        prompt_logprobs=a.prompt_logprobs,
     )
     try:
         generator = GeneratorConfig(max_model_len=a.max_model_len, dtype=a.dtype, adapters=adapters(a.lora))

@@ -449,7 +449,7 @@ def _checked_request(
         return body, _error(400, "the request body is not valid JSON (nested too deeply)", "invalid_request_error")
     # The fields as parsed (`vars`: reading the deprecated max_tokens attribute would warn).
     values = {**vars(parsed), **(parsed.model_extra or {})}
-    refusal = _refused_option(values) or _over_limits(values, cfg)
+    refusal = _refused_option(values, cfg) or _over_limits(values, cfg)
     if refusal is not None:
         return body, refusal
     asked = values.get("max_completion_tokens")
@@ -459,8 +459,11 @@ def _checked_request(
     return json.dumps(request).encode(), None
 
 
-def _refused_option(values: dict[str, Any]) -> tuple[int, bytes] | None:
+def _refused_option(values: dict[str, Any], cfg: GatewayConfig) -> tuple[int, bytes] | None:
+    taken = ("echo", "prompt_logprobs") if cfg.prompt_logprobs else ()
     for key, why in UNSUPPORTED.items():
+        if key in taken:
+            continue
         value = values.get(key)
         if value is not None and value is not False:  # 0 is not the default: prompt_logprobs=0 computes them
             return _error(400, f"'{key}' is not supported by forge's gateway ({why})", "invalid_request_error")

@@ -578,6 +578,10 @@ class GatewayConfig:
     # request_deadline_s, or its connection is closed; connections past max_connections are closed.
     request_deadline_s: float = 30.0  # seconds for a request to arrive whole
     max_connections: int = 4096  # connections held at once
+    # True: `echo` and `prompt_logprobs` are taken (scoring a text, as Tinker's compute_logprobs),
+    # each a distribution per prompt token: for trusted clients. False: refused, as other options
+    # that multiply a request's work.
+    prompt_logprobs: bool = False
     chat_template: str | None = None  # a file or a Jinja string; default: the tokenizer's
     tool_parser: str | None = None  # a vLLM tool parser (e.g. "hermes"): tool calls come back as tool_calls
     reasoning_parser: str | None = None  # a vLLM reasoning parser (e.g. "qwen3")

@@ -481,7 +481,7 @@ def test_forge_serve_serves_a_sampler_checkpoint(server):
     want = (
         sc.create_sampling_client(model_path=path).result().compute_logprobs(types.ModelInput.from_ints(probe)).result()
     )
-    proc, port, _ = forge_serve(base, "--lora", f"mine={where}")
+    proc, port, _ = forge_serve(base, "--prompt-logprobs", "--lora", f"mine={where}")
     try:
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
         names = ["mine", Path(base).name] * 2
