@@ -426,8 +426,13 @@ class SandboxPool:
         return self._result(run.returncode, out, err, wall, timed_out, truncated, req, report, oom)
 
     async def _started(self, spec: dict, fds: list[int], uid: int) -> _Started:
-        """`_start`, carried through if the caller gives up meanwhile (its answer from the launcher
-        is on its way): the run it started is then killed, and gone before the slot is free."""
+        """Start a run. An exec'd program's helper is spawned here, nothing awaited (no round trip
+        through the launcher's Python); a run the launcher starts is carried through if the caller
+        gives up meanwhile (its answer is on its way): then it is killed, and gone before the slot
+        is free."""
+        run = self._spawned(spec, fds)
+        if run is not None:
+            return run
         starting = asyncio.ensure_future(self._start(spec, fds))
         try:
             return await asyncio.shield(starting)
@@ -440,19 +445,30 @@ class SandboxPool:
                     await _gone(uid)
             raise
 
-    async def _start(self, spec: dict, fds: list[int]) -> _Started:
-        """Start a run: an exec'd program from the helper, spawned here (no round trip through the
-        launcher's Python), else by the launcher."""
-        if self.exec_helper is None or spec["python"] or spec["copy"]:  # the helper copies no files
-            return await self.launcher.spawn(spec, fds)
+    def _execs(self, spec: dict) -> bool:
+        """Whether the helper starts this run (it copies no files; Python programs are forked)."""
+        return self.exec_helper is not None and not spec["python"] and not spec["copy"]
+
+    def _spawned(self, spec: dict, fds: list[int]) -> _Started | None:
+        """The run, from the helper spawned here; None where the launcher is needed first."""
         uid = spec["uid"]
-        if spec["namespaces"] and uid not in self.slot_namespaces:
-            self.slot_namespaces[uid] = await self.launcher.namespaces(spec)
+        if not self._execs(spec) or (spec["namespaces"] and uid not in self.slot_namespaces):
+            return None
         cgroups = self.cgroups.procs_fds(uid) if self.cgroups is not None else []
         try:
             return _spawn_exec(self.exec_helper, self.seccomp, spec, fds, self.slot_namespaces.get(uid, []), cgroups)
         except OSError:  # the helper could not be started (e.g. removed): the launcher's forks
-            return await self.launcher.spawn(spec, fds)
+            return None
+
+    async def _start(self, spec: dict, fds: list[int]) -> _Started:
+        """A run of the launcher's: the slot's namespaces made for the helper's first run in it,
+        else the launcher's fork."""
+        if self._execs(spec) and spec["namespaces"] and spec["uid"] not in self.slot_namespaces:
+            self.slot_namespaces[spec["uid"]] = await self.launcher.namespaces(spec)
+            run = self._spawned(spec, fds)
+            if run is not None:
+                return run
+        return await self.launcher.spawn(spec, fds)
 
     def _write_files(self, work: Path, req: _Request, uid: int) -> list[str]:
         """The run's directory; returns the argv (for Python, the script's). With namespaces the program stays
