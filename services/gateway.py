@@ -510,8 +510,9 @@ class _Gate:
             )
         if scope["path"] in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
-        # any bytes a client sends (HTTP allows obs-text); the scheme in any case (RFC 9110)
-        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").partition(" ")
+        # any bytes a client sends (HTTP allows obs-text: no key has them); the scheme in any case (RFC 9110)
+        auth = dict(scope["headers"]).get(b"authorization", b"").decode(errors="replace")
+        scheme, _, token = auth.partition(" ")
         session, refusal = self.gateway._admit(token.strip() if scheme.lower() == "bearer" else None)
         generating = scope["path"] in GENERATION_PATHS
         if refusal is None and generating:
