@@ -4,7 +4,8 @@ request's own adapter.
 Why: vLLM's torch kernels for CPU (vllm/lora/ops/torch_ops, used by punica_cpu) gather every
 token's adapter matrices into a [tokens, out, in] copy before one einsum: for a batch on one
 adapter that is a copy of the adapter per token, per linear, per step. Grouping the tokens by
-adapter computes the same products without the copies. `install()` replaces those kernels in the
+adapter computes the same products without the copies, and gives a token of no adapter (index
+-1) nothing, where vLLM's picked the last slot's adapter. `install()` replaces those kernels in the
 process that runs the model (vLLM's worker imports services/vllm_worker.py, which installs it).
 
 Prompt logprobs: vLLM computes a request's prompt logits through the LoRA head with the adapter
@@ -27,17 +28,20 @@ _vllm_prompt_logprobs = GPUModelRunner._get_prompt_logprobs_dict
 
 def _products(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """inputs [tokens, in] times the adapter matrix each token's index picks (weights [slots, (1,)
-    out, in]), as vLLM's kernels index it (-1, no adapter, picks the last slot, which stays zero)."""
+    out, in]); a token of index -1 (no adapter) gets zeros. vLLM's own CPU kernels index the last
+    slot with -1, which holds an adapter whenever every slot is in use: a base-model request
+    batched with an adapter's then ran under that adapter."""
     if weights.dim() == 4:
         weights = weights.squeeze(1)
     inputs = inputs.to(dtype)
-    slots = indices.unique()
-    if slots.numel() == 1:
+    slots = indices.unique().tolist()
+    if len(slots) == 1 and slots[0] >= 0:
         return inputs @ weights[slots[0]].to(dtype).T
-    out = inputs.new_empty(inputs.shape[0], weights.shape[1])
+    out = inputs.new_zeros(inputs.shape[0], weights.shape[1])
     for slot in slots:
-        picked = indices == slot
-        out[picked] = inputs[picked] @ weights[slot].to(dtype).T
+        if slot >= 0:
+            picked = indices == slot
+            out[picked] = inputs[picked] @ weights[slot].to(dtype).T
     return out
 
 

@@ -186,7 +186,7 @@ def test_forge_serve_picks_the_adapter_by_model_name(tiny_model_dir, tmp_path):
     where = {"run_a": tmp_path / "run_a" / "model", "b": tmp_path / "b"}
     models = {name: peft_adapter(tiny_model_dir, where[name], seed) for name, seed in (("run_a", 1), ("b", 2))}
     models["test-tiny"] = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    proc, port, _ = forge_serve(str(tmp_path / "run_a"), "--lora", f"b={where['b']}")
+    proc, port, _ = forge_serve(str(tmp_path / "run_a"), "--prompt-logprobs", "--lora", f"b={where['b']}")
     prompt = [1, 40, 50, 60, 70, 80, 90, 30, 20]
     got = {}
     try:
@@ -353,3 +353,19 @@ def test_dpo_reference_with_lora_is_the_adapter_off_policy(tiny_model_dir):
     assert abs(expected["rewards/margin"]) > 1e-3  # the adapter moved the policy from the base
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margin"):
         assert metrics[key] == pytest.approx(expected[key], abs=1e-5), key
+
+
+def test_a_token_of_no_adapter_gets_nothing_when_every_slot_holds_one():
+    """vLLM's CPU LoRA kernels index "no adapter" (-1) as the last slot, which holds an adapter when
+    every slot is in use (`forge serve --lora` of one adapter has one slot): a base-model request
+    batched with an adapter's ran under it. forge's kernels give such a token nothing."""
+    from services.vllm_lora import bgmv_expand, bgmv_shrink
+
+    torch.manual_seed(0)
+    lora_a, lora_b = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 8, 4)  # one slot: [slots, 1, rank, in], [.., out, rank]
+    x, indices = torch.randn(3, 8), torch.tensor([-1, 0, -1])
+    shrunk, out = torch.zeros(3, 4), torch.zeros(3, 8)
+    bgmv_shrink(x, lora_a, shrunk, indices)
+    bgmv_expand(shrunk, lora_b, out, indices)
+    assert out[0].abs().max() == 0 and out[2].abs().max() == 0
+    assert torch.allclose(out[1], lora_b[0, 0] @ (lora_a[0, 0] @ x[1]), atol=1e-5)

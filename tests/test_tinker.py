@@ -497,7 +497,8 @@ def test_forge_serve_serves_a_sampler_checkpoint(server):
     assert proc.returncode == 0, out[-2000:]
     for lps in got[::2]:
         assert np.allclose(lps, want[1:], atol=1e-4), (lps, want)
-    assert np.abs(np.subtract(got[1], want[1:])).max() > 1e-2  # the base model answers otherwise
+    for lps in got[1::2]:  # the base model answers otherwise, also batched with the adapter's requests
+        assert np.abs(np.subtract(lps, want[1:])).max() > 1e-2
 
 
 def test_beyond_loopback_a_key_is_required():
