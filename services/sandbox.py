@@ -438,11 +438,7 @@ class SandboxPool:
             return await asyncio.shield(starting)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                run = await starting
-                self._kill(run.pid, uid)
-                await run.exited
-                if self.root:
-                    await _gone(uid)
+                await self._ended(await starting, uid)
             raise
 
     def _execs(self, spec: dict) -> bool:
@@ -542,20 +538,25 @@ class SandboxPool:
         except asyncio.TimeoutError:
             timed_out = True
         finally:  # also when the caller gave up (cancelled): nothing of the run survives it
-            killed = not run.exited.done() or run.exited.exception() is not None or not self.namespaces
-            if killed:
-                self._kill(run.pid, uid)
-            try:
+            if not run.exited.done() or run.exited.exception() is not None or not self.namespaces:
+                await self._ended(run, uid)
+            else:
                 await run.exited
-            finally:
-                if killed and self.root:  # SIGKILL is delivered, not done: wait till they are gone
-                    await _gone(uid)
         try:  # with namespaces every pipe is closed by now; without, a leftover may hold one
             (out, t_out), (err, t_err) = await asyncio.wait_for(io, 5.0)
         except asyncio.TimeoutError:
             io.cancel()
             (out, t_out), (err, t_err) = (b"", False), (b"", False)
         return out, err, timed_out, t_out or t_err
+
+    async def _ended(self, run: _Started, uid: int) -> None:
+        """Kill the run and wait for its end; as root, until no process of its uid is left."""
+        self._kill(run.pid, uid)
+        try:
+            await run.exited
+        finally:
+            if self.root:  # SIGKILL is delivered, not done: wait till they are gone
+                await _gone(uid)
 
     def _kill(self, pid: int, uid: int) -> None:
         """Kill the run's processes. With namespaces, kill pid 1 of the namespace (the child of
