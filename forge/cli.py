@@ -189,6 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     elif a.cmd == "make-dataset":
         if a.task not in tasks.TASKS:
             fail(f"--task: unknown task {a.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
+        if Path(a.out).suffix not in (".jsonl", ".json"):
+            fail(f"--out {a.out}: make-dataset writes JSON lines; name a .jsonl file")
+        if a.n < 1:
+            fail(f"-n: the number of rows must be at least 1, got {a.n}")
         print(tasks.write_dataset(a.out, a.task, a.n, a.seed, a.system, a.preferences))
 
 

@@ -7,14 +7,12 @@ import json
 import random
 import re
 import string
-from pathlib import Path
 from typing import Any
 
 from torchdata.nodes import BaseNode
 
 from forge.config import ConfigError
 from forge.schema import (
-    FORMATS,
     DatasetConfig,
     PreferenceDataConfig,
     RowsConfig,
@@ -40,9 +38,8 @@ class IndexedPrompts(BaseNode[Sample]):
         self.index = initial_state["index"] if initial_state else 0
 
     def next(self) -> Sample:
-        sample = self.sample(self.index)
-        self.index += 1
-        return sample
+        i, self.index = self.index, self.index + 1  # a bad row costs its own sample, not every retry
+        return self.sample(i)
 
     def get_state(self) -> dict[str, Any]:
         return {"index": self.index}
@@ -99,6 +96,7 @@ class RowPrompts(IndexedPrompts):
         texts = [m["content"] for m in cfg.chat] or [cfg.template]
         fields = [name for text in texts for _, name, _, _ in string.Formatter().parse(text) if name]
         prompt = {cfg.messages_key} if cfg.messages_key else {re.split(r"[.\[]", name)[0] for name in fields}
+        self.prompt_columns = sorted(prompt)
         wanted = prompt | {cfg.answer_key} | ({cfg.tools_key} if cfg.tools_key else set())
         missing = wanted - set(columns)
         if missing or size == 0:
@@ -135,6 +133,9 @@ class RowPrompts(IndexedPrompts):
         )
 
     def _prompt(self, row: dict[str, Any], at: int) -> str | list[dict[str, Any]]:
+        empty = [c for c in self.prompt_columns if row[c] is None]
+        if empty:  # else its prompt would hold the text "None"
+            raise ConfigError(f"config key '{self.key}': row {at} of {self.where} has no value in column(s) {empty}")
         if self.cfg.chat:
             return [{"role": m["role"], "content": m["content"].format(**row)} for m in self.cfg.chat]
         return self._messages(row, at) if self.cfg.messages_key else self.cfg.template.format(**row)
@@ -192,10 +193,10 @@ class TokenizedRows(IndexedPrompts):
         self.end_of_turn = end_of_turn(tokenizer)
         self.rows = None
         if cfg.path:
-            import datasets
+            from forge.sources import read_file  # see FilePrompts
 
             cfg.validate()
-            self.rows = datasets.load_dataset(FORMATS[Path(cfg.path).suffix], data_files=cfg.path, split="train")
+            self.rows = read_file(cfg.path, "data")
 
 
 class SFTExamples(TokenizedRows):
@@ -220,6 +221,9 @@ class SFTExamples(TokenizedRows):
                 )
             if not len(self.rows):
                 raise ConfigError(f"config key 'data.path': {cfg.path} has no rows")
+            keys = [k for k in (cfg.messages_key, cfg.prompt_key, cfg.completion_key) if k in columns]
+            for at, row in enumerate(self.rows.select_columns(keys)):
+                self._parts(row, f"config key 'data.path': {cfg.path} row {at}")
 
     def sample(self, i: int) -> tuple[list[int], list[int]]:
         if self.rows is None:
@@ -242,18 +246,34 @@ class SFTExamples(TokenizedRows):
                 return self._cut(ids, [int(label != -100) for label in labels])
             return self._pair(s.prompt, answer, f"toy sample {i}")
         index = self.shuffled(i, len(self.rows))
-        row, where = self.rows[index], f"{self.cfg.path} row {index}"
-        if self.cfg.messages_key in row:
-            messages = row[self.cfg.messages_key]
-            if not any(m.get("role") == "assistant" for m in messages):
-                raise ValueError(f"{where}: no assistant message to train on")
-            ids, labels = chat_tokens(self.tokenizer, messages, self.end_of_turn)
+        parts = self._parts(self.rows[index], f"{self.cfg.path} row {index}")
+        if isinstance(parts, list):
+            ids, labels = chat_tokens(self.tokenizer, parts, self.end_of_turn)
             return self._cut(ids, [int(label != -100) for label in labels])
-        return self._pair(str(row[self.cfg.prompt_key]), str(row[self.cfg.completion_key]), where)
+        return self._pair(*parts, f"{self.cfg.path} row {index}")
+
+    def _parts(self, row: dict[str, Any], where: str) -> list[dict[str, Any]] | tuple[str, str]:
+        """A row's chat messages (with an assistant turn), else its prompt and completion (text, a
+        completion not empty); a row with neither is a ConfigError naming it."""
+        c = self.cfg
+        messages = row.get(c.messages_key)
+        if messages is not None:
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+                raise ConfigError(
+                    f"{where}: column '{c.messages_key}' is not a list of chat messages ({{role, content}})"
+                )
+            if not any(m.get("role") == "assistant" for m in messages):
+                raise ConfigError(f"{where}: no assistant message to train on")
+            return [{k: v for k, v in m.items() if v is not None} for m in messages]
+        prompt, completion = row.get(c.prompt_key), row.get(c.completion_key)
+        if prompt is None or completion is None or not str(completion).strip():
+            empty = [k for k, v in ((c.prompt_key, prompt), (c.completion_key, completion)) if v is None or v == ""]
+            raise ConfigError(
+                f"{where}: no chat messages ('{c.messages_key}') and no value in {empty or [c.completion_key]}"
+            )
+        return str(prompt), str(completion)
 
     def _pair(self, prompt: str, completion: str, where: str) -> tuple[list[int], list[int]]:
-        if not prompt and not completion:
-            raise ValueError(f"{where}: empty")
         return self._cut(*text_tokens(self.tokenizer, prompt, completion))
 
     def _cut(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:

@@ -9,7 +9,7 @@ run's seed), its samples tagged with the source's name (`Sample.task`, then `Epi
 rewards, metrics and evals are kept per source. New weights come from `set_weights` or from
 `dataset.mix_file`, re-read between steps when it changes; each change is a console line, and
 every step records the weights in force (`mix/weight/NAME`). A checkpoint holds the draw count,
-the weights, the watched file's mtime and each source's position: a resumed run draws the same
+the weights, the watched file's stamp (mtime, size, inode) and each source's position: a resumed run draws the same
 next prompts under the same weights.
 """
 
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torchdata.nodes import BaseNode
 from tqdm import tqdm
 
@@ -86,7 +88,7 @@ class Mixture(BaseNode[Sample]):
         self.sources = dict(sources or {})
         self.initial = {name: float(weights[name]) for name in self.streams}
         self.watch = Path(watch) if watch else None
-        self.weights, self.draws, self.mtime = dict(self.initial), 0, None
+        self.weights, self.draws, self.stamp = dict(self.initial), 0, None
 
     @property
     def names(self) -> list[str]:
@@ -97,7 +99,7 @@ class Mixture(BaseNode[Sample]):
         state = initial_state or {}
         self.draws = state.get("draws", 0)
         self.weights = dict(state.get("weights", self.initial))
-        self.mtime = state.get("mtime")
+        self.stamp = state.get("file_stamp")
         for name, stream in self.streams.items():
             stream.reset(state["sources"][name] if state else None)
 
@@ -112,7 +114,7 @@ class Mixture(BaseNode[Sample]):
         return {
             "draws": self.draws,
             "weights": dict(self.weights),
-            "mtime": self.mtime,
+            "file_stamp": self.stamp,
             "sources": {name: stream.state_dict() for name, stream in self.streams.items()},
         }
 
@@ -138,15 +140,18 @@ class Mixture(BaseNode[Sample]):
         if self.watch is None:
             return
         try:
-            mtime = self.watch.stat().st_mtime_ns
-        except FileNotFoundError:
+            st = self.watch.stat()
+        except OSError:
             return
-        if mtime == self.mtime:
+        # the size too: `echo ... > file` empties it first, and a coarse clock may give the
+        # emptied file and the written one the same mtime
+        stamp = [st.st_mtime_ns, st.st_size, st.st_ino]
+        if stamp == self.stamp:
             return
-        self.mtime = mtime
-        try:
-            weights = yaml.safe_load(self.watch.read_text())  # JSON is YAML too
-        except (OSError, yaml.YAMLError) as e:
+        self.stamp = stamp
+        try:  # as config files are read (PyYAML alone reads 1e-3 as a string), JSON too
+            weights = OmegaConf.to_container(OmegaConf.create(self.watch.read_text()))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException) as e:
             self.say(
                 f"forge: mix weights from {self.watch} refused: unreadable ({type(e).__name__}); the run keeps them"
             )

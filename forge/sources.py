@@ -50,7 +50,21 @@ def load_rows(cfg: DatasetConfig, key: str = "dataset") -> datasets.Dataset:
         except FileNotFoundError as e:
             raise ConfigError(f"config key '{key}.path': {_first_line(e)}") from None
         return _split(saved, cfg, key, cfg.path)
-    return datasets.load_dataset(FORMATS[Path(cfg.path).suffix], data_files=cfg.path, split="train")
+    return read_file(cfg.path, key)
+
+
+def read_file(path: str, key: str) -> datasets.Dataset:
+    """A local file's rows, read as its suffix says. A file `datasets` cannot read is a
+    ConfigError naming `key`.path and the file."""
+    kind = FORMATS[Path(path).suffix]
+    if Path(path).stat().st_size == 0:
+        raise ConfigError(f"config key '{key}.path': {path} is empty")
+    try:
+        return datasets.load_dataset(kind, data_files=path, split="train")
+    except Exception as e:  # a bad file raises what its format's reader does: StopIteration, KeyError, ArrowInvalid...
+        raise ConfigError(
+            f"config key '{key}.path': {path}: cannot read it as {kind} ({type(e).__name__}: {_first_line(e)[:200]})"
+        ) from None
 
 
 def _hub_rows(cfg: DatasetConfig, key: str) -> datasets.Dataset:

@@ -2,6 +2,7 @@
 Face datasets by name, reasoning-gym generators; all resumable, and each bad key named."""
 
 import json
+import re
 
 import pytest
 
@@ -60,6 +61,37 @@ def test_bad_dataset_is_named(tmp_path):
         FilePrompts(DatasetConfig(path=str(path), template="{problem}"))
 
 
+def test_a_bad_row_costs_its_own_sample_and_a_null_prompt_column_is_named(tmp_path):
+    """A row whose prompt column is null is a ConfigError naming its row and column (never the
+    prompt "None"); the stream has moved past it, so a retry takes the next row, not it again."""
+    rows = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(4)] + [{"question": None, "answer": "7"}]
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    node = FilePrompts(DatasetConfig(path=str(path), template="{question}"))
+    node.reset()
+    prompts, errors = [], []
+    for _ in range(10):  # two epochs
+        try:
+            prompts.append(next(node).prompt)
+        except ConfigError as e:
+            errors.append(str(e))
+    assert sorted(prompts) == sorted([f"{i}+1=" for i in range(4)] * 2) and node.index == 10
+    assert len(errors) == 2 and all("row 4 of" in e and "column(s) ['question']" in e for e in errors)
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [("", "is empty"), ('{"question": "1+1=", "answer": "2"}\n{"answer": "4"}\n', "cannot read it as json")],
+)
+def test_a_file_datasets_cannot_read_is_a_config_error_naming_the_key_and_file(tmp_path, text, why):
+    """An empty file, or JSON lines whose rows lack a key others have: `datasets` raises
+    StopIteration or KeyError there, which forge names."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"config key 'eval.dataset.path': {path}.*{why}"):
+        FilePrompts(DatasetConfig(path=str(path)), key="eval.dataset")
+
+
 def test_chat_format_prompts(tmp_path):
     """`forge make-dataset --system` writes chat prompts (a system turn, the task as the user's);
     `dataset.messages_key` reads them as messages, in place of `template`; a column of plain
@@ -78,6 +110,19 @@ def test_chat_format_prompts(tmp_path):
         FilePrompts(DatasetConfig(path=str(raw), messages_key="prompt"))
     with pytest.raises(ConfigError, match="dataset.messages_key, dataset.template: each makes the prompt"):
         DatasetConfig(path=str(path), messages_key="prompt", template="{prompt}").validate()
+
+
+@pytest.mark.parametrize(
+    "out, n, error",
+    [("toy.parquet", 5, "--out .*toy.parquet: make-dataset writes JSON lines"), ("toy.jsonl", 0, "-n: .* got 0")],
+)
+def test_make_dataset_refuses_a_file_it_would_not_write_as_named(tmp_path, capsys, out, n, error):
+    """JSON lines only (a .parquet or .csv name would be misread where it is used), one row at least."""
+    from forge.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["make-dataset", "--out", str(tmp_path / out), "-n", str(n)])
+    assert re.search(error, capsys.readouterr().err) and not (tmp_path / out).exists()
 
 
 def test_chat_prompts_from_plain_columns(tmp_path):

@@ -104,6 +104,27 @@ def test_the_watched_file_is_read_when_it_changes_and_weights_are_recorded_each_
     assert "refused: unreadable" in lines[-1] and node.weights == {"reverse": 3.0, "sort": 2.0}
 
 
+def test_the_watched_file_is_read_as_config_files_are_and_re_read_once_written(tmp_path):
+    """JSON's numbers with exponents are numbers (PyYAML alone reads 1e-05 as text); a file not
+    in UTF-8 is refused with a line, not a crash; a file read while `echo ... >` had emptied it
+    is read again once written, even where the clock gave both the same mtime."""
+    lines, path = [], tmp_path / "mix.json"
+    node = mixture({"reverse": 3.0, "sort": 1.0}, watch=path, say=lines.append)
+    path.write_text(json.dumps({"reverse": 1e-05, "sort": 1e20}))
+    node.between_steps()
+    assert node.weights == {"reverse": 1e-05, "sort": 1e20}, lines
+    path.write_bytes("# poids modifi\xe9s\nsort: 2\n".encode("latin-1"))
+    node.between_steps()
+    assert "refused: unreadable (UnicodeDecodeError)" in lines[-1] and node.weights["sort"] == 1e20
+    with open(path, "w") as f:
+        emptied = os.stat(path).st_mtime_ns
+        node.between_steps()  # an empty file: no weights named, nothing changes
+        f.write("sort: 5\n")
+    os.utime(path, ns=(emptied, emptied))  # a coarse clock's stamp
+    node.between_steps()
+    assert node.weights == {"reverse": 1e-05, "sort": 5.0}, lines
+
+
 def test_a_checkpoint_round_trip_gives_the_same_next_prompts_and_weights(tmp_path):
     path = tmp_path / "mix.yaml"
     path.write_text("sort: 2\n")

@@ -86,6 +86,28 @@ def test_a_file_without_the_columns_is_named_before_anything_starts(tmp_path, ti
         load_config("configs/sft_tiny.yaml", ["trainer.loss.name=grpo"], Config)
 
 
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ({"prompt": "9+9=", "completion": None}, r"no value in \['completion'\]"),  # never trained as "None"
+        ({"prompt": None, "completion": "4"}, r"no value in \['prompt'\]"),
+        ({"messages": [{"role": "user", "content": "no answer"}]}, "no assistant message to train on"),
+        ({"messages": "abc"}, "column 'messages' is not a list of chat messages"),
+    ],
+)
+def test_every_row_is_checked_when_the_file_loads(tmp_path, tiny_model_dir, bad, why):
+    """A bad row is named when the file loads, not when the loop reaches it mid-run; a file may
+    mix chat rows and prompt/completion rows (datasets fills each's absent columns with null)."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    row = dict.fromkeys(("messages", "prompt", "completion"))  # JSON lines' rows name the same keys
+    rows = [{**row, "messages": CHAT}, {**row, "prompt": "2+2=", "completion": "4"}] * 20
+    examples = SFTExamples(SFTDataConfig(path=write_jsonl(tmp_path / "ok.jsonl", rows)), tok, "add")
+    assert len({tuple(examples.sample(i)[0]) for i in range(40)}) == 2
+    path = write_jsonl(tmp_path / "bad.jsonl", rows + [{**row, **bad}])
+    with pytest.raises(ConfigError, match=f"config key 'data.path': {path} row 40: .*{why}"):
+        SFTExamples(SFTDataConfig(path=path), tok, "add")
+
+
 @pytest.mark.slow  # 57 s: two SFT runs with a generator for evals
 def test_sft_from_a_chat_file_through_the_trainer_service_then_resume(tmp_path, tiny_model_dir):
     chats = [
