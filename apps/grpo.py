@@ -14,6 +14,7 @@ come from with `algorithm` (grpo: the group's rewards; ppo: a critic's values; d
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -133,13 +134,21 @@ def rollouts(cfg: Config, s: Roles) -> Rollouts:
     return SingleTurn(import_object("rollout", cfg.rollout), cfg.rollout, s.gen, s.rewards, cfg)
 
 
+def batch_rows(cfg: Config) -> int:
+    """What a step's batch's rows are a multiple of: each trainer it goes to (the policy's, and
+    PPO's critic) splits it over its ranks and micro-batches."""
+    rows = cfg.trainer_procs * cfg.trainer.grad_accum
+    if cfg.algorithm == "ppo":
+        rows = math.lcm(rows, cfg.ppo.critic_procs * cfg.ppo.critic.grad_accum)
+    return rows
+
+
 async def step(cfg: Config, s: Roles, run: Run, loops: RolloutLoops, buffer: Any) -> None:
     """One step: a batch of scored groups (generated beside the loop), train, push weights."""
     t0 = time.perf_counter()
     episodes = await loops.batch(run.version)
     t1 = time.perf_counter()
-    rows = cfg.trainer_procs * cfg.trainer.grad_accum
-    batch = collate(episodes, pad_id=0, rows_multiple_of=rows, share_prefix=cfg.trainer.share_prefix)
+    batch = collate(episodes, pad_id=0, rows_multiple_of=batch_rows(cfg), share_prefix=cfg.trainer.share_prefix)
     if s.ref is not None:
         batch.ref_logprobs = await s.ref.logprobs.route(batch)
     if s.critic is not None:

@@ -394,6 +394,15 @@ class LossConfig:
             raise ConfigError(f"config key 'loss.rpo_alpha' must be >= 0, got {self.rpo_alpha}")
         if self.value_clip <= 0:
             raise ConfigError(f"config key 'loss.value_clip' must be > 0, got {self.value_clip}")
+        # a negative one turns the loss around: clip bounds swapped, Dr.GRPO's sum divided by < 0,
+        # a KL that pushes away from the reference
+        for key in ("clip_low", "clip_high", "kl_coef", "norm_tokens"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"config key 'loss.{key}' must be >= 0, got {getattr(self, key)}")
+        if self.clip_low >= 1:
+            raise ConfigError(
+                f"config key 'loss.clip_low' must be < 1 (the ratio's floor is 1 - it), got {self.clip_low}"
+            )
 
     @property
     def normalize_std(self) -> bool:

@@ -295,8 +295,8 @@ class Trainer(ForgeActor):
     def _step_sums(self, mb: Batch, lp: torch.Tensor, ent: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the step's metrics (see train_step), its max |delta| last."""
         m, cap = mb.loss_mask, self.cfg.loss.is_cap
-        raw = torch.exp(lp - mb.gen_logprobs)
-        kl = (k3_kl(lp, mb.ref_logprobs) * m).sum() if mb.ref_logprobs is not None else lp.new_zeros(())
+        raw = torch.exp(torch.where(m.bool(), lp - mb.gen_logprobs, 0.0))  # as k3_kl: no inf off the loss tokens
+        kl = k3_kl(lp, mb.ref_logprobs, m).sum() if mb.ref_logprobs is not None else lp.new_zeros(())
         # Each token's episode's version; padding (doc -1) gets the -1 appended (a shard may hold none).
         versions = torch.cat([mb.policy_versions, mb.policy_versions.new_full((1,), -1)])[mb.doc_ids]
         fresh = m * (versions == self.version).to(m.dtype)

@@ -9,7 +9,7 @@ import torch
 from conftest import as_a_user
 from safetensors.torch import load_file
 
-from apps.grpo import Config, run_together
+from apps.grpo import Config, batch_rows, run_together
 from forge import checkpoint
 from forge.cli import run
 from forge.config import ConfigError, load_config
@@ -413,6 +413,16 @@ def test_distillation_alone_scores_the_sampled_tokens_with_the_teacher(tmp_path,
         ConfigError, match=r"config key 'distill.teachers\[1\].path': .* not have the policy's tokenizer"
     ):
         check_tokenizer(str(MODEL), str(other), "distill.teachers[1].path")
+
+
+def test_a_ppo_batch_splits_over_the_critics_ranks_and_micro_batches_too():
+    """The batch goes to the policy's trainer and to the critic, each splitting its rows over its
+    own processes x grad_accum; prefix sharing makes the row count hard to foresee."""
+    cfg = load_config("configs/ppo_tiny.yaml", ["ppo.critic.grad_accum=2"], Config)
+    assert batch_rows(cfg) == 2
+    cfg = load_config("configs/ppo_tiny.yaml", ["trainer.grad_accum=2", "ppo.critic.grad_accum=3"], Config)
+    assert batch_rows(cfg) == 6
+    assert batch_rows(load_config("configs/grpo_tiny.yaml", ["trainer.grad_accum=2"], Config)) == 2
 
 
 def test_ppo_critic_trains_alone_then_beside_the_policy_and_resumes(tmp_path, loop, services):

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from forge.config import ConfigError
 from forge.losses import IS_CORRECTIONS, LOSSES, importance_weight, k3_kl, mismatch_sums
 from forge.losses import SCORE_LOSSES as LOSSES_BY_HEAD
 from forge.losses.advantages import explained_variance, gae, group_advantages, teacher_advantages, whiten
@@ -88,6 +89,43 @@ def test_importance_weight_and_advantages():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0])
     assert group_advantages(r).tolist() == pytest.approx([1, -1, -1, 1], abs=1e-5)
     assert group_advantages(r, std_normalize=False).tolist() == [0.5, -0.5, -0.5, 0.5]
+
+
+@pytest.mark.parametrize("reward", [0.7, 0.9, 0.3, 0.2, 1.0])
+@pytest.mark.parametrize("n", [4, 8])
+def test_a_group_of_equal_rewards_has_no_advantage(reward, n):
+    """No signal, no push: in fp32 the group's mean of n equal rewards is not always the reward,
+    and std-normalizing that rounding gave each sample the same advantage of about 0.06."""
+    r = torch.tensor([reward] * n)
+    assert group_advantages(r).tolist() == [0.0] * n
+    assert group_advantages(r, std_normalize=False).tolist() == [0.0] * n
+    near = group_advantages(torch.tensor([0.7] * (n - 1) + [0.8]))
+    assert near[-1] > 0 and near[0] < 0 and near.sum().abs() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo", "cispo"])
+def test_the_kl_term_ignores_tokens_no_loss_trains(name):
+    """A prompt token the policy has drifted on far below the reference (exp of the difference
+    overflows fp32) leaves the loss and every gradient finite, and the same as without it."""
+    ref = [[0, -0.5, -0.9, -2.2], [0, -1.0, -0.2]]
+    loss, grad = run(name, ref=ref, kl_coef=0.1)
+    batch = with_ref(collate(EPS, pad_id=0), ref)
+    batch.ref_logprobs[0, 0] = -5.0
+    lp = torch.tensor(LP)
+    lp[0, 0] = -100.0  # never trained: the prompt
+    lp.requires_grad_(True)
+    drifted = LOSSES[name](lp, batch, torch.ones(2, 4), LossConfig(name=name, kl_coef=0.1))
+    drifted.backward()
+    assert drifted.item() == pytest.approx(loss) and torch.isfinite(lp.grad).all()
+    assert torch.allclose(lp.grad, grad)
+
+
+@pytest.mark.parametrize(
+    "key, value", [("clip_low", -0.5), ("clip_low", 1.0), ("clip_high", -0.5), ("kl_coef", -0.1), ("norm_tokens", -64)]
+)
+def test_a_loss_setting_that_would_turn_the_loss_around_is_refused(key, value):
+    with pytest.raises(ConfigError, match=f"config key 'loss.{key}' must be"):
+        LossConfig(**{key: value}).validate()
 
 
 # Episode 1's token log-ratios (trainer - generator) are +0.5, +0.5, 0: its sequence ratio is e^1.

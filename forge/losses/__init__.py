@@ -24,9 +24,13 @@ from forge.schema import PREFERENCE_LOSSES, SCORE_LOSS_NAMES, LossConfig
 from forge.types import Batch
 
 
-def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi || ref): exp(r - l) - (r - l) - 1 >= 0."""
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || ref): exp(r - l) - (r - l) - 1 >= 0; 0 where `mask`
+    is 0. Masked before the exp: a token no loss trains (a prompt's) may drift from the
+    reference without bound, and its exp's inf times a 0 mask would be NaN, gradients too."""
     d = ref_logprobs - logprobs
+    if mask is not None:
+        d = torch.where(mask.bool(), d, 0.0)
     return torch.exp(d) - d - 1
 
 
@@ -66,7 +70,7 @@ def _with_kl(pg: torch.Tensor, logprobs: torch.Tensor, batch: Batch, cfg: LossCo
         return pg
     if batch.ref_logprobs is None:
         raise ValueError("loss.kl_coef > 0 needs reference logprobs in the batch")
-    return pg + cfg.kl_coef * k3_kl(logprobs, batch.ref_logprobs)
+    return pg + cfg.kl_coef * k3_kl(logprobs, batch.ref_logprobs, batch.loss_mask)
 
 
 def grpo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
@@ -98,7 +102,7 @@ def gspo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: Los
     adv = _per_doc(batch.advantages, batch) / counts.clamp(min=1)
     seq = _mean_present(_clipped_pg(torch.exp(log_s), adv, cfg), counts)
     if cfg.kl_coef:
-        seq = seq + cfg.kl_coef * _doc_mean(k3_kl(logprobs, batch.ref_logprobs), batch)
+        seq = seq + cfg.kl_coef * _doc_mean(k3_kl(logprobs, batch.ref_logprobs, batch.loss_mask), batch)
     return seq
 
 

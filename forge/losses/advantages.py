@@ -19,9 +19,16 @@ from forge.types import Batch
 
 def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantages for one group: reward minus the group mean (divided by the group std
-    unless Dr.GRPO's std_normalize=False)."""
-    adv = rewards - rewards.mean()
-    return adv / (rewards.std(unbiased=False) + eps) if std_normalize else adv
+    unless Dr.GRPO's std_normalize=False); exactly 0 for a group whose rewards are all equal
+    (in fp32 the mean of four 0.7s is not 0.7: that rounding, over a std of its own size, would
+    give every sample an advantage of about 0.06, its sign by chance)."""
+    if rewards.numel() == 0 or bool((rewards == rewards[0]).all()):
+        return torch.zeros_like(rewards, dtype=torch.get_default_dtype())
+    r = rewards.double()
+    adv = r - r.mean()
+    if std_normalize:
+        adv = adv / (r.std(unbiased=False) + eps)
+    return adv.to(torch.get_default_dtype())
 
 
 def teacher_advantages(
