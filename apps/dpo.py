@@ -60,7 +60,7 @@ async def train(
             batch = pair_batch([next(pairs) for _ in range(cfg.batch_size)], pad_id, rows, cfg.trainer.share_prefix)
             if roles.ref is not None:
                 batch.ref_logprobs = await roles.ref.logprobs.route(batch)
-            _, metrics = await roles.trainer.train_step.route(batch)
+            _, metrics = await run.training(roles.trainer.train_step.route(batch))
             for key in METRICS:
                 record_metric(key, metrics[key])
             record_metric("tokens_per_s", metrics["trained_tokens"] / (time.perf_counter() - start))

@@ -158,7 +158,7 @@ async def step(cfg: Config, s: Roles, run: Run, loops: RolloutLoops, buffer: Any
     t2 = time.perf_counter()
     moves = s.critic is None or run.step >= cfg.ppo.critic_warmup  # PPO's critic warms up alone first
     policy = s.trainer.train_step.route(batch) if moves else unchanged(run.version)
-    (version, metrics), _ = await asyncio.gather(policy, train_critic(cfg, s, batch))
+    (version, metrics), _ = await run.training(asyncio.gather(policy, train_critic(cfg, s, batch)))
     t3 = time.perf_counter()
     if moves:
         await s.weights.push()  # returns once published; the generators load it while they generate

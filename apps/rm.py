@@ -64,7 +64,7 @@ async def train(
             start = time.perf_counter()
             rows = cfg.trainer_procs * cfg.trainer.grad_accum
             batch = pair_batch([next(pairs) for _ in range(cfg.batch_size)], pad_id, rows, cfg.trainer.share_prefix)
-            version, metrics = await trainer.train_step.route(batch)
+            version, metrics = await run.training(trainer.train_step.route(batch))
             for key in METRICS:
                 record_metric(key, metrics[key])
             record_metric("tokens_per_s", metrics["trained_tokens"] / (time.perf_counter() - start))

@@ -111,7 +111,7 @@ async def train(
                 pack_to=cfg.data.pack_to,
                 rows_multiple_of=cfg.trainer_procs * cfg.trainer.grad_accum,
             )
-            _, metrics = await roles.trainer.train_step.route(batch)
+            _, metrics = await run.training(roles.trainer.train_step.route(batch))
             for key in ("loss", "entropy", "grad_norm", "lr", "trained_tokens"):
                 record_metric(key, metrics[key])
             record_metric("tokens_per_s", metrics["trained_tokens"] / (time.perf_counter() - start))

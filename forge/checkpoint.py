@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
+
+from forge.config import ConfigError
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -14,8 +18,13 @@ def step_dir(run_dir: str | Path, step: int) -> Path:
 
 def latest(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint (one with its run_state.pt written last)."""
-    done = sorted((Path(run_dir) / "checkpoints").glob("step_*/run_state.pt"))
-    return done[-1].parent if done else None
+    done = by_step(p.parent for p in (Path(run_dir) / "checkpoints").glob("step_*/run_state.pt"))
+    return done[-1] if done else None
+
+
+def by_step(dirs: Any) -> list[Path]:
+    """Checkpoint directories, oldest step first (by number: step_1000000 is after step_999999)."""
+    return sorted(dirs, key=lambda d: int(d.name.removeprefix("step_")) if d.name[5:].isdigit() else -1)
 
 
 def set_aside(run_dir: str | Path) -> Path | None:
@@ -50,7 +59,7 @@ def save_run_state(path: Path, state: dict[str, Any], keep: int = 2) -> Path:
     if path != final:
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a rewind
         path.rename(final)
-    for old in sorted(final.parent.glob("step_*"))[:-keep] + list(final.parent.glob(".step_*.partial")):
+    for old in by_step(final.parent.glob("step_*"))[:-keep] + list(final.parent.glob(".step_*.partial")):
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -58,7 +67,26 @@ def save_run_state(path: Path, state: dict[str, Any], keep: int = 2) -> Path:
 def load_run_state(path: Path) -> dict[str, Any]:
     import torch  # on first use (see save_run_state)
 
+    check_owned(path)
+    # A pickle (the parts' states are Python objects): loading one runs what it says, hence check_owned.
     return torch.load(path / "run_state.pt", weights_only=False)
+
+
+def check_owned(path: Path) -> None:
+    """A checkpoint is loaded only if this user wrote it: every file and directory in it (and
+    the directory it is in) owned by this user, none a link, none writable by every user (its
+    run state and the trainer's DCP metadata are pickles: whoever can write one runs code as
+    whoever loads it). Group-writable is allowed: a user's private group often is."""
+    uid = os.geteuid()
+    for entry in [Path(path).parent, Path(path), *Path(path).rglob("*")]:
+        st = entry.lstat()
+        link = stat.S_ISLNK(st.st_mode)
+        if st.st_uid != uid or st.st_mode & stat.S_IWOTH or link:
+            what = "a link" if link else f"owned by uid {st.st_uid}, mode {stat.filemode(st.st_mode)}"
+            raise ConfigError(
+                f"checkpoint {path}: {entry} is {what}; a checkpoint runs code when it loads, so forge "
+                "loads only one this user wrote, in files not every user may change"
+            )
 
 
 class RunStopped(RuntimeError):

@@ -46,14 +46,16 @@ def run(config: str | None, overrides: list[str], app: str | None = None, resume
         if resume is not None:
             require_file("resume", Path(resume) / "config.yaml")
             config = config or str(Path(resume) / "config.yaml")
-            overrides = [*overrides, f"resume={resume}"]
+            # It goes on in its own directory, wherever this runs from (its config's runs_dir may be relative).
+            here = [f"runs_dir={Path(resume).resolve().parent}", f"run_name={Path(resume).name}"]
+            overrides = [*here, *overrides, f"resume={resume}"]
         app, cfg = app_config(config, overrides, app)
     except ConfigError as e:
         fail(str(e))
     logs.capture(cfg.run_dir / "logs")
     try:
         return importlib.import_module(f"apps.{app}").main(cfg)
-    except RunStopped as e:
+    except (RunStopped, ConfigError) as e:  # a data file, a checkpoint: read once the run starts
         fail(str(e))
 
 

@@ -223,11 +223,7 @@ class MetricWriter:
         jsonl = self.run_dir / "metrics.jsonl"
         kept = []
         if keep_until is not None and jsonl.exists():
-            kept = [
-                line
-                for line in jsonl.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= keep_until
-            ]
+            kept = [json.dumps(row) for row in _rows(jsonl) if row["step"] <= keep_until]
         if "jsonl" in self.backends:
             self._jsonl = jsonl.open("w")
             self._jsonl.writelines(line + "\n" for line in kept)
@@ -284,4 +280,15 @@ class MetricWriter:
 def read_rows(run_dir: str | Path) -> list[dict[str, float]]:
     """The rows of runs/<name>/metrics.jsonl (none before the first)."""
     jsonl = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
+    return _rows(jsonl) if jsonl.exists() else []
+
+
+def _rows(jsonl: Path) -> list[dict[str, Any]]:
+    """A metrics.jsonl's rows, but a line cut short (a disk that filled mid-row): not a row."""
+    rows = []
+    for line in jsonl.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            row = json.loads(line) if line.strip() else None
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                rows.append(row)
+    return rows

@@ -4,7 +4,7 @@
     await run.start(trainer, weights, evals, examples=examples)  # resumed from `resume_from`, if given
     async with run:                                    # Ctrl-C saves; the bar, writer and plots close
         while run.step < cfg.steps:
-            ...                                        # the app's step: train, record metrics
+            ...                                        # the app's step: train (in run.training), record metrics
             await run.end_step()                       # a metrics row, the bar, checkpoints, evals
         await run.finish()                             # the last checkpoint and eval, the HF export
                                                        # leaving the block prints the run's summary
@@ -16,22 +16,25 @@ version, and the `state_dict()` of each part the app names (its data position, i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from tqdm import tqdm
 
 from forge import checkpoint
 from forge.checkpoint import RunStopped
-from forge.config import to_yaml
+from forge.config import ConfigError, to_yaml
 from forge.curves import plot_run
 from forge.metrics import MetricWriter, discard_pending
 from forge.rollout import RolloutError, RolloutsStopped
 from forge.service import ServiceError
 from forge.summary import failures, summary
 
+T = TypeVar("T")
 PLOT_EVERY_S = 10.0  # matplotlib costs ~0.2 s: not every step
 
 
@@ -100,6 +103,7 @@ class Run:
         self.bar: tqdm | None = None
         self.failed = 0  # failures this run has recovered from (episodes, rollouts, rewards, restores)
         self._plotted = time.monotonic()
+        self._training: asyncio.Future | None = None  # this step's training calls, until end_step counts them
 
     async def start(
         self, trainer: Any, weights: Any, evals: Any, models: dict[str, Any] | None = None, **parts: Part
@@ -127,6 +131,10 @@ class Run:
         else:
             await self.trainer.load.route(str(ckpt / "trainer"))
         for name, part in self.parts.items():
+            if name not in saved:
+                raise ConfigError(
+                    f"checkpoint {ckpt} holds no '{name}' of a {self.app} run (saved: {', '.join(saved)})"
+                )
             await _result(part.load_state_dict(saved[name]))
         for name, model in self.models.items():
             await model.load.route(str(ckpt / name))
@@ -148,7 +156,7 @@ class Run:
         await self.trainer.save.fanout(str(partial / "trainer"))
         for name, model in self.models.items():
             await model.save.fanout(str(partial / name))
-        state = {"step": self.step, "version": self.version}
+        state = {"step": self.step, "version": self.version, "app": self.app}
         for name, part in self.parts.items():
             state[name] = await _result(part.state_dict())
         path = checkpoint.save_run_state(partial, state)
@@ -156,10 +164,28 @@ class Run:
         for name, model in self.models.items():
             model.set_restore_point(str(path / name))
 
+    async def training(self, calls: Awaitable[T]) -> T:
+        """This step's training calls (`calls`), carried through a Ctrl-C: a trainer finishes a
+        step it has begun whatever its caller does, so the checkpoint the interrupt saves counts
+        this step (rather than the trainer's step k + 1 saved as step k)."""
+        self._training = asyncio.ensure_future(calls)
+        return await asyncio.shield(self._training)
+
+    async def _count_training(self) -> None:
+        """Before an interrupt's checkpoint: the step under way finished and counted (if it fails,
+        it did not happen)."""
+        training, self._training = self._training, None
+        if training is None:  # none begun since the last end_step counted one
+            return
+        with contextlib.suppress(Exception):
+            await training
+            self.step += 1
+            self.version = await self.trainer.policy_version.route()
+
     async def end_step(self, version: int | None = None) -> dict[str, float]:
         """The step is done (training policy `version`, when the app publishes each step): its
         metrics row, the bar, and the checkpoint and eval due. Returns the row."""
-        self.step += 1
+        self.step, self._training = self.step + 1, None
         self.version = self.version if version is None else version
         self.row = await self.writer.flush(self.step)
         if time.monotonic() - self._plotted > PLOT_EVERY_S:
@@ -198,6 +224,7 @@ class Run:
         finished run prints its summary."""
         try:
             if isinstance(error, (KeyboardInterrupt, asyncio.CancelledError)):
+                await asyncio.shield(self._count_training())
                 print(f"\n{self.app}: interrupted at step {self.step}; saving a checkpoint", flush=True)
                 await asyncio.shield(self.save())
                 return True

@@ -56,6 +56,15 @@ class RunConfig:
         last = checkpoint.latest(self.resume)
         if last is None:
             raise ConfigError(f"config key 'resume': no checkpoint in {self.resume}/checkpoints")
+        other = checkpoint.latest(self.run_dir)
+        if Path(self.resume).resolve() != self.run_dir.resolve() and other is not None:
+            raise ConfigError(  # its pruning would take them for its own
+                f"config key 'resume': the run would go on in {self.run_dir} (runs_dir/run_name), which holds "
+                f"another run's checkpoints ({other.name}); name an empty run directory, or resume in {self.resume}"
+            )
+        saved = checkpoint.load_run_state(last).get("app", self.app)
+        if saved != self.app:
+            raise ConfigError(f"config key 'resume': {last} is a checkpoint of a {saved} run, not of {self.app}")
         return last
 
 

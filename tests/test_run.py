@@ -2,6 +2,7 @@
 Ctrl-C, the last eval and export, and a service failure turned into RunStopped."""
 
 import asyncio
+import importlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -9,11 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from forge import checkpoint
+from forge import checkpoint, cli
 from forge.checkpoint import RunStopped
-from forge.metrics import Reduce, record_metric
+from forge.config import ConfigError
+from forge.metrics import Reduce, read_rows, record_metric
 from forge.run import Run
+from forge.schema import RunConfig
 from forge.service import ServiceError
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class Endpoint:
@@ -143,7 +148,7 @@ def test_checkpoints_resume_and_the_end_of_a_run(tmp_path):
     assert rows == [1, 2, 3, 4, 5]
 
     last = checkpoint.latest(cfg.run_dir)
-    assert checkpoint.load_run_state(last) == {"step": 5, "version": 5, "data": {"n": 50}}
+    assert checkpoint.load_run_state(last) == {"step": 5, "version": 5, "data": {"n": 50}, "app": "test"}
     cfg.steps = 7
     run, trainer, evals, data = asyncio.run(train(cfg, resume_from=checkpoint.step_dir(cfg.run_dir, 4)))
     assert data.n == 70 and trainer.version == 7 and evals.evaluated[0] == (6, 6)  # from step 4, not before it
@@ -195,7 +200,8 @@ def test_ctrl_c_saves_the_step_it_reached(tmp_path, capsys):
     run, trainer, _, data = asyncio.run(train(cfg, stop_at=3))
     out = capsys.readouterr().out
     assert "interrupted at step 3; saving a checkpoint" in out and "steps in" not in out  # no summary: unfinished
-    assert checkpoint.load_run_state(checkpoint.latest(cfg.run_dir)) == {"step": 3, "version": 3, "data": {"n": 30}}
+    saved = checkpoint.load_run_state(checkpoint.latest(cfg.run_dir))
+    assert saved == {"step": 3, "version": 3, "data": {"n": 30}, "app": "test"}
     assert trainer.exported is None and not run.finished
 
 
@@ -222,3 +228,129 @@ def test_a_new_run_sets_an_earlier_runs_checkpoints_aside(tmp_path, capsys):
     assert "moved them to" in capsys.readouterr().out
     asyncio.run(train(cfg, resume_from=checkpoint.step_dir(cfg.run_dir, 2)))  # a resumed run sets nothing aside
     assert not (cfg.run_dir / "checkpoints-earlier-2").exists()
+
+
+class ActorTrainer(FakeTrainer):
+    """A trainer in another process: a step it was sent runs to its end whatever the caller
+    does, and its calls are served in order (a save waits for the step before it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps_taken, self.lock = 0, asyncio.Lock()
+        self.train_step = self._served(self._train)
+        self.save = self._served(self._save)
+
+    def _served(self, fn):
+        lock = self.lock
+
+        class Served:
+            async def route(self, *args):
+                async def call():
+                    async with lock:
+                        return await fn(*args)
+
+                return await asyncio.shield(asyncio.ensure_future(call()))
+
+            fanout = route
+
+        return Served()
+
+    async def _train(self, batch):
+        await asyncio.sleep(0.3)  # forward, backward, the optimizer's step
+        self.version, self.steps_taken = self.version + 1, self.steps_taken + 1
+        return self.version, {}
+
+    async def _save(self, path):
+        _write(path, {"version": self.version, "steps_taken": self.steps_taken})
+
+
+async def sft_like(cfg, trainer, resume_from=None, interrupt_at=None):
+    run, data = Run("test", cfg, resume_from, pushes_every_step=False), Counter()
+    await run.start(trainer, FakeWeights(trainer), FakeEvals(), data=data)
+    async with run:
+        while run.step < cfg.steps:
+            data.n += 10
+            if run.step == interrupt_at:  # Ctrl-C while the trainer takes this step, where a run spends its time
+                asyncio.get_running_loop().call_later(0.1, asyncio.current_task().cancel)
+            await run.training(trainer.train_step.route("batch"))
+            await run.end_step()
+        await run.finish()
+    return run
+
+
+def test_ctrl_c_while_the_trainer_takes_a_step_counts_that_step(tmp_path, capsys):
+    """The trainer finishes the step it was sent; the checkpoint the interrupt saves names it
+    (not the trainer's step 4 as step 3), and the resumed run takes exactly `steps` in all."""
+    cfg = Config(tmp_path / "run", steps=6, checkpoint_every=0)
+    first = ActorTrainer()
+    asyncio.run(sft_like(cfg, first, interrupt_at=3))
+    assert "interrupted at step 4; saving a checkpoint" in capsys.readouterr().out
+    last = checkpoint.latest(cfg.run_dir)
+    saved, held = checkpoint.load_run_state(last), json.load(open(last / "trainer" / "state.json"))
+    assert saved["step"] == held["steps_taken"] == 4 and saved["data"] == {"n": 40}
+    second = ActorTrainer()
+    run = asyncio.run(sft_like(cfg, second, resume_from=last))
+    assert run.step == 6 and second.steps_taken == 2  # 4 + 2: the 6 steps asked for
+
+
+def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
+    for step in (999_999, 1_000_000):
+        path = checkpoint.partial_dir(tmp_path, step)
+        checkpoint.save_run_state(path, {"step": step}, keep=1)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1000000"]
+    assert checkpoint.latest(tmp_path).name == "step_1000000"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_checkpoint_another_user_could_write_is_not_loaded(tmp_path):
+    """Its run state is a pickle: loading it runs what it says. So is the trainer's DCP metadata."""
+    cfg = config(tmp_path)
+    asyncio.run(train(cfg))
+    last = checkpoint.latest(cfg.run_dir)
+    os.chown(last / "trainer" / "state.json", 4242, 4242)
+    with pytest.raises(ConfigError, match=r"state.json is owned by uid 4242.*runs code when it loads"):
+        checkpoint.load_run_state(last)
+    os.chown(last / "trainer" / "state.json", 0, 0)
+    os.chmod(last / "run_state.pt", 0o666)
+    with pytest.raises(ConfigError, match=r"run_state.pt is owned by uid 0, mode -rw-rw-rw-"):
+        checkpoint.load_run_state(last)
+    os.chmod(last / "run_state.pt", 0o664)  # group-writable (a user's private group): loaded
+    assert checkpoint.load_run_state(last)["step"] == 5
+
+
+def test_resuming_takes_its_own_directory_and_refuses_another_apps_or_runs_checkpoint(tmp_path, monkeypatch):
+    """`forge run --resume DIR` goes on in DIR from wherever it runs (its config's runs_dir may be
+    relative); a resume into a directory holding another run's checkpoints (its pruning would
+    delete them) or from another app's checkpoint is a config error before anything starts."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    run_dir = work / "runs" / "sft_tiny"
+    asyncio.run(train(Config(run_dir)))
+    (run_dir / "config.yaml").write_text((ROOT / "configs" / "sft_tiny.yaml").read_text())
+    asyncio.run(train(Config(work / "runs" / "other" / "x")))
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    monkeypatch.setattr(importlib.import_module("apps.sft"), "main", lambda cfg: seen.append(cfg))
+    cli.run(None, [], resume=str(run_dir))
+    assert seen[0].run_dir.resolve() == run_dir and seen[0].resume == str(run_dir)
+    with pytest.raises(
+        ConfigError, match=r"sft_tiny/checkpoints/step_000005 is a checkpoint of a test run, not of sft"
+    ):
+        seen[0].resume_point()
+    fork = RunConfig(app="test", runs_dir=str(work / "runs" / "other"), run_name="x", resume=str(run_dir))
+    with pytest.raises(ConfigError, match=r"would go on in .*runs/other/x .* holds another run's checkpoints"):
+        fork.resume_point()
+    fork.run_name = "y"  # an empty directory: the run goes on there
+    assert fork.resume_point() == checkpoint.latest(run_dir)
+
+
+def test_a_metrics_file_cut_mid_row_resumes(tmp_path):
+    """A disk that filled while a row was written leaves a line cut short: not a row, not an error."""
+    cfg = config(tmp_path)
+    asyncio.run(train(cfg))
+    with open(cfg.run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "wall_s": 0.1, "lo')
+    cfg.steps = 7
+    run, *_ = asyncio.run(train(cfg, resume_from=checkpoint.latest(cfg.run_dir)))
+    assert run.step == 7 and [r["step"] for r in read_rows(cfg.run_dir)] == list(range(1, 8))
