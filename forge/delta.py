@@ -127,11 +127,15 @@ def apply(delta: bytes, key: str, base: Path, target: str, fd: int, written: Cal
     bounds = np.searchsorted(index, np.arange(0, size // 2 + _SCAN, _SCAN))
     with open(os.open(base, os.O_RDONLY | os.O_NOFOLLOW), "rb") as src, mmap.mmap(fd, size) as m:
         words = np.frombuffer(m, np.uint16)
-        for part, start in enumerate(range(0, size, 2 * _SCAN)):
-            end, copied = min(size, start + 2 * _SCAN), start
-            while copied < end:  # in the kernel: no pass through this process's memory
-                copied += os.copy_file_range(src.fileno(), fd, end - copied, copied, copied)
-            lo, hi = bounds[part], bounds[part + 1]
-            words[index[lo:hi]] = values[lo:hi]
-            written(end)
-        del words  # the mapping closes only once no array views it
+        try:
+            for part, start in enumerate(range(0, size, 2 * _SCAN)):
+                end, copied = min(size, start + 2 * _SCAN), start
+                while copied < end:  # in the kernel: no pass through this process's memory
+                    copied += os.copy_file_range(src.fileno(), fd, end - copied, copied, copied)
+                lo, hi = bounds[part], bounds[part + 1]
+                words[index[lo:hi]] = values[lo:hi]
+                written(end)
+        finally:
+            # The mapping closes only once no array views it: else an error here (ENOSPC) comes
+            # out as a BufferError, which names nothing and no caller's fallback catches.
+            del words

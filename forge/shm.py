@@ -414,6 +414,7 @@ def _write(
         buf[:start].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     else:
         f.write(head)
+        f.flush()  # in the file before any digest thread reads it (a state dict with no tensors: at once)
     for name, t in state_dict.items():
         a, b = header[name]["data_offsets"]
         if buf is not None:

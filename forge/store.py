@@ -172,7 +172,7 @@ class WeightStore:
             spare = self._spare(safetensors_size(state_dict))
             if spare is not None:
                 os.replace(spare, tmp)  # a dropped version's file: its pages are already allocated
-            record["digest"] = await asyncio.to_thread(write_safetensors, state_dict, tmp, self._hashed)
+            record["digest"] = await self._write(state_dict, tmp, spare)
             record["size"] = os.path.getsize(tmp)
             os.replace(tmp, path)  # a reader sees the whole file or none
             record["path"] = str(path)
@@ -244,6 +244,27 @@ class WeightStore:
 
     def _spare(self, size: int) -> Path | None:
         return next((f for f in self._spares() if f.stat().st_size == size), None)
+
+    async def _write(self, state_dict: dict[str, torch.Tensor], tmp: Path, spare: Path | None) -> str | None:
+        """`write_safetensors` into `tmp` (the file `spare` renamed, if given); a write that fails
+        or is cancelled gives `tmp` up (`_give_up`): else it holds its RAM until the run ends."""
+        writing = asyncio.ensure_future(asyncio.to_thread(write_safetensors, state_dict, tmp, self._hashed))
+        try:
+            return await asyncio.shield(writing)
+        except BaseException:
+            if writing.done():
+                self._give_up(tmp, spare)
+            else:  # cancelled: the thread writes on, into the file, until it is done
+                writing.add_done_callback(lambda _: self._give_up(tmp, spare))
+            raise
+
+    def _give_up(self, tmp: Path, spare: Path | None) -> None:
+        """A file a publish did not finish: a spare again if it was one (its pages are allocated), else freed."""
+        if spare is not None and tmp.exists():
+            os.replace(tmp, spare)
+        else:
+            forget_mapping(tmp)
+            tmp.unlink(missing_ok=True)
 
     async def check_intact(self, version: int, path: str | None = None) -> None:
         """Call after reading a shm version from `path`: a file is renamed away (the writer's,

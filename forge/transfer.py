@@ -33,6 +33,12 @@ _SIZE = struct.Struct("<q")  # the answer's header: the file's size, -1 when the
 _PIPE = 1 << 20  # bytes per splice: the largest pipe an unprivileged user may ask for
 _REQUEST_DEADLINE_S = 5.0  # for a whole request: a peer that trickles bytes frees its worker as soon
 _MAX_NAME = 256
+_TIMEOUT_S = 60.0  # a reader's longest wait for a server's next bytes, by default
+# The slowest a transfer may average: `timeout_s` bounds each wait, this the whole, so a server
+# (or link) trickling a byte per wait cannot hold a reader, and through the host's writer lock its
+# other readers, for ever. A link this slow already takes minutes per GB; real ones run 100x faster.
+_MIN_RATE = 2 << 20  # bytes per second
+_LOCK_POLL_S = 0.02  # between tries of a busy writer lock: small beside a fetch
 log = logging.getLogger("forge")
 
 
@@ -228,7 +234,7 @@ def fetch_file(
     dest: Path,
     key: str,
     reuse: Path | None = None,
-    timeout_s: float = 60.0,
+    timeout_s: float = _TIMEOUT_S,
     validate: Callable[[Path], None] | None = None,
     size: int | None = None,
     digest: str | None = None,
@@ -248,7 +254,7 @@ def fetch_file(
         with s:
             if size is not None and offered != size:
                 raise ValueError(f"{where} offered {offered} bytes for {name}; its version record says {size}")
-            return _receive(s, fd, offered, where, hashed=digest is not None)
+            return _receive(s, fd, offered, where, digest is not None, _deadline(timeout_s, offered))
 
     return _into(dest, reuse, receive, validate, digest, f"{name} from {where}")
 
@@ -261,7 +267,7 @@ def fetch_delta(
     key: str,
     digest: str,
     reuse: Path | None = None,
-    timeout_s: float = 60.0,
+    timeout_s: float = _TIMEOUT_S,
     validate: Callable[[Path], None] | None = None,
 ) -> int:
     """File `name` into `dest` as `base` (a copy this host holds of an older version) changed
@@ -275,12 +281,7 @@ def fetch_delta(
     with s:
         if offered > os.path.getsize(base):
             raise delta.DeltaError(f"{where} offered a delta of {offered} bytes, more than the file it changes")
-        payload, got = bytearray(offered), 0
-        while got < offered:  # a socket with a timeout returns what has come, MSG_WAITALL or not
-            n = s.recv_into(memoryview(payload)[got:])
-            if n == 0:
-                raise ConnectionError(f"{where} closed after {got} of the delta's {offered} bytes")
-            got += n
+        payload = _recv_exactly(s, offered, where, _deadline(timeout_s, offered))
 
     def write(fd: int) -> str:
         os.ftruncate(fd, os.path.getsize(base))  # the size the digest maps
@@ -327,10 +328,40 @@ def _into(
     return os.path.getsize(dest)
 
 
-def _receive(s: socket.socket, fd: int, size: int, where: str, hashed: bool) -> str | None:
-    """Exactly `size` bytes into `fd`; their digest, hashed as they arrive, when `hashed`.
-    Spliced (socket -> pipe -> file): the kernel copies each byte once, into the file's pages,
-    where a receive into a buffer and a write from it copy twice (measured 1.8x slower)."""
+def _deadline(timeout_s: float, size: int) -> float:
+    """When a transfer of `size` bytes starting now is cut off: at _MIN_RATE, plus one wait."""
+    return time.monotonic() + timeout_s + size / _MIN_RATE
+
+
+def _past(where: str, got: int, size: int) -> TimeoutError:
+    rate = f"{_MIN_RATE / 2**20:g} MB/s"
+    return TimeoutError(f"{where} sent {got} of {size} bytes by the transfer's deadline: slower than {rate}")
+
+
+def _recv_exactly(s: socket.socket, size: int, where: str, deadline: float) -> bytearray:
+    """`size` bytes from `s`, each wait at most its timeout, all by `deadline`."""
+    payload, got, timeout = bytearray(size), 0, s.gettimeout()
+    while got < size:  # a socket with a timeout returns what has come, MSG_WAITALL or not
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _past(where, got, size)
+        s.settimeout(left if timeout is None else min(timeout, left))
+        try:
+            n = s.recv_into(memoryview(payload)[got:])
+        except TimeoutError:
+            if time.monotonic() < deadline:
+                raise  # no bytes for its timeout
+            raise _past(where, got, size) from None
+        if n == 0:
+            raise ConnectionError(f"{where} closed after {got} of the delta's {size} bytes")
+        got += n
+    return payload
+
+
+def _receive(s: socket.socket, fd: int, size: int, where: str, hashed: bool, deadline: float) -> str | None:
+    """Exactly `size` bytes into `fd`, by `deadline`; their digest, hashed as they arrive, when
+    `hashed`. Spliced (socket -> pipe -> file): the kernel copies each byte once, into the file's
+    pages, where a receive into a buffer and a write from it copy twice (measured 1.8x slower)."""
     os.ftruncate(fd, size)
     digest = digest_of(fd, size, hashed)
     r, w = os.pipe()
@@ -339,7 +370,9 @@ def _receive(s: socket.socket, fd: int, size: int, where: str, hashed: bool) -> 
             fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, _PIPE)
         got = 0
         while got < size:
-            n = _splice_in(s, w, min(_PIPE, size - got))
+            n = _splice_in(s, w, min(_PIPE, size - got), deadline)
+            if n is None:
+                raise _past(where, got, size)
             if n == 0:
                 raise ConnectionError(f"{where} closed after {got} of {size} bytes")
             while n:
@@ -355,18 +388,26 @@ def _receive(s: socket.socket, fd: int, size: int, where: str, hashed: bool) -> 
     return digest.hexdigest()
 
 
-def _splice_in(s: socket.socket, pipe: int, most: int) -> int:
+def _splice_in(s: socket.socket, pipe: int, most: int, deadline: float) -> int | None:
     """Up to `most` bytes from `s` into `pipe`, waiting at most `s`'s timeout for the first (its
-    fd is non-blocking: Python's timeout is a poll around each call)."""
+    fd is non-blocking: Python's timeout is a poll around each call); None once `deadline` is past."""
     while True:
         try:
             return os.splice(s.fileno(), pipe, most, flags=os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK)
         except BlockingIOError:
-            waiting = select.poll()  # not select.select: a generator's process holds fds past its 1024
-            waiting.register(s, select.POLLIN)
-            timeout = s.gettimeout()
-            if not waiting.poll(None if timeout is None else timeout * 1000):
-                raise TimeoutError(f"no weights bytes for {timeout} s") from None
+            timeout, left = s.gettimeout(), deadline - time.monotonic()
+            if timeout is not None and timeout < left:
+                if not _readable(s, timeout):
+                    raise TimeoutError(f"no weights bytes for {timeout} s") from None
+            elif left <= 0 or not _readable(s, left):
+                return None
+
+
+def _readable(s: socket.socket, wait_s: float) -> bool:
+    """Whether `s` has bytes to read within `wait_s`."""
+    waiting = select.poll()  # not select.select: a generator's process holds fds past its 1024
+    waiting.register(s, select.POLLIN)
+    return bool(waiting.poll(1000 * wait_s))
 
 
 def host_copy(
@@ -375,7 +416,7 @@ def host_copy(
     key: str,
     stale: Callable[[str], bool],
     validate: Callable[[Path], None] | None = None,
-    timeout_s: float = 60.0,
+    timeout_s: float = _TIMEOUT_S,
     size: int | None = None,
     digest: str | None = None,
     deltas: bool = False,
@@ -385,19 +426,21 @@ def host_copy(
     `size` and `digest`), then shared. With `deltas` (and a `digest` to check the result
     against), a host holding an older version's copy fetches the difference from it first
     (`fetch_delta`), the whole file where the server has no delta or it is refused. The
-    copies whose names `stale` says are no longer read go: the oldest is rewritten as the new
-    one, the rest are removed; with none, the writer's spare (`reserve`) is written. Returns
-    the path and the bytes this call moved (0: another reader had it)."""
+    copies whose names `stale` says are no longer read, and the files of readers killed
+    mid-fetch, go: the oldest is rewritten as the new one, the rest are removed; with none, the
+    writer's spare (`reserve`) is written. Returns the path and the bytes this call moved (0:
+    another reader had it)."""
     directory = host_cache_dir()
     dest = directory / name
     writer = name.rsplit("-v", 1)[0]  # <store>-<writer token>
-    with _writer_lock(directory, writer):
+    with _writer_lock(directory, writer, _lock_wait_s(timeout_s, size)):
         if dest.exists():
             return dest, 0
         held = _copies(directory, writer)
         older = [p for p in held if version_of(p.name) < version_of(name)]
         base = older[-1] if older and deltas and digest else None
         old = sorted((p for p in held if stale(p.name) and p != base), key=os.path.getmtime)
+        old += _leftovers(directory, writer)  # a killed reader's: no later fetch would remove them
         for p in old[1:]:
             p.unlink(missing_ok=True)
         spare = _spare(directory, writer)
@@ -429,35 +472,65 @@ def reserve(writer: str, size: int) -> bool:
     now, off the path of any version: a version written into a new file pays for each page as
     it arrives, at about half the link's speed. Skipped while the host holds two copies (the
     next version rewrites the older) or a spare of that size already. Returns whether it
-    allocated one; where it cannot (a full /dev/shm), it says so and the run goes on: a
-    version then goes into a new file, which may itself fail, with its own error."""
+    allocated one; where it cannot (a full /dev/shm, a fetch holding the writer's lock too
+    long), it says so and the run goes on: a version then goes into a new file, which may
+    itself fail, with its own error."""
     directory = host_cache_dir()
-    with _writer_lock(directory, writer):
-        spare = _spare(directory, writer)
-        if len(_copies(directory, writer)) >= 2 or (spare.exists() and spare.stat().st_size == size):
-            return False
-        tmp = spare.with_name(spare.name + f".{os.getpid()}.tmp")
-        fd = open_new(tmp, os.O_RDWR)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            log.warning(
-                "forge: weights: no room for %d bytes ahead of %s's versions in %s (%s)", size, writer, directory, e
-            )
-            return False
-        finally:
-            os.close(fd)
-        os.replace(tmp, spare)
-        return True
+    try:
+        with _writer_lock(directory, writer, _lock_wait_s(_TIMEOUT_S, size)):
+            return _allocate(directory, writer, size)
+    except TimeoutError as e:
+        log.warning("forge: weights: no spare ahead of %s's versions in %s (%s)", writer, directory, e)
+        return False
+
+
+def _allocate(directory: Path, writer: str, size: int) -> bool:
+    spare = _spare(directory, writer)
+    if len(_copies(directory, writer)) >= 2 or (spare.exists() and spare.stat().st_size == size):
+        return False
+    tmp = spare.with_name(spare.name + f".{os.getpid()}.tmp")
+    fd = open_new(tmp, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        log.warning(
+            "forge: weights: no room for %d bytes ahead of %s's versions in %s (%s)", size, writer, directory, e
+        )
+        return False
+    finally:
+        os.close(fd)
+    os.replace(tmp, spare)
+    return True
+
+
+def _lock_wait_s(timeout_s: float, size: int | None) -> float:
+    """How long a reader waits for another's fetch of the same writer: the longest that takes (a
+    delta, then the whole file; each a connection, an answer and a transfer, each cut off)."""
+    return 2 * (3 * timeout_s + (size or 0) / _MIN_RATE)
 
 
 @contextlib.contextmanager
-def _writer_lock(directory: Path, writer: str) -> Iterator[None]:
-    """The host's readers of one writer, one at a time (a lock file per writer)."""
-    with open(os.open(directory / f"{writer}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)) as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+def _writer_lock(directory: Path, writer: str, wait_s: float) -> Iterator[None]:
+    """The host's readers of one writer, one at a time (a lock file per writer); TimeoutError
+    after `wait_s`: a holder's transfers are cut off at their deadlines, but nothing in flock's
+    own wait would ever end one that hung elsewhere."""
+    path = directory / f"{writer}.lock"
+    with open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)) as lock:
+        deadline = time.monotonic() + wait_s
+        while not _try_lock(lock.fileno()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"another reader of this host has held {path} for over {wait_s:.0f} s")
+            time.sleep(_LOCK_POLL_S)
         yield
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _copies(directory: Path, writer: str) -> list[Path]:
@@ -467,6 +540,18 @@ def _copies(directory: Path, writer: str) -> list[Path]:
 
 def _spare(directory: Path, writer: str) -> Path:
     return directory / f"{writer}-spare.safetensors"
+
+
+def _leftovers(directory: Path, writer: str) -> list[Path]:
+    """The temporary files (`<file>.<pid>.tmp`) of `writer`'s copies and spare that readers
+    killed mid-fetch left: model-sized, and no later fetch's (their pid is in the name). Call
+    it under the writer's lock, where no fetch of this writer is live on the host."""
+    return [p for p in directory.glob(f"{writer}-*.tmp") if _writer_of(p.name.rsplit(".", 2)[0]) == writer]
+
+
+def _writer_of(name: str) -> str:
+    """The writer of a copy's or a spare's file (<writer>-v<N>.safetensors, <writer>-spare.safetensors)."""
+    return name.removesuffix("-spare.safetensors") if name.endswith("-spare.safetensors") else name.rsplit("-v", 1)[0]
 
 
 def version_of(name: str) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ class WeightSync:
         self.published = 0  # the newest version the replicas are to load
         self.held = 0  # every healthy replica holds this version or a newer one
         self._holds, self._hold_until = 0, 0.0  # holders, and when their holds run out at the latest
+        self._entering = 0  # holders waiting for the load under way: no later load starts meanwhile
         self._loading = False
         self._change = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -77,22 +79,32 @@ class WeightSync:
     @contextlib.asynccontextmanager
     async def hold(self, version: int, seconds: float) -> AsyncIterator[int]:
         """Wait (up to `seconds`) until the replicas hold `version`, then keep them on what they
-        hold until the block ends, or `seconds` at most (a holder that hangs does not stop the
-        run's weights). A load under way lands first. Yields the version held."""
+        hold until the block ends, or `seconds` at most from entering it (a holder that hangs
+        does not stop the run's weights). A load under way lands first. Yields the version held."""
         with contextlib.suppress(TimeoutError):
             await self.wait_held(version, seconds)
-        # Held before the load under way ends, so no later load starts first: with versions
-        # published faster than they load, waiting for a gap between loads could wait forever.
         self._holds += 1
-        self._hold_until = max(self._hold_until, asyncio.get_running_loop().time() + seconds)
         try:
-            await self._until(lambda: not self._loading)
+            await self._enter(seconds)
             yield self.held
         finally:
             self._holds -= 1
             if not self._holds:
                 self._hold_until = 0.0  # a later hold's limit is its own
             self._notify()
+
+    async def _enter(self, seconds: float) -> None:
+        """Wait for the load under way to land, then hold for `seconds`. In force from the start,
+        so no later load starts first: with versions published faster than they load, waiting
+        for a gap between loads could wait forever; and its `seconds` count from entering, else a
+        load longer than them leaves the hold run out as it lands, and the next load starts."""
+        self._entering += 1
+        try:
+            await self._until(lambda: not self._loading)
+        finally:
+            self._entering -= 1
+        self._hold_until = max(self._hold_until, asyncio.get_running_loop().time() + seconds)
+        self._notify()  # the follower waits again, now until this hold runs out
 
     def _notify(self) -> None:
         self._change.set()  # wakes every waiter; each looks again
@@ -104,6 +116,8 @@ class WeightSync:
                 await self._change.wait()
 
     def _hold_left(self) -> float:
+        if self._entering:
+            return math.inf  # until the holder enters (it notifies)
         return self._hold_until - asyncio.get_running_loop().time() if self._holds > 0 else 0.0
 
     async def _next(self) -> int:
@@ -111,7 +125,7 @@ class WeightSync:
         while not (self.published > self.held and self._hold_left() <= 0):
             left = self._hold_left()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left if left > 0 else None):
+                async with asyncio.timeout(left if 0 < left < math.inf else None):
                     await self._change.wait()
         return self.published
 

@@ -4,6 +4,7 @@ corrupted one and one from a peer without the run's key are refused before the c
 its name, and the host fetches the whole file instead."""
 
 import asyncio
+import errno
 import os
 import shutil
 
@@ -86,6 +87,27 @@ def test_a_delta_for_another_base_is_refused_before_the_copy_takes_its_name(writ
         delta.apply(made, KEY, server.directory / name(1), name(3), fd)
     os.close(fd)
     # host_copy falls back to the whole file, checked
+    got, moved = host_copy(server.addr, name(2), KEY, lambda n: False, digest=digests[2], deltas=True)
+    assert got.read_bytes() == (server.directory / name(2)).read_bytes() and moved == os.path.getsize(got)
+
+
+def test_a_delta_that_cannot_be_written_says_why_and_the_host_fetches_the_whole_file(writer, tmp_path, monkeypatch):
+    """An error while the delta's result is written (a full /dev/shm: ENOSPC) comes out as
+    itself, not as the mapping's BufferError, so host_copy falls back to the whole file."""
+    server, digests = writer
+    first, _ = host_copy(server.addr, name(1), KEY, lambda n: False, digest=digests[1], deltas=True)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "copy_file_range", full)
+    made = delta.make(server.directory / name(1), server.directory / name(2), KEY)
+    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            delta.apply(made, KEY, first, name(2), fd)
+    finally:
+        os.close(fd)
     got, moved = host_copy(server.addr, name(2), KEY, lambda n: False, digest=digests[2], deltas=True)
     assert got.read_bytes() == (server.directory / name(2)).read_bytes() and moved == os.path.getsize(got)
 

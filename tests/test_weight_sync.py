@@ -1,9 +1,11 @@
 """Versioned weights on TorchStore, loaded by a generator replica while it generates."""
 
 import asyncio
+import itertools
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -334,6 +336,49 @@ def test_trainer_to_generator_parity_and_reference(model, request, tmp_path):
     assert step0["mismatch/outside_cap_frac"] == 0 and step0["is_ratio_mean"] == pytest.approx(1, abs=1e-5)
 
 
+class SlowLoads:
+    """A generator service (one replica) whose loads take `load_s` (a cross-host fetch)."""
+
+    def __init__(self, load_s: float):
+        self.version = 0
+
+        async def load(v: int) -> list[int]:
+            await asyncio.sleep(load_s)
+            self.version = v
+            return [v]
+
+        async def version() -> list[int]:
+            return [self.version]
+
+        self.load_version = SimpleNamespace(fanout=load)
+        self.policy_version = SimpleNamespace(fanout=version)
+
+
+def test_a_hold_shorter_than_a_load_enters_while_versions_keep_coming():
+    """A hold (eval.max_hold_s) shorter than the load under way is still in force when that
+    load lands: its time counts from entering, so the holder enters before the next load."""
+
+    async def main():
+        sync = WeightSync(None, SlowLoads(load_s=0.5))
+        await sync.start()
+
+        async def trainer():  # a version every 0.1 s, faster than they load
+            for v in itertools.count(1):
+                sync.publish(v)
+                await asyncio.sleep(0.1)
+
+        pushing = asyncio.create_task(trainer())
+        try:
+            await asyncio.sleep(0.05)  # version 1 is loading
+            async with asyncio.timeout(3), sync.hold(1, 0.1) as held:
+                assert held == sync.held >= 1
+        finally:
+            pushing.cancel()
+            await sync.stop()
+
+    asyncio.run(main())
+
+
 def test_shm_file_format_mixed_dtypes(tmp_path):
     """The one-copy writer makes files safetensors reads, also for odd sizes and non-contiguous tensors."""
     from safetensors.torch import load_file as st_load
@@ -350,6 +395,17 @@ def test_shm_file_format_mixed_dtypes(tmp_path):
         write_safetensors(sd, tmp_path / "w.safetensors")
         for got in (st_load(tmp_path / "w.safetensors"), read_safetensors(tmp_path / "w.safetensors")):
             assert all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+def test_shm_file_digest_is_of_the_bytes_written(tmp_path):
+    """write_safetensors(hashed=True) returns the digest of the file it wrote, a new one or one
+    rewritten in place, also with no tensor at all (its header alone)."""
+    from forge.shm import file_digest, write_safetensors
+
+    for sd in ({}, {"a": torch.randn(3, 4), "b": torch.arange(10)}):
+        path = tmp_path / f"w{len(sd)}.safetensors"
+        for _ in range(2):  # the second write reuses the file in place
+            assert write_safetensors(sd, path, hashed=True) == file_digest(path)
 
 
 def test_shm_mappings_of_unlinked_files_are_dropped(tmp_path):

@@ -3,7 +3,10 @@ connections, an accept that fails, a torn copy, another local user's symlinks an
 and jobs in another pid namespace that share /dev/shm."""
 
 import asyncio
+import contextlib
+import fcntl
 import os
+import re
 import shutil
 import socket
 import stat
@@ -18,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge import shm
-from forge.transfer import FileServer, fetch_file, host_cache_dir, host_copy, wire_key
+from forge import shm, transfer
+from forge.transfer import FileServer, fetch_delta, fetch_file, host_cache_dir, host_copy, wire_key
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,6 +136,78 @@ def test_a_server_that_stalls_or_hangs_up_mid_file_costs_a_reader_its_timeout_an
     listener.close()
 
 
+@pytest.mark.parametrize("what", ["file", "delta"])
+def test_a_server_that_trickles_bytes_costs_a_reader_a_bounded_time(tmp_path, what):
+    """A server at the pinned address (a man in the middle) or a degraded link that sends a
+    byte within each wait: `timeout_s` bounds each wait, the transfer's deadline (a least
+    average rate) the whole; the reader keeps no copy."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    size, done = 1 << 20, threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1024)
+            conn.sendall(struct.pack("<q", size))
+            for _ in range(50):  # 10 bytes a second, for 5 s (a day for the megabyte)
+                if done.wait(0.1):
+                    return
+                with contextlib.suppress(OSError):
+                    conn.sendall(b"\0")
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    start, addr, name = time.monotonic(), listener.getsockname(), "policy-abc-v1.safetensors"
+    try:
+        with pytest.raises(TimeoutError, match=r"sent \d+ of 1048576 bytes by the transfer's deadline: slower than"):
+            if what == "file":
+                fetch_file(addr, name, tmp_path / "copy", "k", timeout_s=0.5)
+            else:
+                base = tmp_path / "policy-abc-v0.safetensors"
+                base.write_bytes(b"\0" * (2 << 20))
+                fetch_delta(addr, name, base, tmp_path / "copy", "k", "its digest", timeout_s=0.5)
+        assert time.monotonic() - start < 0.5 + size / transfer._MIN_RATE + 1.0
+        assert not (tmp_path / "copy").exists()
+    finally:
+        done.set()
+        t.join()
+        listener.close()
+
+
+def test_a_reader_waits_for_another_readers_fetch_a_bounded_time(monkeypatch, caplog):
+    """Readers of one writer on a host take turns (a lock file): one whose turn never comes
+    (the holder hung) gives up, saying who holds it, and a spare's allocation is skipped."""
+    cache, outcome = host_cache_dir(), {}
+    monkeypatch.setattr(transfer, "_TIMEOUT_S", 0.2)
+
+    def read() -> None:
+        try:
+            host_copy(("127.0.0.1", 9), "policy-lk-v1.safetensors", "k", lambda n: False, timeout_s=0.2)
+        except OSError as e:  # TimeoutError, or once it has the lock: nothing at port 9
+            outcome["read"] = e
+
+    def spare() -> None:
+        outcome["reserved"] = transfer.reserve("policy-lk", 4096)
+
+    with open(os.open(cache / "policy-lk.lock", os.O_RDWR | os.O_CREAT, 0o600)) as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # another reader of the host, fetching, hung
+        waiting = [threading.Thread(target=read), threading.Thread(target=spare)]
+        with caplog.at_level("WARNING", logger="forge"):
+            for t in waiting:
+                t.start()
+            for t in waiting:
+                t.join(5)
+    try:
+        for t in waiting:
+            t.join(5)
+        assert isinstance(outcome["read"], TimeoutError), outcome
+        assert re.search(r"another reader of this host has held \S+policy-lk.lock for over 1 s", str(outcome["read"]))
+        assert outcome["reserved"] is False and "no spare ahead of policy-lk's versions" in caplog.text
+    finally:
+        for p in cache.glob("policy-lk-*"):
+            p.unlink()
+
+
 def test_a_host_copy_that_fails_validation_never_takes_its_name(tmp_path):
     """A copy is validated before it is renamed to the name the host's other readers map:
     a torn file (or one the writer reused meanwhile) is deleted, never shared."""
@@ -148,6 +223,37 @@ def test_a_host_copy_that_fails_validation_never_takes_its_name(tmp_path):
         assert not list(host_cache_dir().glob("policy-tok-v1*"))
     finally:
         server.close()
+
+
+def settled() -> None:
+    """The spare a fetch leaves to allocate in the background is allocated."""
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("forge-reserve-") for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_the_files_of_readers_killed_mid_fetch_go_with_the_next_fetch(served):
+    """A reader killed mid-fetch (a replica SIGKILLed or OOM-killed, then respawned) leaves
+    `<file>.<pid>.tmp`, model-sized in tmpfs, that no later fetch's pid names: the writer's next
+    fetch on the host (under its lock: no other fetch of that writer is live) writes the copy
+    into one and removes the rest. Another writer's are not its to remove."""
+    cache = host_cache_dir()
+    dead = [cache / f"policy-abc-v1.safetensors.{pid}.tmp" for pid in (999_999_991, 999_999_992)]
+    dead.append(cache / "policy-abc-spare.safetensors.999999993.tmp")
+    others = cache / "policy-abc-x-v1.safetensors.999999994.tmp"  # writer "policy-abc-x"'s: maybe live
+    for p in dead + [others]:
+        p.write_bytes(b"\0" * 4096)
+    inodes = {p.stat().st_ino for p in dead}
+    try:
+        copy, _ = host_copy(served.addr, "policy-abc-v1.safetensors", "the-run-key", lambda n: False)
+        settled()
+        assert copy.read_bytes() == (served.directory / copy.name).read_bytes() and copy.stat().st_ino in inodes
+        left = sorted(p.name for p in cache.glob("policy-abc-*"))
+        assert left == sorted([others.name, "policy-abc-spare.safetensors", copy.name])
+    finally:
+        for p in cache.glob("policy-abc-*"):
+            p.unlink()
 
 
 def test_shm_root_never_goes_through_a_symlink(tmp_path, monkeypatch):
