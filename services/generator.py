@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import gc
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -44,9 +43,9 @@ from monarch.actor import concurrent_endpoint, endpoint
 from forge import logs
 from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
-from forge.lora import write_adapter
+from forge.lora import adapter_rank, write_adapter
 from forge.metrics import Reduce, record_metric
-from forge.schema import ADAPTER_CONFIG, LoRAConfig
+from forge.schema import LoRAConfig
 from forge.shm import run_dir, write_safetensors
 from forge.types import Completion
 from services.schema import GeneratorConfig
@@ -59,7 +58,7 @@ def _lora_args(cfg: GeneratorConfig, loras: list[LoRAConfig]) -> dict[str, Any]:
     """vLLM's LoRA options for the policies' adapters (`loras`, one per LoRA policy) and the named ones."""
     from vllm.config.lora import MaxLoRARanks
 
-    ranks = [json.loads((Path(p) / ADAPTER_CONFIG).read_text())["r"] for p in cfg.adapters.values()]
+    ranks = [adapter_rank(p) for p in cfg.adapters.values()]
     loras = [lora for lora in loras if lora.enabled]
     ranks += [lora.rank for lora in loras]
     if not ranks:
@@ -102,7 +101,10 @@ def engine_args(cfg: GeneratorConfig, model: str, loras: list[LoRAConfig] = ()) 
         enforce_eager=cfg.enforce_eager,
         logprobs_mode="processed_logprobs",
         worker_extension_cls="services.vllm_worker.WeightReloader",
-        **{**_lora_args(cfg, list(loras)), **cfg.engine},
+        # vLLM seeds the sampling of requests without a seed with 0 unless told: every replica, a
+        # respawned one and every run would draw the same samples. A fresh seed per engine
+        # (`generator.engine.seed` pins one).
+        **{"seed": int.from_bytes(os.urandom(4), "little"), **_lora_args(cfg, list(loras)), **cfg.engine},
     )
 
 
@@ -327,7 +329,8 @@ class Generator(ForgeActor):
             return SamplingParams(
                 n=n,
                 logprobs=0,  # the sampled token's own logprob
-                include_stop_str_in_output=True,  # text == decode(token_ids), stop string included
+                # text == decode(token_ids), stop string included (`_text`: one that ends inside a token)
+                include_stop_str_in_output=True,
                 output_kind=RequestOutputKind.FINAL_ONLY,
                 **merged,
             )
@@ -424,6 +427,19 @@ class Generator(ForgeActor):
             policy.users[version] -= 1
             await self._drop_unused_adapters(policy)
 
+    async def _sample(
+        self, prompt: Any, tools: list[dict[str, Any]] | None, params: Any, timeout_s: float | None, policy: _Policy
+    ) -> tuple[int, str, Any]:
+        """`prompt` rendered, then sampled with `policy`'s version held once it is: that version,
+        the request's id and vLLM's final output."""
+        engine_prompt = await self._engine_prompt(prompt, tools)
+        # No await from reading the version to where `_outputs` takes the adapter it samples with:
+        # a new version may land while a chat renders (in a thread, other calls going on).
+        admitted, request_id, final = policy.version, uuid.uuid4().hex, None
+        async for out in self._outputs(engine_prompt, params, request_id, timeout_s, prompt, policy):
+            final = out
+        return admitted, request_id, final
+
     @concurrent_endpoint
     async def generate(
         self,
@@ -442,11 +458,7 @@ class Generator(ForgeActor):
         p = self._policy(policy)
         sp = {**dataclasses.asdict(self.cfg.sampling), **(sampling or {})}
         params = self._sampling_params(n, sp)
-        admitted, request_id = p.version, uuid.uuid4().hex
-        final = None
-        engine_prompt = await self._engine_prompt(prompt, tools)
-        async for out in self._outputs(engine_prompt, params, request_id, timeout_s, prompt, p):
-            final = out
+        admitted, request_id, final = await self._sample(prompt, tools, params, timeout_s, p)
         finished = admitted if p.lora else p.version  # LoRA: every token under the admitted adapter
         prompt_ids = list(final.prompt_token_ids)
         prompt_logprobs = _prompt_logprobs(final.prompt_logprobs) if sp.get("prompt_logprobs") is not None else None
@@ -458,7 +470,7 @@ class Generator(ForgeActor):
                 prompt_ids=prompt_ids,
                 token_ids=list(c.token_ids),
                 logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
-                text=c.text,
+                text=self._text(c, params),
                 finish_reason=c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop",
                 sampling={**sp, "n": n},
                 policy_version=admitted,
@@ -469,6 +481,13 @@ class Generator(ForgeActor):
             )
             for c, routed in zip(final.outputs, routing)
         ]
+
+    def _text(self, c: Any, params: Any) -> str:
+        """A sample's text. A stop string that ends inside a token: vLLM cuts the text there but keeps
+        the whole token (what the trainer trains), so the text, which a reward grades, is the tokens'."""
+        if not isinstance(c.stop_reason, str):
+            return c.text
+        return self.engine.get_tokenizer().decode(c.token_ids, skip_special_tokens=params.skip_special_tokens)
 
     @concurrent_endpoint
     async def stream(

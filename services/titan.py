@@ -6,6 +6,7 @@ and the trainer benchmark lives here or in services/models/layers.py, each with 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.nn.attention.flex_attention import and_masks
 from torchtitan.models.common.attention import FlexAttention, create_attention_mask, get_causal_mask_mod
@@ -58,6 +60,7 @@ def _flex_mask(positions: torch.Tensor, segments: torch.Tensor, block_size: int)
 # Tokens whose logits are alive at once in token_logprobs (forward and backward): 2048 x Qwen3's
 # 151,936-token vocabulary is 1.2 GB of fp32 logits, whatever the batch.
 LOGPROB_CHUNK = 2048
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's: which file holds each weight
 SCORE_HEAD = "score.weight"  # HF's *ForSequenceClassification head: Linear(hidden, num_labels, bias=False)
 
 
@@ -92,12 +95,12 @@ def load_hf_model(
         torch.manual_seed(0)
         # init_weights re-ties the embeddings (to_empty unties them) and fills the RoPE cache.
         model.init_weights(buffer_device=device)
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir}")
     hf_state = {}
-    for f in files:
-        hf_state.update(load_file(str(f), device=str(device)))
+    for f in weight_files(Path(model_dir)):
+        try:
+            hf_state.update(load_file(str(f), device=str(device)))
+        except SafetensorError as e:
+            raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
     score = hf_state.pop(SCORE_HEAD, None)
     missing, unexpected = model.load_state_dict(family.adapter(cfg).from_hf(hf_state), strict=False)
     # adapters keep their init; a sequence-classification checkpoint has no LM head
@@ -111,6 +114,26 @@ def load_hf_model(
     if lora is not None:
         add_dropout(model, lora.dropout)
     return model.float()
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of `model_dir`'s HF weights: the ones its index's weight_map lists, as
+    transformers and vLLM load them (a hub snapshot may hold others beside them, e.g. Mistral's
+    consolidated.safetensors, the same weights under other names), else every *.safetensors."""
+    index = model_dir / INDEX
+    if not index.is_file():
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir}")
+        return files
+    try:
+        files = [model_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a safetensors index (JSON with a 'weight_map' of key -> file): {e!r}") from None
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{index}: its weight_map lists {missing}, not in {model_dir}")
+    return files
 
 
 def score_head(model: torch.nn.Module, weight: torch.Tensor | None) -> None:

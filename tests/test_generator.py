@@ -99,6 +99,76 @@ def test_completion_fields_seed_and_stop(loop, gen, tokenizer):
     assert cut.text == tokenizer.decode(cut.token_ids, skip_special_tokens=True)
 
 
+def test_a_stop_string_ending_inside_a_token_keeps_the_whole_token_in_the_text(loop, gen, tokenizer):
+    """A stop string that ends inside a token (`</to` of the tag token `</tool_call>`): vLLM cuts
+    its text there but keeps the whole token, which the trainer trains; the text, which a reward
+    grades, is then the tokens' decode too."""
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def find():  # a sample with a token of 2+ characters whose first ones do not occur before it
+        for seed in range(32):
+            sampling = {"seed": seed, "max_tokens": 16, "ignore_eos": True}
+            ids = (await gen.generate.route("12+7=", sampling=sampling))[0].token_ids
+            for i in range(len(ids)):
+                before, upto = decode(ids[:i]), decode(ids[: i + 1])
+                if len(upto) - len(before) >= 2 and upto.find(upto[len(before) : -1]) == len(before):
+                    return sampling, ids[: i + 1], upto[len(before) : -1]
+        raise AssertionError("no sample with a token of 2+ characters")
+
+    sampling, ids, stop = loop.run_until_complete(find())
+    cut = loop.run_until_complete(gen.generate.route("12+7=", sampling={**sampling, "stop": [stop]}))[0]
+    assert cut.finish_reason == "stop" and cut.token_ids == ids and len(cut.logprobs) == len(ids)
+    # The whole last token's text, past the stop string's end.
+    assert cut.text == decode(ids) and len(cut.text) > cut.text.index(stop) + len(stop)
+
+
+def test_each_engine_draws_its_own_seed(tiny_model_dir):
+    """vLLM's seed (the randomness of requests that bring none) differs between engines: two
+    replicas, a respawned one or two runs do not draw the same samples; the config can pin it."""
+    from services.generator import engine_args
+
+    seeds = {engine_args(GeneratorConfig(), str(tiny_model_dir)).seed for _ in range(3)}
+    assert len(seeds) == 3
+    assert engine_args(GeneratorConfig(engine={"seed": 7}), str(tiny_model_dir)).seed == 7
+
+
+class RecordingEngine:
+    """vLLM's AsyncLLM as `Generator._sample` uses it: yields the adapter each request was given."""
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        yield lora_request
+
+
+def test_a_lora_sample_is_labelled_with_the_version_it_was_sampled_with(loop, tiny_model_dir):
+    """A LoRA policy's next version lands while a prompt renders (a chat's rendering runs in a
+    thread while other calls go on): the sample, taken with the new adapter, says the new version."""
+    from forge.schema import LoRAConfig
+
+    generator = Generator(str(tiny_model_dir), lora=LoRAConfig(rank=4))
+    generator.engine = RecordingEngine()
+    policy = generator.policies[""]
+    policy.version, policy.adapter = 1, "adapter v1"
+
+    async def rendering(prompt, tools):
+        await asyncio.sleep(0.05)
+        return prompt
+
+    async def publish_v2():
+        await asyncio.sleep(0.01)
+        policy.version, policy.adapter = 2, "adapter v2"
+
+    async def main():
+        generator._engine_prompt = rendering
+        (admitted, _, sampled_with), _ = await asyncio.gather(
+            generator._sample("rev abc=", None, None, None, policy), publish_v2()
+        )
+        return admitted, sampled_with
+
+    assert loop.run_until_complete(main()) == (2, "adapter v2")
+
+
 def test_the_engine_runs_in_one_process_on_cpu(loop, gen):
     """generator.cpu_threads: the model runs in vLLM's engine-core process, with no worker process
     of its own beside it (whose engine core busy-waits on it for a second after each step)."""

@@ -215,6 +215,67 @@ def test_forge_serve_names_a_bad_adapter(tiny_model_dir, tmp_path, capsys):
     assert f"--lora 'a={tmp_path}': {tmp_path} is not a PEFT adapter directory" in capsys.readouterr().err
 
 
+def test_a_user_s_adapter_keeps_its_scaling_and_one_vllm_cannot_serve_is_named(tiny_model_dir, tmp_path):
+    """read_adapter, then write_adapter (`forge eval` of an adapter and Tinker's sampler paths: the
+    directory vLLM gets) give back the user's adapter: peft's model with either computes the same
+    logits with use_rslora, alpha_pattern and rank_pattern. An option vLLM cannot serve is an error
+    naming the file and key."""
+    import json
+    import re
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from forge.lora import read_adapter, write_adapter
+
+    ids = torch.tensor([[1, 40, 50, 60, 70, 80, 90]])
+
+    def logits(adapter_dir):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            return PeftModel.from_pretrained(base, str(adapter_dir)).eval()(ids).logits
+
+    scalings = {
+        "use_rslora": dict(use_rslora=True),
+        "alpha_pattern": dict(alpha_pattern={"q_proj": 64}),
+        "rank_pattern": dict(rank_pattern={"layers.0.self_attn.q_proj": 4, "v_proj": 32}, alpha_pattern={"v_proj": 8}),
+    }
+    for name, options in scalings.items():
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        lora = LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **options)
+        get_peft_model(base, lora).save_pretrained(str(tmp_path / name))
+        cfg, tensors = read_adapter(tmp_path / name)
+        write_adapter(tmp_path / f"{name}-served", tensors, cfg, str(tiny_model_dir))
+        assert (logits(tmp_path / name) - logits(tmp_path / f"{name}-served")).abs().max().item() <= 1e-5, name
+
+    config = tmp_path / "use_rslora" / "adapter_config.json"
+    plain = json.loads(config.read_text())
+    for key, value in {"use_dora": True, "init_lora_weights": "pissa", "modules_to_save": ["lm_head"]}.items():
+        config.write_text(json.dumps({**plain, key: value}))
+        with pytest.raises(ValueError, match=re.escape(f"{config}: key '{key}' is {value!r}: vLLM cannot serve")):
+            read_adapter(config.parent)
+
+
+def test_a_bad_adapter_config_is_named(tiny_model_dir, tmp_path):
+    """`forge serve --lora` / generator.adapters: an adapter_config.json that is not JSON, or whose
+    rank `r` is missing or not a positive int, is an error naming the file and key. vLLM's slots
+    hold the largest rank, a rank_pattern's included."""
+    import json
+
+    from services.generator import engine_args
+
+    config = tmp_path / "adapter_config.json"
+    gen_cfg = GeneratorConfig(adapters={"a": str(tmp_path)})
+    bad = {'{"r": 8,': "not JSON", '{"lora_alpha": 16}': "key 'r'", '{"r": "8"}': "key 'r'", '{"r": 0}': "key 'r'"}
+    for text, message in bad.items():
+        config.write_text(text)
+        with pytest.raises(ValueError, match=f"{config}: {message}"):
+            engine_args(gen_cfg, str(tiny_model_dir))
+    config.write_text(json.dumps({"r": 8, "rank_pattern": {"q_proj": 32}}))
+    assert engine_args(gen_cfg, str(tiny_model_dir)).max_lora_rank == 32
+
+
 def test_runs_sharing_a_generator_sample_with_their_own_adapters(tiny_model_dir, tmp_path):
     """One generator serves two runs (tenants a and b), each publishing its adapter to its own
     store, each seen through its own RunGenerator and WeightSync. Requests of both, interleaved

@@ -70,6 +70,42 @@ def test_llama3_rope_scaling_is_read_from_the_checkpoint(tmp_path):
         titan.load_hf_model(model_dir)
 
 
+def test_a_sharded_checkpoint_loads_the_files_its_index_lists(tiny_model_dir, tmp_path):
+    """A hub snapshot's layout (Mistral's): shards listed by model.safetensors.index.json beside a
+    consolidated.safetensors of other key names. The loader reads the listed shards only (the
+    model's weights); a listed shard missing, or one safetensors cannot read, is an error naming it."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    sd = load_file(str(model_dir / "model.safetensors"))
+    (model_dir / "model.safetensors").unlink()
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for name, keys in shards.items():
+        save_file({k: sd[k] for k in keys}, str(model_dir / name))
+    weight_map = {k: name for name, keys in shards.items() for k in keys}
+    (model_dir / titan.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_file(
+        {k.replace("self_attn", "attention"): v for k, v in sd.items()}, str(model_dir / "consolidated.safetensors")
+    )
+
+    exported = titan.load_hf_model(model_dir).state_dict()
+    family = models.of_model(model_dir)
+    exported = family.adapter(family.titan_config(models.hf_config(model_dir), "cpu")).to_hf(exported)
+    assert exported.keys() == sd.keys() and all(torch.equal(exported[k], sd[k]) for k in sd)
+
+    second = model_dir / "model-00002-of-00002.safetensors"
+    second.write_bytes(second.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"{second}: not a readable safetensors file"):
+        titan.load_hf_model(model_dir)
+    second.unlink()
+    with pytest.raises(FileNotFoundError, match=r"weight_map lists \['model-00002-of-00002.safetensors'\]"):
+        titan.load_hf_model(model_dir)
+
+
 def test_families_are_named_by_forge_and_found_by_model_type(tmp_path):
     assert models.get("llama3").model_type == "llama" and models.of({"model_type": "llama"}).name == "llama3"
     with pytest.raises(
