@@ -280,10 +280,13 @@ class SFTExamples(TokenizedRows):
         return ids[: self.cfg.max_tokens], mask[: self.cfg.max_tokens]
 
 
-def text_tokens(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-    """A raw-text prompt and its completion as (token ids, loss mask): the completion and EOS."""
+def text_tokens(tokenizer: Any, prompt: str, completion: str, plain: bool = False) -> tuple[list[int], list[int]]:
+    """A raw-text prompt and its completion as (token ids, loss mask): the completion and EOS.
+    `plain`: special-token strings in the completion as text (see `chat_tokens`)."""
     p = tokenizer(prompt)["input_ids"]
-    c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    c = tokenizer(completion, add_special_tokens=False, split_special_tokens=plain)["input_ids"] + [
+        tokenizer.eos_token_id
+    ]
     return p + c, [0] * len(p) + [1] * len(c)
 
 
@@ -329,16 +332,21 @@ class PreferencePairs(TokenizedRows):
 
 
 def completion_tokens(
-    tokenizer: Any, prompt: str | list[dict[str, Any]], completion: str | list[dict[str, Any]], end_of_turn: str
+    tokenizer: Any,
+    prompt: str | list[dict[str, Any]],
+    completion: str | list[dict[str, Any]],
+    end_of_turn: str,
+    plain: bool = False,
 ) -> Tokens:
     """A prompt and its completion as (token ids, loss mask on the completion), as a preference
     pair's and a reward model's: text (then EOS ends the completion), or chat messages (then the
-    completion is the assistant's messages, or its text, in the chat template)."""
+    completion is the assistant's messages, or its text, in the chat template). `plain`: the
+    completion's special-token strings as text (a policy's completion, which a reward model reads)."""
     if isinstance(prompt, str):
-        return text_tokens(tokenizer, prompt, str(completion))
+        return text_tokens(tokenizer, prompt, str(completion), plain)
     turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
     messages = [{k: v for k, v in m.items() if v is not None} for m in [*prompt, *turns]]
-    ids, labels = chat_tokens(tokenizer, messages, end_of_turn)
+    ids, labels = chat_tokens(tokenizer, messages, end_of_turn, plain)
     return ids, [int(label != -100) for label in labels]
 
 

@@ -14,9 +14,11 @@ answers, until the environment is done or `max_turns` pass. The gateway records 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,12 +41,15 @@ class MessageEnv(Protocol):
     def close(self) -> None: ...
 
 
-async def call(fn: Callable[..., Any], *args: Any) -> Any:
-    """Call a sync or async environment method; a sync one runs in a thread, so a slow
-    environment never blocks the others."""
-    if inspect.iscoroutinefunction(fn):
+async def call(fn: Callable[..., Any], *args: Any, threads: Executor | None = None) -> Any:
+    """Call a sync or async function (an environment's method, a reward; an object whose
+    `__call__` is async too); a sync one runs in a thread of `threads` (else the loop's default),
+    with this context (its metrics go where ours do, as with asyncio.to_thread), so a slow one
+    never blocks the others."""
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
         return await fn(*args)
-    out = await asyncio.to_thread(fn, *args)
+    run = contextvars.copy_context().run
+    out = await asyncio.get_running_loop().run_in_executor(threads, run, fn, *args)
     return await out if inspect.isawaitable(out) else out
 
 

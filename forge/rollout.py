@@ -34,6 +34,39 @@ class RolloutsStopped(RuntimeError):
     """The rollouts cannot go on (they keep failing, or no batch comes): the run stops."""
 
 
+class Raised(Exception):
+    """A BaseException other than a cancellation (SystemExit, KeyboardInterrupt, a library's
+    own) that user code raised, as an error of that call: it never stops the process."""
+
+
+async def guarded(aw: Awaitable[Any]) -> Any:
+    """`aw`'s result; a BaseException it raises (a cancellation aside) as a `Raised`. (In a task
+    of its own, a SystemExit or KeyboardInterrupt would even stop the event loop.)"""
+    try:
+        return await aw
+    except (Exception, asyncio.CancelledError, GeneratorExit):  # GeneratorExit: the coroutine is closed
+        raise
+    except BaseException as e:
+        raise Raised(f"{type(e).__name__}: {e}") from e
+
+
+async def within(aw: Awaitable[Any], timeout_s: float, late: str) -> Any:
+    """`aw`'s result, run as its own task (`guarded`); after `timeout_s` a TimeoutError(`late`),
+    the task cancelled and abandoned: asyncio.wait_for would wait for it to end, forever if it
+    swallows its cancellation."""
+    task = asyncio.ensure_future(guarded(aw))
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # abandoned: nobody else reads it
+    try:
+        done, _ = await asyncio.wait([task], timeout=timeout_s)
+    finally:
+        task.cancel()  # a no-op once it ended; else on a timeout, or this task's own cancellation
+    if not done:
+        raise TimeoutError(late)
+    if task.cancelled():  # it cancelled itself (we cancel only what has not ended)
+        raise Raised("CancelledError: it cancelled itself")
+    return task.result()
+
+
 class Rollouts(Protocol):
     async def group(self, sample: Sample) -> list[Episode]:
         """`sample`'s group of scored episodes with group-relative advantages; [] when the
@@ -76,14 +109,24 @@ def masked(scores: list[Score], reward_unavailable: str) -> bool:
     return reward_unavailable == "mask" and any(s.unavailable for s in scores)
 
 
+def finite_advantages(rewards: list[float], std_normalize: bool) -> list[float]:
+    """One group's GRPO advantages; a ValueError when they are not finite (a reward that is not,
+    or rewards each within float32's range whose differences are not): that group fails,
+    counted, and no NaN reaches the trainer."""
+    advantages = group_advantages(torch.tensor(rewards), std_normalize=std_normalize)
+    if not bool(advantages.isfinite().all()):
+        shown = ", ".join(f"{r:.3g}" for r in rewards[:8]) + (", ..." if len(rewards) > 8 else "")
+        raise ValueError(f"the group's advantages are not finite (its rewards: {shown}): the group is not trained on")
+    return advantages.tolist()
+
+
 def make_group(
     completions: list[Completion], scores: list[Score], std_normalize: bool = True, task: str = ""
 ) -> list[Episode]:
     """Episodes of one prompt (of data source `task`) with their scores and group-relative advantages."""
-    advantages = group_advantages(torch.tensor([s.reward for s in scores]), std_normalize=std_normalize)
+    advantages = finite_advantages([s.reward for s in scores], std_normalize)
     return [
-        Episode.from_completion(c, score=s, advantage=float(a), task=task)
-        for c, s, a in zip(completions, scores, advantages)
+        Episode.from_completion(c, score=s, advantage=a, task=task) for c, s, a in zip(completions, scores, advantages)
     ]
 
 
@@ -194,7 +237,7 @@ class RolloutLoops:
             return
         try:
             await self.weights.wait_held(ticket.weights)
-            episodes = await self.rollouts.group(next(self.prompts))
+            episodes = await guarded(self.rollouts.group(next(self.prompts)))  # a SystemExit costs its group
         except Exception:
             await self.buffer.withdraw.call_one(ticket)
             raise

@@ -273,16 +273,19 @@ def end_of_turn(tokenizer) -> str:
     return token
 
 
-def chat_tokens(tokenizer, messages: list[dict[str, str]], end_of_turn: str) -> tuple[list[int], list[int]]:
+def chat_tokens(
+    tokenizer, messages: list[dict[str, str]], end_of_turn: str, plain: bool = False
+) -> tuple[list[int], list[int]]:
     """A conversation as the chat template renders it: its token ids, and the labels to train
     on (the assistant turns' tokens, up to and with their `end_of_turn` token, the template's
-    (`end_of_turn(tokenizer)`); -100 elsewhere)."""
+    (`end_of_turn(tokenizer)`); -100 elsewhere). `plain`: the assistant turns' own text with
+    special-token strings as text (a policy's: it spells "<|im_end|>", it does not end a turn)."""
     ids: list[int] = []
     labels: list[int] = []
     rendered = ""
 
-    def add(text: str, train: bool) -> None:
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+    def add(text: str, train: bool, own: bool = False) -> None:
+        piece = tokenizer(text, add_special_tokens=False, split_special_tokens=own and plain)["input_ids"]
         ids.extend(piece)
         labels.extend(piece if train else [-100] * len(piece))
 
@@ -292,10 +295,11 @@ def chat_tokens(tokenizer, messages: list[dict[str, str]], end_of_turn: str) -> 
         prompt = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
         full = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
         turn = full[len(prompt) :]
-        end = turn.rindex(end_of_turn) + len(end_of_turn)  # what follows it is the template's, not the model's
+        end = turn.rindex(end_of_turn)  # the template's end of the turn; what follows it is the template's too
         add(prompt[len(rendered) :], False)
-        add(turn[:end], True)
-        add(turn[end:], False)
+        add(turn[:end], True, own=True)
+        add(turn[end : end + len(end_of_turn)], True)
+        add(turn[end + len(end_of_turn) :], False)
         rendered = full
     return ids, labels
 

@@ -90,10 +90,16 @@ def reward_range(low: float, high: float) -> Callable[[F], F]:
     return declare
 
 
+# The largest reward: advantages are made in float32, where a larger value is inf.
+MAX_REWARD = float(torch.finfo(torch.float32).max)
+
+
 def check_reward(value: float, where: str, bounds: tuple[float, float] | None = None) -> float:
-    """`value` when it is finite and within `bounds`, else a ValueError naming `where`."""
+    """`value` when it is finite (as a float32) and within `bounds`, else a ValueError naming `where`."""
     if not math.isfinite(value):
         raise ValueError(f"{where} is {value}, not a finite number")
+    if abs(value) > MAX_REWARD:
+        raise ValueError(f"{where} is {value}, past float32's range (forge.types.MAX_REWARD, {MAX_REWARD:.4g})")
     if bounds is not None and not bounds[0] <= value <= bounds[1]:
         raise ValueError(f"{where} is {value}, outside its declared range [{bounds[0]}, {bounds[1]}]")
     return value
@@ -114,21 +120,27 @@ class Score:
         return self.error is not None
 
     @classmethod
-    def coerce(cls, value: Any, where: str, loose: bool = False) -> Score:
+    def coerce(cls, value: Any, where: str, loose: bool = False, check: bool = True) -> Score:
         """`value` as a Score: a Score, or a mapping of its fields (`reward` required), its reward
         and components finite. Anything else is a TypeError that says what `where` returned and
         which field is wrong.
 
         `loose` is for what a reward function or an agent returns: also a number (the reward),
-        and a mapping's other keys are named components, its `reward` defaulting to their sum."""
+        and a mapping's other keys are named components, its `reward` defaulting to their sum.
+        `check=False` leaves the values to the caller (`checked`): one that is not finite is
+        then a ValueError of its own, not a wrong type."""
         try:
             score = cls._from(value, where, loose)
-            for k, v in score.components.items():
-                check_reward(v, f"component {k!r}")
-            check_reward(score.reward, "the reward")
-            return score
+            return score.checked() if check else score
         except ValueError as e:
             raise TypeError(f"{where}: {e}") from None
+
+    def checked(self) -> Score:
+        """This Score when its reward and components pass `check_reward`, else a ValueError."""
+        for k, v in self.components.items():
+            check_reward(v, f"component {k!r}")
+        check_reward(self.reward, "the reward")
+        return self
 
     @classmethod
     def _from(cls, value: Any, where: str, loose: bool) -> Score:

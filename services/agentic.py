@@ -8,9 +8,10 @@ An episode is written one of two ways, and both end as the same Episodes:
 - an **environment** (the framework drives it): a MessageEnv (forge/env.py) made per episode in
   the environment pool (services/envs/), run by `run_env_episode` through the same gateway.
 The gateway's recording of the session becomes the episode's training samples (its exact
-tokens, loss mask, logprobs, versions). An agent or environment that raises or runs out of
-time costs its episode only: counted (`agent_errors`, `env_errors`), its message printed, and
-its group trains on the others (`on_failure: mask`) or is dropped (`drop`).
+tokens, loss mask, logprobs, versions). An agent or environment that raises (SystemExit too),
+returns a reward that is not finite, or runs out of time (then it is abandoned) costs its
+episode only: counted (`agent_errors`, `env_errors`), its message printed, and its group
+trains on the others (`on_failure: mask`) or is dropped (`drop`).
 """
 
 from __future__ import annotations
@@ -21,16 +22,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from forge.config import import_object
 from forge.console import report
 from forge.env import EpisodeStats, run_env_episode
-from forge.losses.advantages import group_advantages
 from forge.metrics import Reduce, record_metric
-from forge.rollout import RolloutError
+from forge.rollout import RolloutError, finite_advantages, within
 from forge.tasks import Sample
-from forge.types import Episode, Score
+from forge.types import Episode, Score, check_reward
 from services.envs import RemoteEnv
 from services.schema import AgenticConfig
 
@@ -64,9 +62,9 @@ class AgenticRollouts:
         if len(ok) < 2 or (len(ok) < len(results) and self.cfg.on_failure == "drop"):
             record_metric("groups_dropped", 1, Reduce.SUM)
             return []
-        advantages = group_advantages(torch.tensor([r.score.reward for r in ok]), std_normalize=self.std_normalize)
+        advantages = finite_advantages([r.score.reward for r in ok], self.std_normalize)
         out = []
-        for r, a in zip(ok, advantages.tolist()):
+        for r, a in zip(ok, advantages):
             for sample in r.samples:
                 sample.score, sample.advantage, sample.task = r.score, a, task["task"]
                 out.append(sample)
@@ -78,16 +76,14 @@ class AgenticRollouts:
         client = self.gateway.client(session)
         start = time.monotonic()
         score, error, stats = None, None, EpisodeStats()
+        late = f"no end within {self.cfg.episode_timeout_s} s (config key 'agentic.episode_timeout_s')"
         try:
-            score, stats = await asyncio.wait_for(self._run(client, task), self.cfg.episode_timeout_s)
+            # Its own task, abandoned at the timeout even if it ignores its cancellation.
+            score, stats = await within(self._run(client, task), self.cfg.episode_timeout_s, late)
         except RolloutError:
             raise  # the agent broke its contract: every episode would
-        except Exception as e:  # this episode only: the run goes on
-            error = (
-                f"no end within {self.cfg.episode_timeout_s} s (config key 'agentic.episode_timeout_s')"
-                if isinstance(e, TimeoutError)
-                else f"{type(e).__name__}: {e}"
-            )
+        except Exception as e:  # this episode only (a timeout, a BaseException of the agent's): the run goes on
+            error = f"{type(e).__name__}: {e}"
             record_metric(f"{kind}_errors", 1, Reduce.SUM)
             report(f"{kind} episode failed", f"{error} (task {_preview(task)})")
         finally:
@@ -115,11 +111,15 @@ class AgenticRollouts:
         if self.agent is not None:
             out = await self.agent(client, task)
             try:
-                return Score.coerce(out, f"agent {self.cfg.agent!r} returned {out!r}:", loose=True), EpisodeStats()
+                score = Score.coerce(out, f"agent {self.cfg.agent!r} returned {out!r}:", loose=True, check=False)
             except TypeError as e:
                 raise RolloutError(
                     f"{e} (an agent returns its reward: a float, or a dict of named components)"
                 ) from None
+            try:  # a NaN is this episode's failure, not a broken contract
+                return score.checked(), EpisodeStats()
+            except ValueError as e:
+                raise ValueError(f"agent {self.cfg.agent!r} returned {out!r}: {e}") from None
         env = RemoteEnv(self.envs.pinned(), uuid.uuid4().hex)
         step, stats = await run_env_episode(
             env,
@@ -131,7 +131,8 @@ class AgenticRollouts:
             self.cfg.sampling,
             self.cfg.max_episode_tokens,
         )
-        return Score(step.reward, components=dict(step.info), correct=step.info.get("correct")), stats
+        reward = check_reward(step.reward, f"the reward of env {self.cfg.env!r}")  # a NaN fails this episode only
+        return Score(reward, components=dict(step.info), correct=step.info.get("correct")), stats
 
 
 def _preview(task: dict[str, Any]) -> str:

@@ -1,6 +1,9 @@
-"""Environments and agents for tests/test_agentic.py (imported by name in the environment actors)."""
+"""Environments, agents and rewards for tests/test_agentic.py and tests/test_rewards.py (imported by
+name in the environment and reward actors)."""
 
 import asyncio
+import itertools
+import time
 
 
 class TwoStepEnv:
@@ -63,3 +66,73 @@ class FlakyEnv(TwoStepEnv):
         if self.broken:
             raise ConnectionError("sandbox unreachable")
         return super().step(message)
+
+
+_episodes = itertools.count()
+
+
+def second_of_four() -> bool:
+    """True for the second call of each four: one episode of a group of 4 run in order."""
+    return next(_episodes) % 4 == 1
+
+
+class NanEnv(TwoStepEnv):
+    """Ends at its first step; one episode of each four gets a NaN reward (a metric's 0/0)."""
+
+    def step(self, message):
+        from forge.env import EnvStep
+
+        return EnvStep(done=True, reward=float("nan") if second_of_four() else 1.0, info={"correct": 1.0})
+
+
+async def inf_agent(client, task):
+    return {"reward": float("inf"), "correct": 0.0} if second_of_four() else {"reward": 1.0, "correct": 1.0}
+
+
+async def stubborn_agent(client, task):
+    """One episode of four swallows its cancellation (a retry loop's bare `except BaseException`)."""
+    if second_of_four():
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                pass
+    return 1.0
+
+
+async def exiting_agent(client, task):
+    """One episode of four raises SystemExit (a tool's library calling sys.exit)."""
+    if second_of_four():
+        raise SystemExit(3)
+    return 1.0
+
+
+class Interrupted(BaseException):
+    """A library's own BaseException (gevent's Timeout, trio.Cancelled, pytest's Exit...)."""
+
+
+async def misbehaving_reward(s):
+    """Async: ignores its cancellation past any timeout on 'stubborn', exits on 'exit', raises
+    a BaseException on 'base'."""
+    if s.completion == "stubborn":
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                pass
+    if s.completion == "exit":
+        raise SystemExit(3)
+    if s.completion == "base":
+        raise Interrupted("a BaseException from the reward")
+    return 1.0
+
+
+def blocking_reward(s):
+    """Sync (run in a thread): hangs on 'sleep', exits on 'exit'."""
+    if s.completion == "sleep":
+        time.sleep(1.5)
+    if s.completion == "exit":
+        raise SystemExit(3)
+    return 1.0

@@ -3,7 +3,9 @@ multi-turn episodes through the gateway (the fixture `served`); what the gateway
 recorded becomes the episodes; a failing or hanging environment or agent costs its episode."""
 
 import asyncio
+import itertools
 import json
+import math
 import time
 from types import SimpleNamespace
 
@@ -16,9 +18,11 @@ from openenv.core import EnvClient
 from openenv.core.client_types import StepResult
 from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
 
+from forge.config import import_object
 from forge.metrics import MetricWriter
 from forge.rollout import RolloutError
 from forge.tasks import Sample, get_task
+from forge.types import Episode
 from services.agentic import AgenticRollouts
 from services.envs import EnvPool
 from services.envs.guess import GuessWord, guess_agent
@@ -337,3 +341,81 @@ def test_the_calculator_bounds_every_intermediate_result(expression):
     step = env.step(call)
     assert not step.done and "error" in step.messages[0]["content"].lower()
     assert evaluate("(48 + 24) * 3 / 2") == 108 and evaluate("2**1000") == 2**1000 and evaluate("-3**2") == -9
+
+
+class _FakeGateway:
+    """The gateway, in-process: each session's client answers 'hi', its record one sample."""
+
+    model_name = "tiny"
+
+    def __init__(self):
+        self.sessions = itertools.count()
+
+    def open_session(self):
+        return str(next(self.sessions))
+
+    def client(self, session):
+        async def create(**kw):
+            message = SimpleNamespace(model_dump=lambda **k: {"role": "assistant", "content": "hi"})
+            return SimpleNamespace(choices=[SimpleNamespace(message=message)], usage=None)
+
+        async def close():
+            pass
+
+        return SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)), close=close)
+
+    async def finish(self, session):
+        return SimpleNamespace(turns=[1], samples=lambda: [Episode([1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.1])])
+
+
+class _FakePool:
+    """The environment pool's endpoints, in-process, on environments `env` ("module:name") makes."""
+
+    def __init__(self, env):
+        make, envs = import_object("agentic.env", env), {}
+
+        async def reset(episode, task):
+            envs[episode] = make()
+            return envs[episode].reset(task)
+
+        async def step(episode, message):
+            return envs[episode].step(message)
+
+        async def close(episode):
+            envs.pop(episode).close()
+
+        route = [SimpleNamespace(route=fn) for fn in (reset, step, close)]
+        self.session = SimpleNamespace(reset=route[0], step=route[1], close=route[2])
+
+    def pinned(self):
+        return self.session
+
+
+def offline(envs=None, **cfg):
+    return AgenticRollouts(AgenticConfig(**cfg), _FakeGateway(), envs, 4, std_normalize=True)
+
+
+def test_a_non_finite_reward_costs_only_its_episode(loop, tmp_path):
+    """An environment's NaN reward, an agent's inf: that episode fails, counted, and its group
+    trains on the others with finite advantages (not the whole group's NaNs, or a stopped run)."""
+    metrics(loop, tmp_path)
+    env = loop.run_until_complete(offline(_FakePool("agentic_actors:NanEnv"), env="agentic_actors:NanEnv").group(TASK))
+    agent = loop.run_until_complete(offline(agent="agentic_actors:inf_agent").group(TASK))
+    row = metrics(loop, tmp_path)
+    assert row["env_errors"] == 1 and row["agent_errors"] == 1
+    for episodes in (env, agent):
+        assert len(episodes) == 3 and all(math.isfinite(e.advantage) and e.reward == 1.0 for e in episodes)
+
+
+@pytest.mark.parametrize("agent", ["stubborn_agent", "exiting_agent"])
+def test_an_agent_that_ignores_its_timeout_or_exits_costs_its_episode(agent):
+    """An agent swallowing its cancellation is abandoned at episode_timeout_s (asyncio.wait_for
+    would wait for it), one raising SystemExit fails: that episode only, never trained on."""
+
+    async def main():
+        start = time.monotonic()
+        episodes = await offline(agent=f"agentic_actors:{agent}", episode_timeout_s=0.2).group(TASK)
+        return episodes, time.monotonic() - start
+
+    episodes, took = asyncio.run(main())
+    assert len(episodes) == 3 and took < 1.0  # the stubborn episode runs on 1.5 s

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from forge.buffer import ReplayBuffer
-from forge.rollout import RolloutLoops, SingleTurn
-from forge.types import Episode, Score
+from forge.rollout import RolloutLoops, SingleTurn, make_group
+from forge.types import Completion, Episode, Score
 from forge.weight_sync import WeightSync
 
 
@@ -135,10 +135,10 @@ def test_a_hold_is_granted_while_versions_come_faster_than_the_generators_load_t
 
 class Recorder:
     """Rollouts that note the version the generators hold when each group starts; group `i`
-    fails when `fail(i)`, and is empty (masked) when `empty(i)`."""
+    fails (raises `error`) when `fail(i)`, and is empty (masked) when `empty(i)`."""
 
-    def __init__(self, gen: FakeGen, fail=lambda i: False, empty=lambda i: False):
-        self.gen, self.fail, self.empty = gen, fail, empty
+    def __init__(self, gen: FakeGen, fail=lambda i: False, empty=lambda i: False, error=RuntimeError):
+        self.gen, self.fail, self.empty, self.error = gen, fail, empty, error
         self.started: list[int] = []
 
     async def group(self, sample):
@@ -146,7 +146,7 @@ class Recorder:
         self.started.append(version)
         await asyncio.sleep(0.01)
         if self.fail(i):
-            raise RuntimeError("rollout failed")
+            raise self.error("rollout failed")
         if self.empty(i):
             return []
         return [Episode([1, 2], [0, 1], [0.0, 0.0], score=Score(r), policy_version=version) for r in (0.0, 1.0)]
@@ -188,16 +188,17 @@ def test_on_policy_a_batch_is_exactly_the_groups_started_for_it_on_its_weights()
 
 
 @pytest.mark.parametrize(
-    "fail, empty",
+    "fail, empty, error",
     [
-        (lambda i: i == 0, lambda i: False),  # a failed group gives its room back: one more starts
-        (lambda i: False, lambda i: i == 1),  # a group the buffer did not keep (masked): room for another
+        (lambda i: i == 0, lambda i: False, RuntimeError),  # a failed group gives its room back: one more starts
+        (lambda i: False, lambda i: i == 1, RuntimeError),  # a group the buffer did not keep (masked): room for another
+        (lambda i: i == 0, lambda i: False, SystemExit),  # a rollout's SystemExit costs its group, not the run
     ],
 )
-def test_a_group_that_is_not_kept_gives_its_room_back(fail, empty):
+def test_a_group_that_is_not_kept_gives_its_room_back(fail, empty, error):
     async def main():
         gen = FakeGen()
-        rollouts = Recorder(gen, fail=fail, empty=empty)
+        rollouts = Recorder(gen, fail=fail, empty=empty, error=error)
         async with loops_on(gen, rollouts, max_staleness=0) as (loops, sync):
             async with loops.running(0):
                 assert len(await loops.batch(0)) == 4
@@ -250,3 +251,12 @@ def test_the_default_rollout_gives_the_generator_a_sample_s_tools():
     )
     episodes = asyncio.run(SingleTurn(generate_and_score, "default", gen, rewards, cfg).group(sample))
     assert [e.task for e in episodes] == ["calc", "calc"]
+
+
+def test_a_group_whose_advantages_are_not_finite_fails():
+    """Rewards each within float32's range whose differences are not (Dr.GRPO's reward - mean):
+    the group fails (a ValueError the rollout loop counts), its infs never reach the trainer."""
+    c = Completion([1], [2], [-0.1], "x", "stop")
+    with pytest.raises(ValueError, match="the group's advantages are not finite"):
+        make_group([c] * 4, [Score(-3e38), Score(3e38), Score(3e38), Score(1.0)], std_normalize=False)
+    assert [e.advantage for e in make_group([c] * 2, [Score(1.0), Score(0.0)])] == pytest.approx([1, -1], abs=1e-5)

@@ -18,7 +18,8 @@ rest; a `correct` key is the sample's correctness); it may be sync (run in a thr
 and may declare its values with `@forge.types.reward_range(low, high)`. `REWARDS` names the
 built-ins (services/rewards/builtin.py, judge.py, code_tests.py, reward_model.py, gym.py; a config is checked against
 their names, `services.schema.REWARD_NAMES`); any other name is a "package.module:function".
-A reward that raises, or returns a value that is not finite or outside its declared range,
+A reward that raises (any exception, SystemExit too), runs past `rewards.timeout_s` (then it is
+abandoned), or returns a value that is not finite (as a float32) or outside its declared range,
 scores 0 for that sample and marks its Score failed: it never ends the run. One that raises
 `RewardUnavailable` (its infrastructure failed) also marks the Score `unavailable`.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from monarch.actor import endpoint
@@ -35,6 +37,7 @@ from monarch.actor import endpoint
 from forge.actor import ForgeActor
 from forge.config import import_object
 from forge.env import call
+from forge.rollout import within
 from forge.types import RewardInput, RewardUnavailable, Score, check_reward
 from services.rewards import builtin
 from services.rewards.code_tests import CodeTests
@@ -46,6 +49,9 @@ log = logging.getLogger("forge")
 
 
 RewardFn = Callable[[RewardInput], Any]
+# Sync rewards running at once per replica, in threads of the service's own: a hung one holds
+# its thread (a thread cannot be stopped), never the event loop's default executor.
+REWARD_THREADS = 32
 # The built-in rewards: name -> its function, made from the section.
 REWARDS: dict[str, Callable[[RewardsConfig], RewardFn]] = {
     "exact": lambda cfg: builtin.exact,
@@ -70,6 +76,8 @@ class Rewards(ForgeActor):
 
     def __init__(self, cfg: RewardsConfig):  # a validated section (loading a config validates it)
         self.weights, self.fns = dict(cfg.weights), build_rewards(cfg)
+        self.timeout_s = cfg.timeout_s
+        self.threads = ThreadPoolExecutor(REWARD_THREADS, thread_name_prefix="forge-reward")
 
     @endpoint
     async def score(self, samples: list[RewardInput]) -> list[Score]:
@@ -80,7 +88,13 @@ class Rewards(ForgeActor):
     async def _one(self, name: str, s: RewardInput) -> Score:
         """One reward's Score, checked finite and within the range its function declares."""
         fn = self.fns[name]
-        out = fn(s) if getattr(fn, "inline", False) else await call(fn, s)
+        late = f"no value within {self.timeout_s} s (config key 'rewards.timeout_s')"
+        # Its own task, abandoned at the timeout even if it ignores its cancellation.
+        out = (
+            fn(s)
+            if getattr(fn, "inline", False)
+            else await within(call(fn, s, threads=self.threads), self.timeout_s, late)
+        )
         one = Score.coerce(out, f"returned {out!r}", loose=True)
         check_reward(one.reward, "its reward", getattr(fn, "reward_range", None))
         return one
@@ -90,7 +104,7 @@ class Rewards(ForgeActor):
         for name in self.weights:
             try:
                 one = await self._one(name, s)
-            except Exception as e:  # a broken reward scores 0 and is counted, the run goes on
+            except Exception as e:  # a broken (hung, exiting) reward scores 0 and is counted, the run goes on
                 log.warning("forge: reward %r failed on %r: %s", name, s.completion[:40], e)
                 errors.append(f"{name}: {type(e).__name__}: {e}")
                 if isinstance(e, RewardUnavailable):  # unknown, not wrong: the app masks it or scores 0

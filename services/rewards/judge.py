@@ -4,10 +4,11 @@
       weights: {judge: 1.0}
       judge: {base_url: http://127.0.0.1:8000/v1, model: qwen3-8b, max_score: 10}
 
-The rubric is a template the sample fills in; `pattern` finds the score in the judge's answer,
-divided by `max_score`. The judge is infrastructure: an unreachable endpoint, a timeout, an
-HTTP error after `retries`, or an answer with no score makes the reward unavailable
-(`RewardUnavailable("judge")`), never a wrong answer.
+The rubric is a template the sample fills in; `pattern` finds the score in the judge's answer
+(its last match outside any <think>...</think>: a judge that quotes the response or reasons
+first may repeat a score the response wrote), divided by `max_score`. The judge is
+infrastructure: an unreachable endpoint, a timeout, an HTTP error after `retries`, or an answer
+with no score makes the reward unavailable (`RewardUnavailable("judge")`), never a wrong answer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from typing import Any
 
 from forge.types import RewardInput, RewardUnavailable
 from services.schema import JudgeConfig
+
+# A reasoning judge's thoughts (in `content` unless its server parses them out): <think> blocks,
+# an unclosed one (the answer cut at max_tokens) to the end, and text before a </think> whose
+# <think> the chat template wrote.
+THINKING = re.compile(r"<think>.*?(?:</think>|\Z)|\A.*?</think>", re.S)
 
 
 class Judge:
@@ -55,7 +61,7 @@ class Judge:
         except openai.APIError as e:  # connection, timeout, HTTP status: the judge failed, not the answer
             raise RewardUnavailable("judge", f"judge at {self.cfg.base_url}: {type(e).__name__}: {e}") from e
         text = r.choices[0].message.content or ""
-        found = self.pattern.search(text)
+        found = self.verdict(text)
         try:
             score = float(found.group(1))  # type: ignore[union-attr]
         except (AttributeError, TypeError, ValueError):
@@ -63,3 +69,9 @@ class Judge:
                 "judge", f"no score in the judge's answer (config key 'rewards.judge.pattern'): {text[:80]!r}"
             ) from None
         return min(1.0, max(0.0, score / self.cfg.max_score))
+
+    def verdict(self, text: str) -> re.Match | None:
+        """The score `pattern` finds last outside the judge's thoughts: its verdict comes after
+        any score it quotes from the response."""
+        found = list(self.pattern.finditer(THINKING.sub("", text)))
+        return found[-1] if found else None

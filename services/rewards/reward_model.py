@@ -7,8 +7,9 @@
 
 The checkpoint is a transformers *ForSequenceClassification with one label (the rm app's
 export), loaded as forge's torchtitan model with a score head; a sample is its prompt and
-completion tokenized as the reward model was trained (`forge.data.completion_tokens`), and its
-score is the last token's. Samples arriving together (a group, several groups) share one forward.
+completion tokenized as the reward model was trained (`forge.data.completion_tokens`, the
+policy's text read as plain text), and its score is the last token's.
+Samples arriving together (a group, several groups) share one forward.
 """
 
 from __future__ import annotations
@@ -70,9 +71,7 @@ class RewardModel:
             self._load()
         episodes = []
         for s in samples:
-            prompt = s.messages[:-1] if s.messages else s.prompt
-            completion = s.messages[-1:] if s.messages else s.completion
-            ids, mask = completion_tokens(self.tokenizer, prompt, completion, self.end_of_turn)
+            ids, mask = rm_tokens(self.tokenizer, s, self.end_of_turn)
             episodes.append(Episode(ids, mask, [0.0] * len(ids)))
         # Completions of one prompt (a group's) read it once.
         batch = collate(episodes, pad_id=self.tokenizer.pad_token_id or 0, share_prefix=True)
@@ -89,3 +88,13 @@ class RewardModel:
         self.end_of_turn = end_of_turn(self.tokenizer)
         self.model = load_hf_model(self.cfg.path, head="score").eval().requires_grad_(False)
         self._token_scores = token_scores
+
+
+def rm_tokens(tokenizer: Any, s: RewardInput, end_of_turn: str) -> tuple[list[int], list[int]]:
+    """`s` as the reward model reads it: its prompt and completion (an episode's: its turns,
+    the last the completion) as `completion_tokens` makes them, the policy's text plain: the
+    generator decodes with special tokens skipped, so a "<|im_end|>" in it is the policy's
+    spelling, which must not end its turn (and forge one after it) here."""
+    prompt = s.messages[:-1] if s.messages else s.prompt
+    completion = s.messages[-1:] if s.messages else s.completion
+    return completion_tokens(tokenizer, prompt, completion, end_of_turn, plain=True)
