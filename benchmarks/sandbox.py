@@ -10,8 +10,8 @@ the service call, its seccomp filter and its CPU share. A trivial bash script sh
 the sandbox for a program it execs, and `fresh_trivial` the trivial program under
 `fresh_interpreter: true` (a new interpreter per run, as bare starts one). Prints a table and
 writes benchmarks/results/sandbox.json (`fraction_of_bare`: the lowest throughput ratio of the
-Python programs forked; `fraction_of_bare_exec`: the bash script's; `fraction_of_bare_fresh`:
-the fresh interpreters').
+Python programs forked; `bash_fraction_of_bare`: the bash script's at concurrency 8 and 32, where
+its goal is; `fraction_of_bare_fresh`: the fresh interpreters').
 """
 
 from __future__ import annotations
@@ -121,12 +121,13 @@ async def measure(quick: bool, repeats: int) -> dict:
             "overhead_ms_p50": round((q_sb[49] - q_bare[49]) * 1e3, 2),
             "overhead_ms_p99": round((q_sb[98] - q_bare[98]) * 1e3, 2),
         }
-    for key, kind in (
-        ("fraction_of_bare", "forked"),
-        ("fraction_of_bare_exec", "bash"),
-        ("fraction_of_bare_fresh", "fresh"),
+    for key, kind, lowest in (
+        ("fraction_of_bare", "forked", 1),
+        ("bash_fraction_of_bare", "bash", 8),  # one run at a time is latency, not throughput
+        ("fraction_of_bare_fresh", "fresh", 1),
     ):
-        out[key] = min(r["fraction_of_bare"] for k, r in out["rows"].items() if kind_of(k) == kind)
+        rows = [r for k, r in out["rows"].items() if kind_of(k) == kind and int(k.split("@")[1]) >= lowest]
+        out[key] = min(r["fraction_of_bare"] for r in rows)
     out["repeats"] = repeats
     return out
 
@@ -143,7 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['overhead_ms_p50']:>10.1f}{r['overhead_ms_p99']:>10.1f}"
         )
     print(f"sandbox throughput: at least {result['fraction_of_bare']:.2f} of bare subprocess.run for Python programs")
-    print(f"                    at least {result['fraction_of_bare_exec']:.2f} for the bash script (exec'd)")
+    print(
+        f"                    at least {result['bash_fraction_of_bare']:.2f} for the bash script (exec'd) at concurrency 8 and 32"
+    )
     print(f"                    at least {result['fraction_of_bare_fresh']:.2f} with fresh_interpreter (reported)")
     return write_result(a.out, result)
 

@@ -62,7 +62,7 @@ def test_generation_quick_writes_json(tmp_path):
         ("logprobs", ("peak_memory_ratio", "step_time_ratio")),
         ("prefix", ()),
         pytest.param("gateway", ("gateway_fraction_of_direct", "added_latency_ms_p99"), marks=pytest.mark.slow),
-        ("sandbox", ("fraction_of_bare", "fraction_of_bare_exec", "fraction_of_bare_fresh")),
+        ("sandbox", ("fraction_of_bare", "bash_fraction_of_bare", "fraction_of_bare_fresh")),
         pytest.param(
             "mismatch", ("moe_kl_without_replay", "moe_kl_with_replay", "qwen3_kl", "llama3_kl"), marks=pytest.mark.slow
         ),

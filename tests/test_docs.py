@@ -62,11 +62,11 @@ def test_the_results_page_is_made_from_the_json_files(tmp_path):
     shutil.copytree(ROOT / "benchmarks" / "results", results)
     before = hooks.performance_page(results)
     sandbox = json.loads((results / "sandbox.json").read_text())
-    sandbox["fraction_of_bare_exec"] = 0.123456
+    sandbox["bash_fraction_of_bare"] = 0.123456
     sandbox["produced"] = {"date": "2031-01-02", "machine": "a test machine"}
     (results / "sandbox.json").write_text(json.dumps(sandbox))
     after = hooks.performance_page(results)
-    assert "| `fraction_of_bare_exec` | 0.123 |" in after and "0.123 |" not in before
+    assert "| `bash_fraction_of_bare` | 0.123 |" in after and "0.123 |" not in before
     assert "| | 2031-01-02 |" in after and "| machine | a test machine |" in after
     _, goal = hooks.benchmark_text("sandbox")
     assert goal and f"**Goal**: {goal}." in after
@@ -169,7 +169,7 @@ def test_a_measured_section_opens_with_its_benchmarks_last_runs(tmp_path):
     page = type("Page", (), {"file": type("File", (), {"src_uri": "guides/x.md"})})
     text = hooks.on_page_markdown("# X\n\n## Measured: `forge bench sandbox`\n\nWhat it means.\n", page, None, None)
     data = json.loads((ROOT / "benchmarks" / "results" / "sandbox.json").read_text())
-    assert f"| `fraction_of_bare_exec` | {hooks._fmt(data['fraction_of_bare_exec'])} |" in text
+    assert f"| `bash_fraction_of_bare` | {hooks._fmt(data['bash_fraction_of_bare'])} |" in text
     assert text.index("## Measured") < text.index("| machine |") < text.index("What it means.")
     assert "[Benchmark results](../results.md#sandbox)" in text
     with pytest.raises(FileNotFoundError, match="guides/x.md: its Measured section names"):
