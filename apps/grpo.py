@@ -108,7 +108,7 @@ async def train(cfg: Config, s: Roles, resume_from: Path | None = None) -> dict[
     unregister = register(cfg.run_name, prompts)  # the REPL's handle: forge.mixture.running(run_name)
     try:
         critic = {"critic": s.critic} if s.critic is not None else {}
-        await run.start(s.trainer, s.weights, evals, critic, prompts=prompts, buffer=ActorState(buffer))
+        await run.start(s.trainer, s.weights, evals, critic, prompts=loops.prompts, buffer=ActorState(buffer))
         async with run, loops.running(run.version):
             while not run.finished:
                 try:

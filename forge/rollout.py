@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -154,6 +155,37 @@ class SingleTurn:
         return make_group(group, scores, std_normalize=self.cfg.trainer.loss.normalize_std, task=sample.task)
 
 
+class DrawnPrompts:
+    """The rollout loops' prompt stream as a checkpoint part: its position, and the samples
+    drawn whose group has not landed in the buffer yet (in flight as the checkpoint is written,
+    or the loops stopped by a Ctrl-C). A run resumed from it draws those first: no prompt is
+    skipped (one whose group lands while the checkpoint is written may be drawn again)."""
+
+    def __init__(self, prompts: Any):
+        self.prompts, self.replay = prompts, []
+        self.pending: dict[int, Any] = {}  # draw -> its sample, until its group lands or fails
+        self._draws = itertools.count()
+
+    def draw(self) -> tuple[int, Any]:
+        sample = self.replay.pop(0) if self.replay else next(self.prompts)
+        key = next(self._draws)
+        self.pending[key] = sample
+        return key, sample
+
+    def done(self, key: int) -> None:
+        """Its group landed in the buffer, or failed (a failed one is not drawn again)."""
+        self.pending.pop(key, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.prompts.state_dict(), "in_flight": [*self.pending.values(), *self.replay]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "stream" not in state:  # a checkpoint from before this part held its draws in flight
+            state = {"stream": state, "in_flight": []}
+        self.prompts.load_state_dict(state["stream"])
+        self.replay, self.pending = list(state["in_flight"]), {}
+
+
 class RolloutLoops:
     """`cfg.rollout_tasks` loops, each putting groups of `rollouts` (of the next prompts) into
     `buffer` beside training, and the batches they make. Each group is admitted by the buffer
@@ -167,7 +199,8 @@ class RolloutLoops:
     """
 
     def __init__(self, rollouts: Rollouts, prompts: Any, buffer: Any, weights: Any, cfg: Any):
-        self.rollouts, self.prompts, self.buffer, self.weights, self.cfg = rollouts, prompts, buffer, weights, cfg
+        self.rollouts, self.buffer, self.weights, self.cfg = rollouts, buffer, weights, cfg
+        self.prompts = DrawnPrompts(prompts)  # the run's checkpoint part
         self.tasks: list[asyncio.Task] = []
         self.start_id = 0  # the buffer's name for this start of the loops
         self.streak, self.last_error = 0, None  # rollouts failing in a row, and the last one's error
@@ -237,8 +270,14 @@ class RolloutLoops:
             return
         try:
             await self.weights.wait_held(ticket.weights)
-            episodes = await guarded(self.rollouts.group(next(self.prompts)))  # a SystemExit costs its group
+            draw, sample = self.prompts.draw()
+            try:
+                episodes = await guarded(self.rollouts.group(sample))  # a SystemExit costs its group
+            except Exception:
+                self.prompts.done(draw)
+                raise
         except Exception:
             await self.buffer.withdraw.call_one(ticket)
             raise
         await self.buffer.add.call_one(episodes, ticket)
+        self.prompts.done(draw)

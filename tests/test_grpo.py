@@ -100,7 +100,7 @@ def test_grpo_steps_then_resume(tmp_path):
     initial = load_file(MODEL / "model.safetensors")
     assert any(not torch.equal(trained[k], initial[k]) for k in initial)  # parameters changed
     saved = checkpoint.load_run_state(checkpoint.latest(run_dir))
-    assert saved["step"] == 3 and saved["version"] == 3 and saved["prompts"]["index"] > 0
+    assert saved["step"] == 3 and saved["version"] == 3 and saved["prompts"]["stream"]["index"] > 0
     assert (run_dir / "reward.png").stat().st_size > 0 and (run_dir / "config.yaml").exists()
 
     run(None, ["steps=5"], resume=str(run_dir))  # continues at step 4 with the saved state
@@ -109,7 +109,7 @@ def test_grpo_steps_then_resume(tmp_path):
     assert [r["step"] for r in eval_rows(run_dir)] == [0, 2, 3, 4, 5]
     resumed = checkpoint.load_run_state(checkpoint.latest(run_dir))
     assert resumed["step"] == 5 and resumed["version"] == 5
-    assert resumed["prompts"]["index"] > saved["prompts"]["index"]
+    assert resumed["prompts"]["stream"]["index"] > saved["prompts"]["stream"]["index"]
 
 
 @pytest.mark.parametrize(

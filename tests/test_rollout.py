@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from forge.buffer import ReplayBuffer
+from forge.data import IndexedPrompts
 from forge.rollout import RolloutLoops, SingleTurn, make_group
+from forge.tasks import Sample
 from forge.types import Completion, Episode, Score
 from forge.weight_sync import WeightSync
 
@@ -260,3 +262,55 @@ def test_a_group_whose_advantages_are_not_finite_fails():
     with pytest.raises(ValueError, match="the group's advantages are not finite"):
         make_group([c] * 4, [Score(-3e38), Score(3e38), Score(3e38), Score(1.0)], std_normalize=False)
     assert [e.advantage for e in make_group([c] * 2, [Score(1.0), Score(0.0)])] == pytest.approx([1, -1], abs=1e-5)
+
+
+class NumberedPrompts(IndexedPrompts):
+    def sample(self, i):
+        return Sample(prompt=str(i), answer="", task="t")
+
+
+class SlowGroups:
+    version = 0
+
+    async def group(self, sample):
+        await asyncio.sleep(0.05)  # generation, where a group spends its time
+        return [
+            Episode([1, 2], [0, 1], [0.0, 0.0], score=Score(r), policy_version=self.version, task=sample.prompt)
+            for r in (0.0, 1.0)
+        ]
+
+
+class HeldWeights:
+    async def wait_held(self, version):
+        return None
+
+
+def test_a_resumed_run_draws_first_the_prompts_in_flight_when_it_stopped():
+    """The checkpoint's data position counts every prompt drawn, its buffer only the groups that
+    landed: the groups in flight (one per loop) were in neither, and a resumed run never trained
+    them. The prompts part holds them, and a resumed run draws them first."""
+
+    async def main():
+        cfg = SimpleNamespace(groups_per_step=2, rollout_tasks=4, max_rollout_failures=5, sample_timeout_s=10)
+        buffer = await ReplayBuffer.options().as_actor(capacity=4, max_staleness=1)
+        seen, rollouts = [], SlowGroups()
+        try:
+            loops = RolloutLoops(rollouts, NumberedPrompts(), buffer, HeldWeights(), cfg)
+            loops.prompts.prompts.reset()
+            async with loops.running(0):
+                for v in range(3):
+                    seen += [e.task for e in await loops.batch(v)][::2]
+                    await buffer.notify_version.call_one(v + 1)
+                    rollouts.version = v + 1
+                await asyncio.sleep(0.02)  # groups under way
+            saved = loops.prompts.state_dict()  # as Run.save, after a Ctrl-C stopped the loops
+            seen += [g[0].task for g in (await buffer.state_dict.call_one())["groups"]]
+        finally:
+            await buffer.shutdown()
+        resumed = RolloutLoops(rollouts, NumberedPrompts(), None, None, cfg).prompts
+        resumed.load_state_dict(saved)
+        seen += [resumed.draw()[1].prompt for _ in saved["in_flight"]]
+        assert saved["in_flight"] and sorted(map(int, seen)) == list(range(saved["stream"]["index"]))
+        assert resumed.draw()[1].prompt == str(saved["stream"]["index"])  # then the stream goes on
+
+    asyncio.run(main())
