@@ -92,13 +92,17 @@ async def inf_agent(client, task):
 async def stubborn_agent(client, task):
     """One episode of four swallows its cancellation (a retry loop's bare `except BaseException`)."""
     if second_of_four():
-        deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline:
-            try:
-                await asyncio.sleep(0.05)
-            except asyncio.CancelledError:
-                pass
+        await ignoring_cancellation(1.5)
     return 1.0
+
+
+async def ignoring_cancellation(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            pass
 
 
 async def exiting_agent(client, task):
@@ -116,12 +120,7 @@ async def misbehaving_reward(s):
     """Async: ignores its cancellation past any timeout on 'stubborn', exits on 'exit', raises
     a BaseException on 'base'."""
     if s.completion == "stubborn":
-        deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline:
-            try:
-                await asyncio.sleep(0.05)
-            except asyncio.CancelledError:
-                pass
+        await ignoring_cancellation(1.5)
     if s.completion == "exit":
         raise SystemExit(3)
     if s.completion == "base":
