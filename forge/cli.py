@@ -47,7 +47,8 @@ def run(config: str | None, overrides: list[str], app: str | None = None, resume
             require_file("resume", Path(resume) / "config.yaml")
             config = config or str(Path(resume) / "config.yaml")
             # It goes on in its own directory, wherever this runs from (its config's runs_dir may be relative).
-            here = [f"runs_dir={Path(resume).resolve().parent}", f"run_name={Path(resume).name}"]
+            found = Path(resume).resolve()  # `.` or a link: the directory itself
+            here = [f"runs_dir={found.parent}", f"run_name={found.name}"]
             overrides = [*here, *overrides, f"resume={resume}"]
         app, cfg = app_config(config, overrides, app)
     except ConfigError as e:

@@ -126,6 +126,7 @@ class Run:
         here; a restored trainer replica loaded it itself and published it as a version past the
         dead one's). Returns what the checkpoint held."""
         saved = checkpoint.load_run_state(ckpt)
+        self._training = None  # a step begun before the rewind is not this checkpoint's to count
         if trainer_restored:
             await self.evals.cancel()  # its step's rows are about to be dropped
         else:

@@ -18,6 +18,7 @@ import math
 import statistics
 from typing import Any
 
+from forge.config import ConfigError
 from forge.data import IndexedPrompts, prompt_source
 from forge.mixture import source_stream, tagged
 from forge.schema import MixSource
@@ -54,7 +55,13 @@ def first(stream: IndexedPrompts, prompts: int) -> list[Sample]:
         count = prompts or 64
     else:
         count = stream.size if prompts == 0 else min(prompts, stream.size)
-    return [stream.sample(i) for i in range(count)]
+    samples = []
+    for i in range(count):
+        try:
+            samples.append(stream.sample(i))
+        except ConfigError as e:  # a bad row (a null prompt column) costs only itself
+            log.warning("forge: eval: %s; the eval goes on without it", e)
+    return samples
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

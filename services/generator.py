@@ -483,11 +483,19 @@ class Generator(ForgeActor):
         ]
 
     def _text(self, c: Any, params: Any) -> str:
-        """A sample's text. A stop string that ends inside a token: vLLM cuts the text there but keeps
-        the whole token (what the trainer trains), so the text, which a reward grades, is the tokens'."""
-        if not isinstance(c.stop_reason, str):
+        """A sample's text: vLLM's, and where a stop string ended inside a token, the rest of that
+        token (vLLM cuts the text at the stop string but keeps the whole token, which the trainer
+        trains and the reward must then see)."""
+        stop = c.stop_reason
+        if not isinstance(stop, str) or not stop:
             return c.text
-        return self.engine.get_tokenizer().decode(c.token_ids, skip_special_tokens=params.skip_special_tokens)
+        # The tokens' own decode only for what follows the stop string: vLLM's text keeps what
+        # decoding alone would change (a first token's leading space, clean-up of spaces).
+        tokens = self.engine.get_tokenizer().decode(
+            c.token_ids, skip_special_tokens=params.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+        at = tokens.rfind(stop)
+        return c.text + tokens[at + len(stop) :] if at >= 0 and c.text.endswith(stop) else c.text
 
     @concurrent_endpoint
     async def stream(

@@ -381,7 +381,7 @@ class RewardsConfig:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)  # the `reward_model` reward's
     replicas: int = 1  # of the reward service (each loads the reward model, if one is used)
     # Room for the judge's retries (judge.timeout_s x (retries + 1)) and a reward model's first load.
-    timeout_s: float = 300.0  # one reward on one sample: past it, that sample's reward fails (scored 0)
+    timeout_s: float = 300.0  # one reward on one sample: past it, that sample's reward is unavailable
 
     def validate(self) -> None:
         """Every name is a built-in or an importable function (imported here, before anything

@@ -6,10 +6,13 @@ import shutil
 import signal
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import tokenizers
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import PreTrainedTokenizerFast
 
 from services.generator import Generator
 from services.schema import GeneratorConfig
@@ -122,6 +125,26 @@ def test_a_stop_string_ending_inside_a_token_keeps_the_whole_token_in_the_text(l
     assert cut.finish_reason == "stop" and cut.token_ids == ids and len(cut.logprobs) == len(ids)
     # The whole last token's text, past the stop string's end.
     assert cut.text == decode(ids) and len(cut.text) > cut.text.index(stop) + len(stop)
+
+
+def test_a_stop_string_samples_text_is_vllms_up_to_the_stop_string():
+    """Only what follows the stop string comes from the tokens' own decode: a SentencePiece-like
+    tokenizer decoding the completion alone drops its first space, and its clean-up joins " ,"."""
+    vocab = {"<unk>": 0, "\u2581Q:": 1, "\u2581The": 2, "\u2581is": 3, "\u25815": 4, "\u2581,": 5, "\u2581STOP": 6}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(prepend_scheme="first")
+    model.decoder = tokenizers.decoders.Metaspace(prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", clean_up_tokenization_spaces=True)
+    ids = tok(" The is 5 , STOP", add_special_tokens=False)["input_ids"]
+    stream = tokenizers.decoders.DecodeStream(ids=tok("Q:")["input_ids"], skip_special_tokens=True)
+    vllms = "".join(stream.step(model, i) or "" for i in ids)  # vLLM's detokenizer: the prompt before it
+    gen = SimpleNamespace(engine=SimpleNamespace(get_tokenizer=lambda: tok))
+    for stop in ("STOP", "ST"):  # at a token's end, inside one
+        text = vllms[: vllms.index(stop) + len(stop)]
+        got = Generator._text(
+            gen, SimpleNamespace(text=text, token_ids=ids, stop_reason=stop), SimpleNamespace(skip_special_tokens=True)
+        )
+        assert got == vllms == " The is 5 , STOP"
 
 
 def test_each_engine_draws_its_own_seed(tiny_model_dir):

@@ -354,3 +354,48 @@ def test_a_metrics_file_cut_mid_row_resumes(tmp_path):
     cfg.steps = 7
     run, *_ = asyncio.run(train(cfg, resume_from=checkpoint.latest(cfg.run_dir)))
     assert run.step == 7 and [r["step"] for r in read_rows(cfg.run_dir)] == list(range(1, 8))
+
+
+@pytest.mark.parametrize("spelling", [".", "a link"])
+def test_resuming_goes_on_in_the_directory_however_it_is_named(tmp_path, monkeypatch, spelling):
+    run_dir = tmp_path / "work" / "runs" / "sft_tiny"
+    asyncio.run(train(Config(run_dir)))
+    (run_dir / "config.yaml").write_text((ROOT / "configs" / "sft_tiny.yaml").read_text())
+    if spelling == ".":
+        monkeypatch.chdir(run_dir)
+    else:
+        (tmp_path / "latest").symlink_to(run_dir)
+        monkeypatch.chdir(tmp_path)
+    seen = []
+    monkeypatch.setattr(importlib.import_module("apps.sft"), "main", lambda cfg: seen.append(cfg))
+    cli.run(None, [], resume="." if spelling == "." else "latest")
+    assert seen[0].run_dir.resolve() == run_dir.resolve()
+
+
+async def restored_after_its_step(cfg, trainer):
+    """A trainer that dies after a step trained (in the weights' push), restored from step 2's
+    checkpoint; a Ctrl-C while the rewound run waits for its next batch."""
+    run, data, restored = Run("test", cfg, None), Counter(), False
+    await run.start(trainer, FakeWeights(trainer), FakeEvals(), data=data)
+    async with run:
+        while run.step < cfg.steps:
+            if restored:
+                trainer.version = trainer.steps_taken = 2  # the new replica, from the checkpoint
+                await run.rewind(checkpoint.latest(cfg.run_dir), trainer_restored=True)
+                asyncio.get_running_loop().call_soon(asyncio.current_task().cancel)
+                await asyncio.sleep(1)
+            data.n += 10
+            await run.training(trainer.train_step.route("batch"))
+            if run.step == 2:
+                restored = True
+                continue
+            await run.end_step(trainer.version)
+    return run
+
+
+def test_ctrl_c_after_a_rewind_counts_no_step_from_before_it(tmp_path):
+    cfg = Config(tmp_path / "run", steps=6, checkpoint_every=2)
+    asyncio.run(restored_after_its_step(cfg, ActorTrainer()))
+    last = checkpoint.latest(cfg.run_dir)
+    saved, held = checkpoint.load_run_state(last), json.load(open(last / "trainer" / "state.json"))
+    assert saved["step"] == held["steps_taken"] == 2

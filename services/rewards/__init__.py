@@ -18,10 +18,10 @@ rest; a `correct` key is the sample's correctness); it may be sync (run in a thr
 and may declare its values with `@forge.types.reward_range(low, high)`. `REWARDS` names the
 built-ins (services/rewards/builtin.py, judge.py, code_tests.py, reward_model.py, gym.py; a config is checked against
 their names, `services.schema.REWARD_NAMES`); any other name is a "package.module:function".
-A reward that raises (any exception, SystemExit too), runs past `rewards.timeout_s` (then it is
-abandoned), or returns a value that is not finite (as a float32) or outside its declared range,
-scores 0 for that sample and marks its Score failed: it never ends the run. One that raises
-`RewardUnavailable` (its infrastructure failed) also marks the Score `unavailable`.
+A reward that raises (any exception, SystemExit too), or returns a value that is not finite (as
+a float32) or outside its declared range, scores 0 for that sample and marks its Score failed:
+it never ends the run. One that raises `RewardUnavailable` (its infrastructure failed), or runs
+past `rewards.timeout_s` (then it is abandoned), also marks the Score `unavailable`.
 """
 
 from __future__ import annotations
@@ -89,12 +89,13 @@ class Rewards(ForgeActor):
         """One reward's Score, checked finite and within the range its function declares."""
         fn = self.fns[name]
         late = f"no value within {self.timeout_s} s (config key 'rewards.timeout_s')"
-        # Its own task, abandoned at the timeout even if it ignores its cancellation.
-        out = (
-            fn(s)
-            if getattr(fn, "inline", False)
-            else await within(call(fn, s, threads=self.threads), self.timeout_s, late)
-        )
+        if getattr(fn, "inline", False):
+            out = fn(s)
+        else:
+            try:  # its own task, abandoned at the timeout even if it ignores its cancellation
+                out = await within(call(fn, s, threads=self.threads), self.timeout_s, late)
+            except TimeoutError as e:  # unknown, not wrong (a slow judge, a reward model loading)
+                raise RewardUnavailable(name, str(e)) from None
         one = Score.coerce(out, f"returned {out!r}", loose=True)
         check_reward(one.reward, "its reward", getattr(fn, "reward_range", None))
         return one
