@@ -248,8 +248,8 @@ def test_reasoning_gym_reward_needs_a_reasoning_gym_source(tmp_path):
 
 def test_a_hung_or_exiting_reward_costs_its_sample():
     """A reward that hangs past `rewards.timeout_s` (async, even ignoring its cancellation, or in
-    its thread) or raises a BaseException (SystemExit, a library's own) fails its sample only,
-    scored 0 and marked: the score call of the others is neither held up nor ended."""
+    its thread: then unavailable) or raises a BaseException (SystemExit, a library's own: scored 0)
+    fails its sample only: the score call of the others is neither held up nor ended."""
     with pytest.raises(ConfigError, match="config key 'rewards.timeout_s' must be > 0, got 0"):
         weights({"exact": 1.0}, timeout_s=0)
     cfg = weights({"agentic_actors:misbehaving_reward": 1.0, "agentic_actors:blocking_reward": 1.0}, timeout_s=0.3)
@@ -269,8 +269,9 @@ def test_a_hung_or_exiting_reward_costs_its_sample():
     (ok, stubborn, sleep, exits, base), took = asyncio.run(main())
     assert took < 1.2  # the hung ones run 1.5 s
     assert ok.reward == 2.0 and not ok.failed
-    late = "TimeoutError: no value within 0.3 s (config key 'rewards.timeout_s')"
+    late = "RewardUnavailable: no value within 0.3 s (config key 'rewards.timeout_s')"
     assert stubborn.reward == 1.0 and stubborn.error == f"agentic_actors:misbehaving_reward: {late}"
+    assert stubborn.unavailable == "agentic_actors:misbehaving_reward"  # unknown, not wrong
     assert sleep.reward == 1.0 and sleep.error == f"agentic_actors:blocking_reward: {late}"
     assert exits.reward == 0.0 and exits.error.count("Raised: SystemExit: 3") == 2
     assert base.reward == 1.0 and "Raised: Interrupted: a BaseException from the reward" in base.error
