@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +52,23 @@ def main(cfg: Any, config: str, model: str, out: str | None = None) -> dict[str,
         path = model_dir(model)
     except FileNotFoundError as e:
         fail(str(e))
+    target = Path(out) if out else path / "eval.json"
+    try:  # before the eval, not after it: a result with nowhere to go is lost
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"--out {target}: cannot make its directory ({e})")
+    if not os.access(target if target.exists() else target.parent, os.W_OK):
+        fail(f"--out {target}: not writable (name another file with --out)")
     logs.capture(Path("runs") / "eval" / "logs")
     result = asyncio.run(evaluate_model(cfg, str(path)))
     print(f"{'metric':<24}{'value':>10}")
     for key, value in result.items():
         print(f"{key:<24}{value:>10.4g}")
-    target = Path(out) if out else path / "eval.json"
-    target.write_text(json.dumps({"model": str(path), "config": config, **result}, indent=2) + "\n")
+    text = json.dumps({"model": str(path), "config": config, **result}, indent=2) + "\n"
+    try:
+        target.write_text(text)
+    except OSError as e:
+        print(text, end="")  # the result, not lost
+        fail(f"--out {target}: {e}; the result is above")
     print(f"forge eval: {len(result)} metrics of {path} -> {target}")
     return result

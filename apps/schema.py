@@ -103,7 +103,7 @@ class GRPOConfig(RunConfig):
         if self.max_staleness < 0:
             raise ConfigError(f"config key 'max_staleness' must be >= 0, got {self.max_staleness}")
         for key in ("max_rollout_failures", "sample_timeout_s", "rollout_tasks"):
-            if getattr(self, key) <= 0:
+            if not getattr(self, key) > 0:  # NaN too
                 raise ConfigError(f"config key '{key}' must be > 0, got {getattr(self, key)}")
         shards = self.trainer_procs * self.trainer.grad_accum
         if self.batch_size % shards:

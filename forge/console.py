@@ -18,7 +18,7 @@ _seen: set[tuple[str, str]] = set()
 
 def _shape(message: str) -> str:
     """What failures of one kind share: the message without its quoted values and numbers."""
-    return re.sub(r"'[^']*'|\"[^\"]*\"|\d+(\.\d+)?", "_", message)[:120]
+    return re.sub(r"'[^']*(?:'|$)|\"[^\"]*(?:\"|$)|\d+(\.\d+)?", "_", message)[:120]  # a literal cut short too
 
 
 def report(what: str, message: str) -> bool:

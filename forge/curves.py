@@ -142,7 +142,8 @@ def summary(s: Series, key: str = "reward_mean", window: int = WINDOW) -> dict[s
     `key` over its last values (LAST steps, or the later half of a key logged now and then, as
     evals are) and the median seconds per step."""
     steps, ys = _points(s, "step", key)
-    unit = "step" if len(ys) == len(s["step"]) else "eval"
+    # per step when logged at (nearly) every step: an eval's rows (one per eval, at step 0 too) lack it
+    unit = "step" if len(set(steps)) >= len(set(s["step"]) - {0}) - 1 else "eval"
     wall = dict(zip(s["step"], s["wall_s"]))
     means = _moving_mean(ys, window)
     row: dict[str, Any] = {"steps": int(s["step"][-1]), f"first 3 {unit}s": statistics.fmean(ys[:3])}

@@ -32,10 +32,9 @@ from typing import Any
 
 from monarch.actor import Actor, endpoint, returns_future
 
-from forge.schema import DEFAULT_BACKENDS
+from forge.schema import BACKENDS, DEFAULT_BACKENDS
 
 log = logging.getLogger("forge")
-BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 
 
 class Reduce(str, Enum):

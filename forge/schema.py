@@ -20,6 +20,7 @@ from forge import checkpoint, tasks
 from forge.config import ConfigError
 
 DEFAULT_BACKENDS = ("console", "jsonl", "tensorboard")
+BACKENDS = (*DEFAULT_BACKENDS, "wandb")  # what `metrics` may name
 
 
 @dataclass
@@ -48,6 +49,9 @@ class RunConfig:
         for key, low in (("steps", 1), ("checkpoint_every", 0)):
             if getattr(self, key) < low:
                 raise ConfigError(f"config key '{key}' must be >= {low}, got {getattr(self, key)}")
+        unknown = sorted(set(self.metrics) - set(BACKENDS))
+        if unknown:  # here, not when the writer opens: that is after every service has started
+            raise ConfigError(f"config key 'metrics': unknown backend(s) {unknown}; known: {', '.join(BACKENDS)}")
 
     def resume_point(self) -> Path | None:
         """The checkpoint `resume` names (its newest complete one), or None: a new run."""

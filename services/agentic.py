@@ -136,5 +136,7 @@ class AgenticRollouts:
 
 
 def _preview(task: dict[str, Any]) -> str:
-    text = repr(task.get("prompt", task))
-    return text if len(text) <= 60 else text[:57] + "..."
+    """The task's prompt, cut to ~60 characters, still one quoted literal (the console groups
+    failures by their message without its quoted values)."""
+    text = str(task.get("prompt", task))
+    return repr(text if len(text) <= 57 else text[:54] + "...")

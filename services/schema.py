@@ -201,6 +201,8 @@ class TrainerConfig:
 
     def validate(self) -> None:
         self.lora.validate()
+        if not self.lr >= 0:  # NaN too: torch refuses it only once the trainer has started
+            raise ConfigError(f"config key 'trainer.lr' must be >= 0, got {self.lr}")
         if self.publish_dtype not in PUBLISH_DTYPES:
             raise ConfigError(
                 f"config key 'trainer.publish_dtype': {self.publish_dtype!r} is not one of "
@@ -539,7 +541,7 @@ class EvalConfig:
         for key, low in (("every", 0), ("prompts", 0), ("n", 1), ("max_concurrent", 1)):
             if getattr(self, key) < low:
                 raise ConfigError(f"config key 'eval.{key}' must be >= {low}, got {getattr(self, key)}")
-        if self.temperature < 0 or self.max_hold_s <= 0:
+        if not (self.temperature >= 0 and self.max_hold_s > 0):  # NaN too
             raise ConfigError(
                 f"config keys 'eval.temperature' (>= 0) and 'eval.max_hold_s' (> 0): got "
                 f"{self.temperature}, {self.max_hold_s}"

@@ -134,6 +134,22 @@ def test_the_trainer_section_raises_config_errors_like_every_other():
         TrainerConfig(publish_dtype="int8").validate()
 
 
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.lr=-1", "trainer.lr"),
+        ("trainer.lr=nan", "trainer.lr"),
+        ("eval.max_hold_s=nan", "eval.max_hold_s"),
+        ("sample_timeout_s=nan", "sample_timeout_s"),
+    ],
+)
+def test_a_negative_or_nan_setting_is_refused_before_anything_starts(override, key):
+    from apps.schema import APPS
+
+    with pytest.raises(ConfigError, match=key):
+        load_config("configs/grpo_tiny.yaml", [override], APPS["grpo"])
+
+
 HEAVY = ("torch", "vllm", "monarch", "torchstore", "torchdata", "transformers", "openai", "numpy")
 NO_HEAVY_IMPORTS = """
 import sys

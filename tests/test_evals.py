@@ -1,10 +1,12 @@
 """Held-out evaluation: the pass@k estimator, the metrics of scored groups, the config, and
 `forge eval` on a model directory. Eval during GRPO training is tested in test_grpo.py."""
 
+import importlib
 import itertools
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +121,26 @@ def test_a_null_eval_row_costs_only_itself(tmp_path, caplog):
     samples = held_out(EvalConfig(every=1, dataset=DatasetConfig(path=str(path)), prompts=0), "reverse")
     assert sorted(s.prompt for s in samples) == sorted(f"q{i}" for i in range(20) if i != 7)
     assert "row 7 of" in caplog.text and "the eval goes on without it" in caplog.text
+
+
+def test_forge_eval_checks_where_its_result_goes_before_it_evaluates(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """An --out whose directory cannot be made fails at once (not after the whole eval); one
+    that is new is made; a result that cannot be written is printed, not lost."""
+    evaluate = importlib.import_module("apps.evaluate")
+    ran = []
+
+    async def fake(cfg, model):
+        ran.append(model)
+        return {"eval/accuracy": 0.5}
+
+    monkeypatch.setattr(evaluate, "evaluate_model", fake)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        evaluate.main(None, "c.yaml", str(tiny_model_dir), str(tmp_path / "file" / "out.json"))
+    assert not ran and "--out" in capsys.readouterr().err
+    evaluate.main(None, "c.yaml", str(tiny_model_dir), str(tmp_path / "new" / "out.json"))
+    assert json.loads((tmp_path / "new" / "out.json").read_text())["eval/accuracy"] == 0.5
+    monkeypatch.setattr(Path, "write_text", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(SystemExit):
+        evaluate.main(None, "c.yaml", str(tiny_model_dir), str(tmp_path / "new" / "full.json"))
+    assert '"eval/accuracy": 0.5' in capsys.readouterr().out

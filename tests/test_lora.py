@@ -364,7 +364,7 @@ def test_forge_eval_of_an_adapter_is_the_merged_model_s(tiny_model_dir, tmp_path
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tiny_model_dir / f).exists():
             (tmp_path / "merged" / f).write_bytes((tiny_model_dir / f).read_bytes())
-    over = ["eval.prompts=16", "rewards.weights={task: 1.0}", "generator.max_model_len=128"]
+    over = ["eval.prompts=16", "rewards.weights.exact=0", "rewards.weights.task=1", "generator.max_model_len=128"]
     cfg = load_config("configs/grpo_tiny.yaml", over, Config)
     got = {m: asyncio.run(evaluate_model(cfg, str(tmp_path / m))) for m in ("adapter", "merged")}
     base = asyncio.run(evaluate_model(cfg, str(tiny_model_dir)))

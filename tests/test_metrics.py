@@ -3,6 +3,9 @@ import time
 
 import pytest
 
+from apps.schema import APPS
+from forge import curves
+from forge.config import ConfigError, load_config
 from forge.metrics import MetricWriter
 
 
@@ -25,6 +28,24 @@ def test_jsonl_tensorboard_console(tmp_path, capsys):
 def test_unknown_backend_is_named(tmp_path):
     with pytest.raises(ValueError, match="unknown metrics backend.*'wandbx'"):
         MetricWriter(tmp_path, ["wandbx"])
+    # with the config, before any service starts
+    with pytest.raises(ConfigError, match=r"config key 'metrics': unknown backend\(s\) \['wandbx'\]"):
+        load_config("configs/sft_tiny.yaml", ["metrics=[jsonl,wandbx]"], APPS["sft"])
+
+
+def test_a_key_logged_every_step_is_tabled_per_step_beside_eval_rows(tmp_path):
+    """Each eval is a row of its own (without reward_mean): reward_mean is still per step."""
+    rows, wall = [], 0.0
+    for step in range(1, 61):
+        wall += 0.5
+        rows.append({"step": step, "wall_s": wall, "reward_mean": 0.5})
+        if step % 10 == 0:
+            rows.append({"step": step, "wall_s": wall + 0.01, "eval/accuracy": 0.7})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert {"first 3 steps", "20-step mean >= 0.8", "last 25 steps"} <= set(
+        curves.summary(curves.series(tmp_path), "reward_mean", 20)
+    )
+    assert "last 3 evals" in curves.summary(curves.series(tmp_path), "eval/accuracy", 2)
 
 
 def test_record_metric_reduces_across_three_processes(tmp_path):
