@@ -95,7 +95,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
 def adapter_rank(path: str | Path) -> int:
     """The largest rank of the PEFT adapter directory `path` (`r`, or a rank_pattern's): vLLM's slots must hold it."""
     peft = read_config(path)
-    return max(peft["r"], *(peft.get("rank_pattern") or {}).values())
+    return max([peft["r"], *(peft.get("rank_pattern") or {}).values()])
 
 
 def _check_servable(peft: dict[str, Any], file: Path) -> None:

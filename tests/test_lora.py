@@ -274,6 +274,9 @@ def test_a_bad_adapter_config_is_named(tiny_model_dir, tmp_path):
             engine_args(gen_cfg, str(tiny_model_dir))
     config.write_text(json.dumps({"r": 8, "rank_pattern": {"q_proj": 32}}))
     assert engine_args(gen_cfg, str(tiny_model_dir)).max_lora_rank == 32
+    for pattern in ({}, None):  # PEFT writes {} (a plain adapter)
+        config.write_text(json.dumps({"r": 16, "rank_pattern": pattern}))
+        assert engine_args(gen_cfg, str(tiny_model_dir)).max_lora_rank == 16
 
 
 def test_runs_sharing_a_generator_sample_with_their_own_adapters(tiny_model_dir, tmp_path):
