@@ -140,12 +140,12 @@ class SpawnOptions:
         by the constructor or by setup reaches the caller as itself, and the procs are stopped."""
         self.actor.check_args(*args, **kwargs)
         procs = spawn_procs(self.procs, self.hosts, self.env, title=f"forge:{self.actor.__name__.lower()}")
-        if self.actor.distributed:
-            from monarch.spmd import setup_torch_elastic_env_async
+        try:  # from here on a failure (an argument that cannot be pickled, a cancellation) stops the procs
+            if self.actor.distributed:
+                from monarch.spmd import setup_torch_elastic_env_async
 
-            await setup_torch_elastic_env_async(procs)
-        mesh = procs.spawn(self.actor.__name__.lower(), self.actor, *args, **kwargs)
-        try:
+                await setup_torch_elastic_env_async(procs)
+            mesh = procs.spawn(self.actor.__name__.lower(), self.actor, *args, **kwargs)
             await procs.initialized
             await mesh.setup.call()
         except ActorError as e:

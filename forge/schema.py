@@ -510,6 +510,13 @@ class JobConfig:
             raise ConfigError("config key 'job.mesh_args': only a kubernetes job takes per-mesh arguments")
         else:
             _bind("args", cls, {"meshes": dict(self.meshes), **self.args})
+        # A mesh no role is placed on is allocated (nodes, pods) and idles: unplaced roles run on this host.
+        unused = [mesh for mesh in self.meshes if mesh not in self.placement.values()]
+        if unused:
+            raise ConfigError(
+                f"config key 'job.placement': no role is placed on job.meshes {', '.join(unused)} "
+                "(roles it does not name run on this host); place a role on each mesh or drop it"
+            )
 
 
 def _bind(key: str, fn: Any, kwargs: dict[str, Any]) -> None:

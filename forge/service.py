@@ -8,13 +8,15 @@
 Every call returns a Monarch Future: `await` it, or `.get()` it from a REPL. An exception
 raised by an endpoint reaches the caller as itself. A replica whose process dies is taken
 out of rotation and respawned with the same constructor arguments, then told
-`on_respawn(restore_point)`; a respawn that fails is tried again, backing off. For most roles
-the calls that were on it are retried once on a healthy replica (the only replica's calls wait
-for its replacement, up to `respawn_wait_s`; so do new calls meanwhile). A `stateful` role's calls are not retried: its new replica restores the
+`on_respawn(restore_point)`; a respawn that fails is tried again, backing off, up to
+RESPAWN_ATTEMPTS times (then the replica is lost, and a call that finds no other names the
+respawn's error). For most roles the calls that were on it are retried once on a healthy replica
+(the only replica's calls wait for its replacement, up to `respawn_wait_s`; so do new calls
+meanwhile). A `stateful` role's calls are not retried: its new replica restores the
 state saved at the service's restore point (`svc.set_restore_point(p)`, e.g. after each
-checkpoint) and the callers get `ReplicaRestored(p)` to rewind their own state to the same
-point; with no restore point, or after `max_restores`, they get a ServiceError that names
-the dead role and the point to resume from.
+checkpoint) and the callers, those that were on it and those made while it restores, get
+`ReplicaRestored(p)` to rewind their own state to the same point; with no restore point, or
+after `max_restores`, they get a ServiceError that names the dead role and the point to resume from.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ from forge.metrics import Reduce, record_metric
 
 log = logging.getLogger("forge")
 ROUTERS = ("least_loaded", "round_robin")
+RESPAWN_ATTEMPTS = 10  # a non-stateful replica's, backing off 1 s to 60 s: about 4 min, then it is lost
+
+
+def last_line(error: BaseException | str) -> str:
+    """The last line of an error's text: Monarch's (a traceback of the actor) says how it died."""
+    text = str(error).strip()
+    return text.splitlines()[-1].strip() if text else ""
 
 
 class ServiceError(RuntimeError):
@@ -65,7 +74,9 @@ class Replica:
     inflight: int = 0
     healthy: bool = True
     respawns: int = 0
-    respawned: asyncio.Future | None = None  # set while a respawn is under way
+    # Set while a respawn is under way; done: it gave up (cancelled: its loop stopped, see `_revive`).
+    respawned: asyncio.Future | None = None
+    error: str | None = None  # why its last respawn failed
 
 
 class Service:
@@ -105,10 +116,10 @@ class Service:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
 
-    def _pick(self, exclude: Replica | None = None) -> Replica:
+    def _pick(self, exclude: Replica | None = None, name: str = "") -> Replica:
         choices = [r for r in self.healthy() if r is not exclude] or self.healthy()
         if not choices:
-            raise ServiceError(self._lost or f"{self.options.actor.__name__}: no healthy replica")
+            raise ServiceError(self._lost or self._unavailable(name))
         turn = next(self._rr)
         if self.options.router == "round_robin":
             return choices[turn % len(choices)]
@@ -116,16 +127,26 @@ class Service:
         idle = [r for r in choices if r.inflight == least]
         return idle[turn % len(idle)]  # ties rotate, so equal load spreads evenly
 
-    async def _ready(self, exclude: Replica | None = None) -> Replica:
+    def _unavailable(self, name: str) -> str:
+        """Why no replica serves endpoint `name`: with the error of each failed respawn."""
+        why = [f"replica {r.index} could not be respawned ({r.error})" for r in self.replicas if r.error]
+        role = f"{self.options.actor.__name__}.{name}" if name else self.options.actor.__name__
+        return "; ".join([f"{role}: no healthy replica", *why])
+
+    async def _ready(self, exclude: Replica | None = None, name: str = "") -> Replica:
         """A healthy replica (see `_pick`); while none is but some are respawning, wait for
-        one, up to `respawn_wait_s`."""
+        one, up to `respawn_wait_s`. A stateful role's caller is told of the restore instead:
+        its state went with the dead replica, as the state of the calls that were on it did."""
+        restoring = [r for r in self.replicas if r.respawned is not None and not r.respawned.done()]
+        if self.options.actor.stateful and restoring and not self.healthy():
+            await self._restore(restoring[0], "seen by an earlier call")
         deadline = time.monotonic() + self.options.respawn_wait_s
         while not self.healthy() and not self._lost and not self._closed:
             pending = [r.respawned for r in self.replicas if r.respawned is not None and not r.respawned.done()]
             if not pending or time.monotonic() >= deadline:
                 break
             await asyncio.wait(pending, timeout=deadline - time.monotonic())
-        return self._pick(exclude)
+        return self._pick(exclude, name)
 
     async def _invoke(self, r: Replica, name: str, args: tuple, kwargs: dict, all_ranks: bool) -> Any:
         r.inflight += 1
@@ -153,14 +174,15 @@ class Service:
         all_ranks: bool = False,
         pin: Session | None = None,
     ) -> Any:
-        r = replica if replica is not None and replica.healthy else await self._ready()
+        await self._revive()
+        r = replica if replica is not None and replica.healthy else await self._ready(name=name)
         try:
             return await self._invoke(r, name, args, kwargs, all_ranks)
         except SupervisionError as first:
             if self.options.actor.stateful:
                 await self._restore(r, first)
-            respawn = self._replica_died(r)
-            retry = await self._ready(exclude=r)  # the only replica: its replacement
+            self._replica_died(r)  # the respawn runs on; this call does not wait for it
+            retry = await self._ready(exclude=r, name=name)  # the only replica: its replacement
             if pin is not None:
                 pin.replica = retry  # the session's later calls go where this one went
             try:
@@ -171,24 +193,19 @@ class Service:
                     f"{self.options.actor.__name__}.{name}: replicas {r.index} and {retry.index} died "
                     f"during the call ({first}; {second})"
                 ) from None
-            finally:
-                # A REPL's .get() cancels tasks left on its loop, so the call that saw the
-                # death also sees the respawn through (a failed one is its own business:
-                # it is tried again, and this call's result stands).
-                if respawn is not None:
-                    await asyncio.wait([respawn], timeout=self.options.respawn_wait_s)
 
     async def _fanout(self, name: str, args: tuple, kwargs: dict) -> list[Any]:
+        await self._revive()  # first: a replica it brings back is one of those called
         return list(await asyncio.gather(*(self._call(name, args, kwargs, replica=r) for r in self.healthy())))
 
     # ---- supervision ---------------------------------------------------------------
 
-    async def _restore(self, r: Replica, cause: BaseException) -> NoReturn:
+    async def _restore(self, r: Replica, cause: BaseException | str) -> NoReturn:
         """A stateful replica died: restore a new one from the restore point, then tell the
         caller (ReplicaRestored); or say why it cannot be (ServiceError)."""
         role = f"{self.options.actor.__name__} replica {r.index}"
         point, start = self.restore_point, time.monotonic()
-        cause = str(cause).strip().splitlines()[-1].strip()  # Monarch's last line says how it died
+        cause = last_line(cause)
         if r.respawned is None:  # the first call to see this death decides
             if point is None:
                 self._lost = f"{role} died ({cause}) and holds state that no checkpoint has saved yet"
@@ -217,11 +234,24 @@ class Service:
             r.respawned = asyncio.ensure_future(self._respawn(r))
         return r.respawned
 
+    async def _revive(self) -> None:
+        """Start again the respawns that their loop cancelled as it stopped (a REPL's `.get()`
+        cancels the tasks it leaves, as `asyncio.run` does at its end), and see them through:
+        until the next call nothing runs them. A stateful one's callers wait in `_ready`."""
+        stopped = [r for r in self.replicas if r.respawned is not None and r.respawned.cancelled()]
+        if not stopped or self._closed or self._lost:
+            return
+        for r in stopped:
+            r.respawned = asyncio.ensure_future(self._respawn(r))
+        if not self.options.actor.stateful:
+            await asyncio.wait([r.respawned for r in stopped], timeout=self.options.respawn_wait_s)
+
     async def _respawn(self, r: Replica) -> None:
-        """A new replica in `r`'s place. One that fails to come up is tried again, backing off
-        (a stateful one's failure ends its role: the caller says why)."""
+        """A new replica in `r`'s place. One that fails to come up is tried again, backing off,
+        up to RESPAWN_ATTEMPTS times; then it stays down, its error in `r.error` (a stateful
+        one's failure ends its role at once: the caller says why)."""
         delay = 1.0
-        while True:
+        for attempt in range(1, RESPAWN_ATTEMPTS + 1):
             try:
                 await self._spawn_again(r)
                 break
@@ -229,18 +259,21 @@ class Service:
                 if self.options.actor.stateful or self._closed:
                     raise
                 record_metric("service/respawn_failures", 1, Reduce.SUM)
+                r.error = f"{type(e).__name__}: {last_line(e)}; {attempt} of {RESPAWN_ATTEMPTS} attempts"
+                if attempt == RESPAWN_ATTEMPTS:
+                    log.error("forge: %s replica %d is lost: %s", self.options.actor.__name__, r.index, r.error)
+                    return
                 log.warning(
-                    "forge: %s replica %d could not be respawned (%s: %s); trying again in %.0f s",
+                    "forge: %s replica %d could not be respawned (%s); trying again in %.0f s",
                     self.options.actor.__name__,
                     r.index,
-                    type(e).__name__,
-                    e,
+                    r.error,
                     delay,
                 )
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 60.0)
         record_metric("service/respawns", 1, Reduce.SUM)
-        r.healthy, r.respawned = True, None
+        r.healthy, r.respawned, r.error = True, None, None
 
     async def _spawn_again(self, r: Replica) -> None:
         with contextlib.suppress(Exception):
@@ -257,6 +290,7 @@ class Service:
     @returns_future
     async def wait_healthy(self, timeout: float = 120.0) -> int:
         """Wait until no respawn is in progress; returns the number of healthy replicas."""
+        await self._revive()
         pending = [r.respawned for r in self.replicas if r.respawned is not None]
         if pending:
             await asyncio.wait_for(asyncio.gather(*pending), timeout)
@@ -325,5 +359,5 @@ class Session:
 
     async def _call(self, name: str, args: tuple, kwargs: dict) -> Any:
         if not self.replica.healthy:
-            self.replica = await self.service._ready(exclude=self.replica)
+            self.replica = await self.service._ready(exclude=self.replica, name=name)
         return await self.service._call(name, args, kwargs, replica=self.replica, pin=self)

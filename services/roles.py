@@ -13,6 +13,7 @@ run's requests then name its adapter.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,51 +62,74 @@ class Roles:
         if cfg.algorithm == "ppo" and cfg.ppo.critic_path:
             check_tokenizer(model, cfg.ppo.critic_path, "ppo.critic_path")
         job = shared.job if shared is not None else Job(cfg.job)
+        stack = contextlib.AsyncExitStack()  # what has started, stopped in reverse if a later role fails
         try:
             hosts = job.hosts
-            store = shared.store if shared is not None else await start_store(hosts("store"))
+            store = (
+                shared.store if shared is not None else started(stack, await start_store(hosts("store")), stop_store)
+            )
             weights = weight_store(cfg.trainer)  # the run's versions
-            trainer = await Trainer.options(
-                procs=cfg.trainer_procs, hosts=hosts("trainer"), max_restores=cfg.trainer_restores
-            ).as_service(model, cfg.trainer, weights)
+            trainer = started(
+                stack,
+                await Trainer.options(
+                    procs=cfg.trainer_procs, hosts=hosts("trainer"), max_restores=cfg.trainer_restores
+                ).as_service(model, cfg.trainer, weights),
+            )
             gen = (
                 RunGenerator(shared.gen, cfg.run_name)
                 if shared is not None
-                else await Generator.options(
-                    replicas=cfg.generator_replicas, hosts=hosts("generator"), spread=True
-                ).as_service(model, cfg.generator, weights, cfg.trainer.lora)
+                else started(
+                    stack,
+                    await Generator.options(
+                        replicas=cfg.generator_replicas, hosts=hosts("generator"), spread=True
+                    ).as_service(model, cfg.generator, weights, cfg.trainer.lora),
+                )
             )
             sync = WeightSync(trainer, gen)
             await sync.start()
+            stack.push_async_callback(sync.stop)
             rewards = (
-                await Rewards.options(replicas=cfg.rewards.replicas, hosts=hosts("rewards"), spread=True).as_service(
-                    cfg.rewards
+                started(
+                    stack,
+                    await Rewards.options(
+                        replicas=cfg.rewards.replicas, hosts=hosts("rewards"), spread=True
+                    ).as_service(cfg.rewards),
                 )
                 if cfg.algorithm != "distill"
                 else None
             )
             ref = (
-                await Reference.options(hosts=hosts("reference")).as_service(model)
+                started(stack, await Reference.options(hosts=hosts("reference")).as_service(model))
                 if cfg.trainer.loss.kl_coef > 0 and not cfg.trainer.lora.enabled  # LoRA: the trainer's, adapters off
                 else None
             )
             s = cls(store, trainer, gen, sync, rewards, ref, job=job, shared=shared)
             for teacher in cfg.distill.teachers:
-                s.teachers.append(await Reference.options(hosts=hosts("teacher")).as_service(teacher.path))
+                s.teachers.append(
+                    started(stack, await Reference.options(hosts=hosts("teacher")).as_service(teacher.path))
+                )
             if cfg.algorithm == "ppo":
-                s.critic = await spawn_critic(cfg, model, hosts("critic"))
+                s.critic = started(stack, await spawn_critic(cfg, model, hosts("critic")))
             if cfg.eval.enabled and (cfg.eval.rewards or rewards is None):
-                s.eval_rewards = await Rewards.options().as_service(cfg.rewards.with_weights(cfg.eval.rewards))
+                s.eval_rewards = started(
+                    stack, await Rewards.options().as_service(cfg.rewards.with_weights(cfg.eval.rewards))
+                )
             if cfg.agentic.enabled:
-                s.gateway = await Gateway.start(gen, model, cfg.agentic.gateway, cfg.generator)
+                s.gateway = started(stack, await Gateway.start(gen, model, cfg.agentic.gateway, cfg.generator))
             if cfg.agentic.env:
-                s.envs = await EnvPool.options(
-                    replicas=cfg.agentic.env_replicas, hosts=hosts("envs"), spread=True
-                ).as_service(cfg.agentic.env, cfg.agentic.envs_per_replica)
+                s.envs = started(
+                    stack,
+                    await EnvPool.options(
+                        replicas=cfg.agentic.env_replicas, hosts=hosts("envs"), spread=True
+                    ).as_service(cfg.agentic.env, cfg.agentic.envs_per_replica),
+                )
             return s
         except BaseException:
+            # A local job's stop() stops nothing: what started goes first (a cluster job's hosts
+            # then go with it, and whatever still runs on them: no orphan workers).
+            await stop_started(stack)
             if shared is None:
-                job.stop()  # its hosts, and whatever already runs on them, go with it: no orphan workers
+                job.stop()
             raise
 
     async def shutdown(self) -> None:
@@ -132,6 +156,20 @@ async def spawn_critic(cfg: Any, model: str, hosts: Any) -> Any:
     return await Trainer.options(procs=cfg.ppo.critic_procs, hosts=hosts, max_restores=0).as_service(
         path, critic_cfg, weight_store(critic_cfg)
     )
+
+
+def started(stack: contextlib.AsyncExitStack, role: Any, stop: Any = None) -> Any:
+    """`role`, just started, pushed on `stack`: `stop_started(stack)` stops it with `stop(role)`
+    (by default its `shutdown()`)."""
+    stack.push_async_callback(stop or (lambda r: r.shutdown()), role)
+    return role
+
+
+async def stop_started(stack: contextlib.AsyncExitStack) -> None:
+    """Stop what `stack` holds, newest first, after a role failed to start: the failure that
+    is being raised says why; a role that will not stop must not hide it."""
+    with contextlib.suppress(Exception):
+        await stack.aclose()
 
 
 def check_tokenizer(model: str, other: str, key: str) -> None:
@@ -167,14 +205,16 @@ class Shared:
         for cfg in cfgs:
             cfg.trainer.weights = cfg.run_name  # each run's versions under its own name in the one store
         job = Job(cfgs[0].job)
+        stack = contextlib.AsyncExitStack()
         try:
-            store = await start_store(job.hosts("store"))
+            store = started(stack, await start_store(job.hosts("store")), stop_store)
             tenants = {cfg.run_name: (weight_store(cfg.trainer), cfg.trainer.lora) for cfg in cfgs}
             gen = await Generator.options(
                 replicas=cfgs[0].generator_replicas, hosts=job.hosts("generator"), spread=True
             ).as_service(model, cfgs[0].generator, tenants=tenants)
             return cls(model, store, gen, job)
         except BaseException:
+            await stop_started(stack)  # the store, when the generator fails
             job.stop()
             raise
 

@@ -22,3 +22,15 @@ def role(parent: psutil.Process, title: str, timeout: float = 180) -> psutil.Pro
             return found[0]
         assert time.time() < deadline, seen
         time.sleep(0.2)
+
+
+def running(parent: psutil.Process, titles: tuple[str, ...]) -> list[psutil.Process]:
+    """The live child processes of `parent` that run one of the forge roles `titles`."""
+    found = []
+    for p in parent.children(recursive=True):
+        try:
+            if p.cmdline()[:1] in [[f"forge:{t}"] for t in titles] and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:  # exited meanwhile
+            continue
+    return found

@@ -126,3 +126,22 @@ class Noisy(ForgeActor):
         logging.getLogger("vllm").warning("a vllm warning")
         logging.getLogger("forge").warning("forge: a reward failed in the actor")
         return os.getpid()
+
+
+class Stand(ForgeActor):
+    """Stands in for any role (takes its constructor's arguments, does nothing)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    @endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+
+class Unready(Stand):
+    """A role whose setup fails (e.g. a reward's missing verifier)."""
+
+    @endpoint
+    async def setup(self) -> None:
+        raise RuntimeError("cannot start: no verifier")

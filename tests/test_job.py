@@ -7,6 +7,7 @@ import os
 import psutil
 import pytest
 import torch
+from roles import running
 from safetensors.torch import load_file
 from test_grpo import CONFIG, MODEL, rows, small
 
@@ -45,6 +46,14 @@ def test_cluster_configs_are_valid(tmp_path, tiny_model_dir, config):
         ({**PROCESS_JOB, "job.meshes": "{trainer: 0}"}, "config key 'job.meshes': name each host mesh"),
         ({**PROCESS_JOB, "job.placement": "{trainr: trainer}"}, "config key 'job.placement.trainr': not a role"),
         ({**PROCESS_JOB, "job.placement": "{trainer: gpus}"}, "config key 'job.placement.trainer': no mesh 'gpus'"),
+        (
+            {"job.kind": "slurm", "job.meshes": "{trainer: 2, generator: 8}", "job.args": "{partition: gpu}"},
+            "config key 'job.placement': no role is placed on job.meshes trainer, generator",
+        ),
+        (
+            {**PROCESS_JOB, "job.meshes": "{trainer: 1, generator: 1, spare: 2}"},
+            "config key 'job.placement': no role is placed on job.meshes spare",
+        ),
         (
             {"job.kind": "slurm", "job.meshes": "{t: 1}", "job.args": "{partion: gpu}"},
             "config key 'job.args': SlurmJob: got an unexpected keyword argument 'partion'",
@@ -131,3 +140,50 @@ def test_grpo_with_the_trainer_and_the_generator_on_two_process_job_hosts(tmp_pa
     _, alive = psutil.wait_procs([p for p in spawned if p.pid != os.getpid()], timeout=60)
     assert not alive, [p.cmdline() for p in alive]
     assert not [d for d in ROOT.glob("run-*") if d.name.split("-")[1] in {str(p.pid) for p in spawned}]
+
+
+def test_roles_that_started_stop_when_a_later_role_fails_to(monkeypatch):
+    """With the local job (whose stop() stops nothing) a role that fails to start, here the
+    rewards, takes down the roles started before it: the store, trainer and generator."""
+    from types import SimpleNamespace as NS
+
+    from service_actors import Stand, Unready
+
+    import services.roles as roles
+    from forge.schema import JobConfig
+
+    class Sync:  # the trainer and generator stand-ins have no weights to follow
+        def __init__(self, *args):
+            self.stopped = False
+
+        async def start(self):
+            pass
+
+        async def stop(self):
+            self.stopped = True
+
+    syncs = []
+    monkeypatch.setattr(roles, "resolve_model", lambda *args: "model")
+    monkeypatch.setattr(roles, "weight_store", lambda *args: None)
+    monkeypatch.setattr(roles, "WeightSync", lambda *args: syncs.append(Sync()) or syncs[-1])
+    monkeypatch.setattr(roles, "Trainer", Stand)
+    monkeypatch.setattr(roles, "Generator", Stand)
+    monkeypatch.setattr(roles, "Rewards", Unready)
+    cfg = NS(
+        model=None,
+        distill=NS(teachers=[]),
+        algorithm="grpo",
+        ppo=NS(critic_path=None),
+        job=JobConfig(),
+        trainer_procs=1,
+        trainer_restores=1,
+        trainer=NS(lora=NS(enabled=False), loss=NS(kl_coef=0.0)),
+        generator_replicas=1,
+        generator=None,
+        rewards=NS(replicas=1),
+    )
+    with pytest.raises(RuntimeError, match="cannot start: no verifier"):
+        asyncio.run(roles.Roles.start(cfg))
+    _, alive = psutil.wait_procs(running(psutil.Process(), ("store", "stand", "unready")), timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
+    assert syncs[0].stopped

@@ -8,6 +8,7 @@ from collections import Counter
 
 import psutil
 import pytest
+from roles import running
 from service_actors import Probe
 
 
@@ -141,6 +142,30 @@ def test_repl_drives_a_service_synchronously():
     assert "FANOUT 2" in r.stdout and "DONE" in r.stdout
 
 
+REPL_RESPAWN_SCRIPT = """
+import os, signal
+from service_actors import Probe
+svc = Probe.options(replicas=2).as_service("repl").get()
+victim = svc.pid.route().get()
+os.kill(victim, signal.SIGKILL)
+print("RETRIED", svc.echo.fanout(1).get())
+pids = svc.pid.fanout().get()
+print("BACK", len(pids), victim in pids)
+svc.shutdown().get()
+print("DONE")
+"""
+
+
+def test_repl_sees_a_respawn_through():
+    """A REPL's .get() cancels the tasks left on its loop when its call returns, the dead
+    replica's respawn among them: the next call starts it again and waits for it."""
+    r = subprocess.run(
+        [sys.executable, "-i", "-q"], input=REPL_RESPAWN_SCRIPT, capture_output=True, text=True, timeout=180
+    )
+    assert "RETRIED [('repl', 1), ('repl', 1)]" in r.stdout, r.stderr[-2000:]
+    assert "BACK 2 False" in r.stdout and "DONE" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
 def test_two_host_process_job_placement():
     """`hosts=` takes a Monarch host mesh; `procs` is per host. ProcessJob runs each "host"
     as a local worker process, the way a SLURM/Kubernetes job would give real hosts."""
@@ -222,3 +247,20 @@ def test_stateful_replica_is_restored_from_its_restore_point_or_stops_the_run(tm
             await svc.shutdown()
 
     run(main())
+
+
+def test_a_spawn_that_fails_before_setup_stops_its_procs():
+    """A constructor argument that cannot be sent to the procs fails the spawn itself (before
+    the actor exists): the procs already spawned for it are stopped, not left running."""
+    import threading
+
+    async def main():
+        with pytest.raises(Exception, match="pickle"):
+            await Probe.options(replicas=2).as_service(threading.Lock())
+
+    run(main())
+    time.sleep(3)  # leaked procs come up in the background: give them the time to
+    deadline = time.monotonic() + 10  # and stopped ones a moment to exit
+    while running(psutil.Process(), ("probe",)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running(psutil.Process(), ("probe",))

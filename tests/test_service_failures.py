@@ -1,6 +1,7 @@
-"""Services under failure: the only replica respawning, a respawn that fails, a dependency
-that dies, a session whose replica dies. Each of these once failed calls that could succeed,
-or respawned a healthy replica."""
+"""Services under failure: the only replica respawning, a respawn that fails (or never comes
+up), a dependency that dies, a session whose replica dies, a call made while a stateful replica
+restores. Each of these once failed calls that could succeed, or respawned a healthy replica
+(or, the last ones, stalled a call or ran it on a state its caller did not know of)."""
 
 import asyncio
 import os
@@ -103,3 +104,89 @@ def test_a_session_moves_to_the_replica_that_served_its_retried_call():
 
     home, moved, later = asyncio.run(main())
     assert moved != home and later == [moved] * 3
+
+
+def test_a_call_made_while_a_stateful_replica_restores_is_told_so(tmp_path):
+    """A call to a stateful role made while its dead replica restores does not run on the
+    restored state as if nothing happened: like the call that saw the death, it raises
+    ReplicaRestored (its caller's state is ahead of the restore point too)."""
+    from service_actors import Counter
+
+    from forge.service import ReplicaRestored
+
+    async def main():
+        svc = await Counter.options(max_restores=3).as_service()
+        try:
+            await svc.add.route(7)
+            await svc.save.route(str(tmp_path / "ckpt"))
+            svc.set_restore_point(str(tmp_path / "ckpt"))
+            await svc.add.route(100)  # lost with the replica
+            os.kill(await svc.pid.route(), signal.SIGKILL)
+            first = asyncio.ensure_future(svc.add.route(1))  # sees the death: the restore starts
+            deadline = time.monotonic() + 30
+            while svc.healthy():
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            during = await asyncio.gather(svc.add.route(10), return_exceptions=True)
+            return await asyncio.gather(first, return_exceptions=True), during, await svc.add.route(1)
+        finally:
+            await svc.shutdown()
+
+    first, during, after = asyncio.run(main())
+    assert isinstance(first[0], ReplicaRestored)
+    assert isinstance(during[0], ReplicaRestored), during
+    assert during[0].restore_point == str(tmp_path / "ckpt") and "seen by an earlier call" in str(during[0])
+    assert after == 8  # the checkpoint's 7: neither call ran on the restored state
+
+
+def test_a_retried_call_returns_while_the_dead_replica_respawns(tmp_path):
+    """A call retried on the other replica returns with its result: it does not wait for the
+    dead replica's respawn (here one that keeps failing), which goes on without it."""
+    marker = tmp_path / "broken"
+
+    async def main():
+        svc = await Flaky.options(replicas=2).as_service(str(marker))
+        try:
+            pids = await svc.pid.fanout()
+            marker.touch()  # the dead replica's respawns fail (e.g. its GPU memory not yet freed)
+            calls = [asyncio.ensure_future(svc.nap.route(0.5)) for _ in range(2)]  # one on each
+            await asyncio.sleep(0.2)
+            os.kill(pids[0], signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*calls), 120)  # respawn_wait_s: 300
+            respawning = not svc.replicas[0].healthy
+            marker.unlink()
+            return pids, results, respawning, await svc.wait_healthy(timeout=60)
+        finally:
+            await svc.shutdown()
+
+    pids, results, respawning, healthy = asyncio.run(main())
+    assert results == [pids[1], pids[1]] and respawning and healthy == 2
+
+
+def test_a_replica_that_cannot_be_respawned_is_lost_with_its_error(tmp_path, monkeypatch):
+    """Respawns that keep failing stop after RESPAWN_ATTEMPTS; the call waiting for the
+    replica then fails at once, naming its endpoint and why the replica cannot come back."""
+    from forge import service
+    from forge.service import ServiceError
+
+    monkeypatch.setattr(service, "RESPAWN_ATTEMPTS", 2, raising=False)
+    marker = tmp_path / "broken"
+
+    async def main():
+        svc = await Flaky.options().as_service(str(marker))
+        svc.options.respawn_wait_s = 120.0
+        try:
+            pid = await svc.pid.route()
+            marker.touch()
+            os.kill(pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(ServiceError) as e:
+                await svc.nap.route(0.1)
+            return str(e.value), time.monotonic() - start, svc.replicas[0].respawned.done()
+        finally:
+            await svc.shutdown()
+
+    message, took, gave_up = asyncio.run(main())
+    assert message.startswith("Flaky.nap: no healthy replica; replica 0 could not be respawned (")
+    assert f"RuntimeError: cannot start: {marker} exists; 2 of 2 attempts)" in message
+    assert gave_up and took < 100  # not respawn_wait_s
