@@ -42,6 +42,7 @@ from forge.losses import (
 )
 from forge.losses.tinker import TINKER_LOSSES, Datums, loss_config
 from forge.schema import PREFERENCE_LOSSES, LossConfig
+from forge.service import last_line
 from forge.store import WeightStore
 from forge.types import Batch
 from services import models
@@ -401,16 +402,27 @@ class Trainer(ForgeActor):
         tenant = self._tenants().activate(name)
         state: dict[str, Any] = {"model": AdapterState(self.model), "train_state": {"steps": tenant.steps}}
         if optimizer:
+            _adam_state_made(tenant.optimizer)
             state["optimizer"] = tenant.optimizer
         return state
+
+    def _dcp(self, what: str, path: str, state: dict[str, Any]) -> None:
+        """DCP's save or load of a tenant's `state`; its failure is that request's ValueError.
+        DCP raises CheckpointException, a BaseException: out of an endpoint, Monarch takes that
+        for a crash of the whole replica, every tenant's adapter with it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            dcp.save(state, checkpoint_id=path) if what == "save" else dcp.load(state, checkpoint_id=path)
+        except CheckpointException as e:
+            raise ValueError(f"checkpoint {Path(path).name}: cannot {what} it: {last_line(e)}") from None
 
     @endpoint
     async def save_tenant(self, name: str, path: str) -> None:
         """DCP checkpoint of tenant `name`: its adapter (at the server's largest rank, its unused
         part zeros), optimizer state and step count, and `tenant.json` (rank, alpha, modules)."""
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self._tenant_state(name, optimizer=True), checkpoint_id=path)
+        self._dcp("save", path, self._tenant_state(name, optimizer=True))
         if self.rank == 0:
             tenant = self.tenants.get(name)
             meta = {"rank": tenant.rank, "alpha": tenant.alpha, "modules": sorted(tenant.modules)}
@@ -420,8 +432,6 @@ class Trainer(ForgeActor):
     async def load_tenant(self, name: str, path: str, optimizer: bool) -> None:
         """Load a `save_tenant` checkpoint into tenant `name` (of the same rank and modules): its
         adapter, and its optimizer state and step count too with `optimizer` (else both start over)."""
-        import torch.distributed.checkpoint as dcp
-
         tenant = self._tenants().get(name)
         saved = json.loads((Path(path) / TENANT_META).read_text())
         if (saved["rank"], set(saved["modules"])) != (tenant.rank, tenant.modules):
@@ -433,7 +443,7 @@ class Trainer(ForgeActor):
         if not optimizer:
             tenant.optimizer, tenant.steps = self._tenant_optimizer(), 0
         state = self._tenant_state(name, optimizer)
-        dcp.load(state, checkpoint_id=path)
+        self._dcp("load", path, state)
         if optimizer:
             tenant.steps = state["train_state"]["steps"]
         for p in self.tenants.params.values():
@@ -651,3 +661,20 @@ def _rows(b: Batch, rows: slice | torch.Tensor, width: int | None = None) -> Bat
     keep["doc_ids"] = torch.full_like(docs, -1).masked_scatter(docs >= 0, renumbered)
     keep["policy_versions"] = b.policy_versions[held.to(b.policy_versions.device)]
     return Batch(**keep)
+
+
+def _adam_state_made(optimizers: Any) -> None:
+    """Every parameter's Adam state, as AdamW makes it before its first step (step 0, zero
+    moments), where it has none yet. Else torchtitan's state_dict makes it by taking a step at lr
+    0 (a tenant saved before its first step then counts one step more, its first update ~0.74x),
+    or, where some gradient is pending, does not make it: a save with no moments, which a load
+    then misses."""
+    for opt in optimizers.optimizers:
+        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not opt.state[p]:
+                    moments = ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if group.get("amsgrad") else ()))
+                    zeros = {k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in moments}
+                    opt.state[p] = {"step": torch.tensor(0.0), **zeros}

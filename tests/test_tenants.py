@@ -119,3 +119,39 @@ def test_a_tenant_trains_only_its_rank_and_modules(loop, trainer, tmp_path):
         rest = t[2:] if ".lora_a." in name else t[:, 2:]
         assert not rest.any(), name  # beyond rank 2: zeros
         assert used.any() == (name in mlp), name  # attention and the head: zeros; the MLP: trained
+
+
+async def _logprobs(trainer, name):
+    return (await trainer.forward_backward.route(name, datums(9), "cross_entropy", {}, False))[0]
+
+
+def test_a_save_before_the_first_step_changes_no_training_and_loads_elsewhere(loop, trainer, tmp_path):
+    """save_state is a read: a tenant saved before its first optim_step (after a forward_backward,
+    as Tinker allows) trains as its never-saved twin, and a new tenant loads that checkpoint with
+    its optimizer; a checkpoint that cannot load fails its own request, never the other tenants."""
+    every = modules_of(True, True, True)
+
+    async def main():
+        for name, seed in (("saved", 0), ("twin", 0), ("other", 1)):
+            await trainer.add_tenant.route(name, 8, 32.0, every, seed)
+        await trainer.forward_backward.route("other", datums(0), "cross_entropy", {}, True)
+        await trainer.optim_step.route("other", ADAM)
+        other = await _logprobs(trainer, "other")
+        for name in ("saved", "twin"):
+            await trainer.forward_backward.route(name, datums(0), "cross_entropy", {}, True)
+        await trainer.save_tenant.route("saved", str(tmp_path / "s0"))
+        await trainer.add_tenant.route("loaded", 8, 32.0, every, 5)
+        await trainer.load_tenant.route("loaded", str(tmp_path / "s0"), True)
+        await trainer.forward_backward.route("loaded", datums(0), "cross_entropy", {}, True)
+        for name in ("saved", "twin", "loaded"):
+            await trainer.optim_step.route(name, ADAM)
+        after = [await _logprobs(trainer, name) for name in ("saved", "twin", "loaded")]
+        assert after[0] == after[1] == after[2]
+        (tmp_path / "s0" / "__0_0.distcp").write_bytes(b"not a checkpoint")
+        with pytest.raises(ValueError, match="checkpoint s0: cannot load it"):
+            await trainer.load_tenant.route("loaded", str(tmp_path / "s0"), True)
+        assert await _logprobs(trainer, "other") == other
+        for name in ("saved", "twin", "loaded", "other"):
+            await trainer.remove_tenant.route(name)
+
+    loop.run_until_complete(main())
