@@ -132,26 +132,26 @@ def test_a_save_before_the_first_step_changes_no_training_and_loads_elsewhere(lo
     every = modules_of(True, True, True)
 
     async def main():
-        for name, seed in (("saved", 0), ("twin", 0), ("other", 1)):
+        for name, seed in (("pre_saved", 0), ("pre_twin", 0), ("pre_other", 1)):
             await trainer.add_tenant.route(name, 8, 32.0, every, seed)
-        await trainer.forward_backward.route("other", datums(0), "cross_entropy", {}, True)
-        await trainer.optim_step.route("other", ADAM)
-        other = await _logprobs(trainer, "other")
-        for name in ("saved", "twin"):
+        await trainer.forward_backward.route("pre_other", datums(0), "cross_entropy", {}, True)
+        await trainer.optim_step.route("pre_other", ADAM)
+        other = await _logprobs(trainer, "pre_other")
+        for name in ("pre_saved", "pre_twin"):
             await trainer.forward_backward.route(name, datums(0), "cross_entropy", {}, True)
-        await trainer.save_tenant.route("saved", str(tmp_path / "s0"))
-        await trainer.add_tenant.route("loaded", 8, 32.0, every, 5)
-        await trainer.load_tenant.route("loaded", str(tmp_path / "s0"), True)
-        await trainer.forward_backward.route("loaded", datums(0), "cross_entropy", {}, True)
-        for name in ("saved", "twin", "loaded"):
+        await trainer.save_tenant.route("pre_saved", str(tmp_path / "s0"))
+        await trainer.add_tenant.route("pre_loaded", 8, 32.0, every, 5)
+        await trainer.load_tenant.route("pre_loaded", str(tmp_path / "s0"), True)
+        await trainer.forward_backward.route("pre_loaded", datums(0), "cross_entropy", {}, True)
+        for name in ("pre_saved", "pre_twin", "pre_loaded"):
             await trainer.optim_step.route(name, ADAM)
-        after = [await _logprobs(trainer, name) for name in ("saved", "twin", "loaded")]
+        after = [await _logprobs(trainer, name) for name in ("pre_saved", "pre_twin", "pre_loaded")]
         assert after[0] == after[1] == after[2]
         (tmp_path / "s0" / "__0_0.distcp").write_bytes(b"not a checkpoint")
         with pytest.raises(ValueError, match="checkpoint s0: cannot load it"):
-            await trainer.load_tenant.route("loaded", str(tmp_path / "s0"), True)
-        assert await _logprobs(trainer, "other") == other
-        for name in ("saved", "twin", "loaded", "other"):
+            await trainer.load_tenant.route("pre_loaded", str(tmp_path / "s0"), True)
+        assert await _logprobs(trainer, "pre_other") == other
+        for name in ("pre_saved", "pre_twin", "pre_loaded", "pre_other"):
             await trainer.remove_tenant.route(name)
 
     loop.run_until_complete(main())
