@@ -142,12 +142,12 @@ class RowPrompts(IndexedPrompts):
 
     def _messages(self, row: dict[str, Any], at: int) -> list[dict[str, Any]]:
         messages = row[self.cfg.messages_key]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        if not is_chat(messages):
             raise ConfigError(
                 f"config key '{self.key}.messages_key': row {at} of {self.where} holds {str(messages)[:60]!r} in "
                 f"column '{self.cfg.messages_key}', not a list of chat messages ({{role, content}})"
             )
-        return [{k: v for k, v in m.items() if v is not None} for m in messages]  # datasets fills absent keys with None
+        return present(messages)
 
     def _tools(self, row: dict[str, Any], at: int) -> list[dict[str, Any]] | None:
         raw = row[self.cfg.tools_key]
@@ -258,13 +258,13 @@ class SFTExamples(TokenizedRows):
         c = self.cfg
         messages = row.get(c.messages_key)
         if messages is not None:
-            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            if not is_chat(messages):
                 raise ConfigError(
                     f"{where}: column '{c.messages_key}' is not a list of chat messages ({{role, content}})"
                 )
             if not any(m.get("role") == "assistant" for m in messages):
                 raise ConfigError(f"{where}: no assistant message to train on")
-            return [{k: v for k, v in m.items() if v is not None} for m in messages]
+            return present(messages)
         prompt, completion = row.get(c.prompt_key), row.get(c.completion_key)
         if prompt is None or completion is None or not str(completion).strip():
             empty = [k for k, v in ((c.prompt_key, prompt), (c.completion_key, completion)) if v is None or v == ""]
@@ -345,7 +345,7 @@ def completion_tokens(
     if isinstance(prompt, str):
         return text_tokens(tokenizer, prompt, str(completion), plain)
     turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
-    messages = [{k: v for k, v in m.items() if v is not None} for m in [*prompt, *turns]]
+    messages = present([*prompt, *turns])
     ids, labels = chat_tokens(tokenizer, messages, end_of_turn, plain)
     return ids, [int(label != -100) for label in labels]
 
@@ -363,9 +363,15 @@ def _filled(value: Any) -> bool:
     if isinstance(value, str):
         return bool(value.strip())
     if isinstance(value, list):
-        return (
-            bool(value)
-            and all(isinstance(m, dict) and "role" in m for m in value)
-            and any(str(m.get("content") or "").strip() for m in value)
-        )
+        return bool(value) and is_chat(value) and any(str(m.get("content") or "").strip() for m in value)
     return False
+
+
+def is_chat(value: Any) -> bool:
+    """Whether `value` is chat messages: a list of {role, ...} mappings."""
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def present(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` without their null fields (datasets fills each row's absent keys with None)."""
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
