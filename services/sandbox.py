@@ -16,9 +16,10 @@ Each run gets:
 - where the kernel allows it (root or CAP_SYS_ADMIN), new network, pid, mount and IPC
   namespaces: no network (its own loopback, down), a /proc that shows only its own processes,
   and private size-limited tmpfs on /tmp (the working directory), /var/tmp and /dev/shm. Its
-  first process in the namespace (pid 1) waits for the program; when the program exits, or the
-  timeout kills pid 1, the kernel kills every process left in it, daemons and setsid() escapes
-  included. Without namespaces only the uid, the rlimits and a sweep of the slot's uid hold (or,
+  first process in the namespace (pid 1) waits for the program; when the program exits, every
+  process left in it is killed (by the kernel as pid 1 exits, or by pid 1 where it serves the
+  slot's next run), and the timeout kills pid 1 and so the namespace, daemons and setsid()
+  escapes included. Without namespaces only the uid, the rlimits and a sweep of the slot's uid hold (or,
   not root, the rlimits and the process group), and the service logs a warning.
 A small launcher process (services/sandbox_launcher.py) starts the runs by forking itself, a
 few forks per run instead of a chain of util-linux tools. It runs on the sandbox's Python, so a
@@ -27,7 +28,8 @@ which saves the interpreter's start-up, most of what a short program costs (ever
 has the same hash seed; `fresh_interpreter` execs a new interpreter per run instead). Programs
 the sandbox execs (bash, a binary) start from services/sandbox_exec.c, compiled on start and
 spawned by this process, set up alike in each slot's namespaces (which the launcher makes
-once); where the host has no C compiler, from the launcher's forks.
+once): with namespaces, one per slot serves the slot's runs one after another (_SlotServer);
+where the host has no C compiler, they start from the launcher's forks.
 
 The result's status: `ok`, `error` (non-zero exit), `timeout` (wall or CPU limit), `oom` (the
 memory limit), `killed` (a signal). Bad input (an unknown language, a file outside the working
@@ -291,6 +293,7 @@ class SandboxPool:
         self.harness = self.dir / "forge_harness.py"  # runs a program, then its tests
         self.exec_helper: Path | None = None  # starts exec'd programs' runs (services/sandbox_exec.c)
         self.slot_namespaces: dict[int, list[int]] = {}  # slot uid -> its network and mount namespaces' fds
+        self.servers: dict[int, _SlotServer] = {}  # slot uid -> its exec'd programs' server (namespaces only)
 
     async def start(self) -> None:
         # in the base directory, shared by this host's sandboxes (each has its own below it)
@@ -327,8 +330,12 @@ class SandboxPool:
             log.warning("forge: sandbox.isolation=unsafe_local: runs without %s", "; ".join(missing))
 
     async def stop(self) -> None:
-        """Stop the launcher, remove the programs kept in the slots' directories and the slots' cgroups."""
+        """Stop the launcher and the slots' servers, remove the programs kept in the slots'
+        directories and the slots' cgroups."""
         await self.launcher.stop()
+        for server in self.servers.values():
+            await server.stop()
+        self.servers.clear()
         for uid in self.uids:
             for name in LANGUAGES.values():
                 (self.dir / str(uid) / name).unlink(missing_ok=True)
@@ -446,24 +453,43 @@ class SandboxPool:
         return self.exec_helper is not None and not spec["python"] and not spec["copy"]
 
     def _spawned(self, spec: dict, fds: list[int]) -> _Started | None:
-        """The run, from the helper spawned here; None where the launcher is needed first."""
-        uid = spec["uid"]
-        if not self._execs(spec) or (spec["namespaces"] and uid not in self.slot_namespaces):
+        """The run, from its slot's server or the helper spawned here; None where it needs one of
+        the launcher's round trips first (or its forks)."""
+        if not self._execs(spec):
             return None
+        uid = spec["uid"]
+        if spec["namespaces"]:
+            server = self.servers.get(uid)
+            if server is None or not server.alive:
+                return None
+            try:
+                return server.run(spec, fds)
+            except OSError:  # it died since: _start starts another
+                return None
         cgroups = self.cgroups.procs_fds(uid) if self.cgroups is not None else []
         try:
-            return _spawn_exec(self.exec_helper, self.seccomp, spec, fds, self.slot_namespaces.get(uid, []), cgroups)
+            return _spawn_exec(self.exec_helper, self.seccomp, spec, fds, cgroups)
         except OSError:  # the helper could not be started (e.g. removed): the launcher's forks
             return None
 
     async def _start(self, spec: dict, fds: list[int]) -> _Started:
-        """A run of the launcher's: the slot's namespaces made for the helper's first run in it,
-        else the launcher's fork."""
-        if self._execs(spec) and spec["namespaces"] and spec["uid"] not in self.slot_namespaces:
-            self.slot_namespaces[spec["uid"]] = await self.launcher.namespaces(spec)
-            run = self._spawned(spec, fds)
-            if run is not None:
-                return run
+        """A run of the launcher's: for an exec'd program with namespaces, its slot's server
+        started (in the slot's namespaces, which the launcher makes once); else the launcher's fork."""
+        if self._execs(spec) and spec["namespaces"]:
+            uid = spec["uid"]
+            if uid not in self.slot_namespaces:
+                self.slot_namespaces[uid] = await self.launcher.namespaces(spec)
+            old = self.servers.pop(uid, None)
+            if old is not None:
+                await old.stop()
+            cgroups = self.cgroups.procs_fds(uid) if self.cgroups is not None else []
+            try:
+                self.servers[uid] = await _SlotServer.start(
+                    self.exec_helper, self.seccomp, spec, self.slot_namespaces[uid], cgroups
+                )
+            except OSError:  # the helper could not be started (e.g. removed): the launcher's forks
+                return await self.launcher.spawn(spec, fds)
+            return self.servers[uid].run(spec, fds)
         return await self.launcher.spawn(spec, fds)
 
     def _write_files(self, work: Path, req: _Request, uid: int) -> list[str]:
@@ -661,20 +687,18 @@ _FREESTANDING = ["-O2", "-static", "-nostdlib", "-ffreestanding", "-fno-stack-pr
 _SIGNALS = set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
 
 
-def _spawn_exec(
-    helper: Path, seccomp: bytes | None, spec: dict, fds: list[int], namespaces: list[int], cgroups: list[int]
+def _spawn_exec(helper: Path, seccomp: bytes | None, spec: dict, fds: list[int], cgroups: list[int]) -> _Started:
+    """Start a run of an exec'd program without namespaces from the helper (services/sandbox_exec.c
+    says how): fds 0-4 the run's (4 of them, or 5 with tests)."""
+    return _spawn_helper(helper, [*_helper_spec(spec, cgroups, seccomp), *spec["argv"]], spec["env"], fds, [], cgroups)
+
+
+def _spawn_helper(
+    helper: Path, args: list[str], env: dict, fds: list[int], namespaces: list[int], cgroups: list[int]
 ) -> _Started:
-    """Start a run of an exec'd program from the helper (services/sandbox_exec.c says how): fds
-    0-4 the run's (4 of them, or 5 with tests), 5 its set-up pipe, 6 and 7 the slot's
-    namespaces, from 8 its cgroup.procs files. Its exit is seen on a pidfd."""
+    """The helper spawned with `args`: `fds` at 0 and up, its set-up pipe at 5, the slot's
+    namespaces at 6 and 7, its cgroup.procs files from 8. Its exit is seen on a pidfd."""
     targets = [*range(len(fds)), 5, *range(6, 6 + len(namespaces)), *range(8, 8 + len(cgroups))]
-    uid = spec["uid"] if spec["uid"] is not None else -1
-    rlimits = [str(x) for name, v in spec["rlimits"].items() for x in (getattr(resource, name), v)]
-    argv = [
-        *(str(helper), str(int(spec["namespaces"])), str(uid), spec["cwd"], str(len(cgroups))),
-        *(str(len(spec["tmpfs"])), *(x for pair in spec["tmpfs"] for x in pair)),
-        *(str(len(spec["rlimits"])), *rlimits, seccomp.hex() if seccomp else "-", "--", *spec["argv"]),
-    ]
     setup_r, setup_w = os.pipe()
     high: list[int] = []
     try:
@@ -683,8 +707,8 @@ def _spawn_exec(
             high.append(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64))
         pid = os.posix_spawn(
             str(helper),
-            argv,
-            spec["env"],
+            [str(helper), *args],
+            env,
             file_actions=[(os.POSIX_SPAWN_DUP2, fd, i) for fd, i in zip(high, targets)],
             setsid=True,
             setsigmask=(),
@@ -718,6 +742,103 @@ def _spawn_exec(
 
     loop.add_reader(pidfd, reap)
     return _Started(pid, exited)
+
+
+def _helper_spec(spec: dict, cgroups: list[int], seccomp: bytes | None) -> list[str]:
+    """The helper's SPEC words for a run or a server (services/sandbox_exec.c lists them)."""
+    uid = spec["uid"] if spec["uid"] is not None else -1
+    rlimits = [] if spec.get("serve") else _rlimits(spec)
+    return [
+        *(str(int(spec["namespaces"])), str(uid), spec["cwd"], str(len(cgroups))),
+        *(str(len(spec["tmpfs"])), *(x for pair in spec["tmpfs"] for x in pair)),
+        *(str(len(rlimits) // 2), *rlimits, seccomp.hex() if seccomp else "-", "--"),
+    ]
+
+
+def _rlimits(spec: dict) -> list[str]:
+    return [str(x) for name, v in spec["rlimits"].items() for x in (getattr(resource, name), v)]
+
+
+class _SlotServer:
+    """A slot's runs of exec'd programs, from one helper process (`sandbox_exec serve`) that keeps
+    the slot's pid and mount namespaces between them: a run is a fork there, where making the
+    namespaces and the run's mounts each time cost more than the rest of the run's set-up. The
+    helper kills what a run leaves, renews the tmpfs it changed and numbers the next run's pids
+    from 2 again, so a run meets nothing of the one before."""
+
+    def __init__(self, pid: int, sock: socket.socket, reaped: asyncio.Future):
+        self.pid, self.sock, self.reaped = pid, sock, reaped  # reaped: the helper's exit, seen on a pidfd
+        self.answer: asyncio.Future | None = None  # the run in it: its exit code and set-up error
+
+    @classmethod
+    async def start(
+        cls, helper: Path, seccomp: bytes | None, spec: dict, namespaces: list[int], cgroups: list[int]
+    ) -> _SlotServer:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        try:
+            with open(os.devnull, "rb") as null:
+                started = _spawn_helper(
+                    helper, ["serve", *_helper_spec({**spec, "serve": True}, cgroups, seccomp)], spec["env"],
+                    [null.fileno()] * 3 + [theirs.fileno()], namespaces, cgroups,
+                )  # fmt: skip
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        server = cls(started.pid, ours, started.exited)
+        try:
+            ready = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(ours, 16), 30)
+        except (OSError, asyncio.TimeoutError):
+            ready = b""
+        except BaseException:
+            await server.stop()
+            raise
+        if ready != b"R":
+            await server.stop()
+            code, why = await started.exited
+            raise SandboxError(f"sandbox: could not set up the run: {why or f'its server exited with {code}'}")
+        return server
+
+    @property
+    def alive(self) -> bool:
+        return not self.reaped.done() and self.sock.fileno() >= 0
+
+    def run(self, spec: dict, fds: list[int]) -> _Started:
+        """Start a run in the server (`fds`: its 0-3 or 0-4); its exit comes back on the socket."""
+        rlimits = _rlimits(spec)
+        words = [spec["cwd"], str(len(rlimits) // 2), *rlimits, *spec["argv"]]
+        setup_r, setup_w = os.pipe()
+        try:
+            socket.send_fds(self.sock, [b"".join(w.encode() + b"\0" for w in words)], [*fds, setup_w])
+        except BaseException:
+            os.close(setup_r)
+            raise
+        finally:
+            os.close(setup_w)
+        self.answer = asyncio.ensure_future(self._answer(setup_r))
+        return _Started(self.pid, self.answer)
+
+    async def _answer(self, setup_r: int) -> tuple[int, str | None]:
+        try:
+            answer = await asyncio.get_running_loop().sock_recv(self.sock, 16)
+        except OSError:
+            answer = b""
+        if len(answer) != 4:  # the server is gone (killed at the run's timeout, out of memory): so is the run
+            self.sock.close()
+            return 128 + signal.SIGKILL, _setup_error(setup_r)
+        return int.from_bytes(answer, sys.byteorder, signed=True), _setup_error(setup_r)
+
+    async def stop(self) -> None:
+        """Kill the server and everything in its namespaces; wait for its exit (and its run's)."""
+        if not self.reaped.done():  # else its pid may be another process's by now
+            _signal(self.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            await self.reaped
+            if self.answer is not None:
+                await asyncio.wait_for(self.answer, 5)
+        self.sock.close()
 
 
 def _setup_error(fd: int) -> str | None:

@@ -1,19 +1,29 @@
-/* The sandbox's exec path: one run of a program the sandbox execs (bash, a binary), set up as
- * services/sandbox_launcher.py's run() sets up a forked one, in three small processes instead
- * of three copies of the launcher's interpreter. Forking a Python process, its children's page
- * faults and their exits were ~80% of such a run's cost; this is the launcher's thinnest
- * replacement for them (the sandbox compiles it on start, with the host's C compiler).
+/* The sandbox's exec path: runs of a program the sandbox execs (bash, a binary), set up as
+ * services/sandbox_launcher.py's run() sets up a forked one, in small processes instead of
+ * copies of the launcher's interpreter. Forking a Python process, its children's page faults
+ * and their exits were ~80% of such a run's cost; this is the launcher's thinnest replacement
+ * for them (the sandbox compiles it on start, with the host's C compiler).
  * It is freestanding (raw system calls, no C library): a static libc's start-up (its CPU
- * feature probes trap to the hypervisor in a VM) and its pages' faults in each of the three
- * processes cost as much again as the rest of the helper.
+ * feature probes trap to the hypervisor in a VM) and its pages' faults in each process cost as
+ * much again as the rest of the helper.
  *
- *   sandbox_exec SPEC... -- PROGRAM ARGS...   (spawned by the sandbox's pool, its session leader)
+ *   sandbox_exec SPEC... -- PROGRAM ARGS...   (one run without namespaces; spawned by the pool, its session leader)
  *   fds: 0-4 the run's stdin, stdout, stderr, report, tests; 5 the set-up pipe (why the sandbox
  *   could not be set up; closed before the program runs); 6 and 7 the slot's network and mount
- *   namespaces (namespaces only); from 8, NCGROUPS cgroup.procs files to join. SPEC, in order:
+ *   namespaces (a server's); from 8, NCGROUPS cgroup.procs files to join. SPEC, in order:
  *     NAMESPACES(0|1) UID(-1: keep) CWD NCGROUPS NTMPFS (TARGET OPTIONS)...
  *     NRLIMITS (RESOURCE VALUE)... FILTER(hex, or -)
- * Exits with the program's code, 128 + the signal that ended it, or 125 if set-up failed.
+ *   Exits with the program's code, 128 + the signal that ended it, or 125 if set-up failed.
+ *
+ *   sandbox_exec serve SPEC... --   (a slot's server: NAMESPACES 1, NRLIMITS 0)
+ *   The slot's runs, one after another, in one pid and mount namespace made once: with
+ *   namespaces, making them and the run's mounts per run cost more than the rest of the helper.
+ *   fds: 3 the control socket (SOCK_SEQPACKET), 5 the set-up pipe, 6-7 and 8+ as above. Its pid 1
+ *   sends "R" once set up, then serves requests: "CWD\0NRLIMITS\0(RESOURCE\0VALUE\0)...PROGRAM\0ARGS\0..."
+ *   with six fds (the run's 0-4 and its set-up pipe); answers each with the run's exit code
+ *   (4 bytes, as above) once every process of the run is gone and nothing it left in the
+ *   namespace's tmpfs, SysV IPC or pid numbers can reach the next run. It exits when the socket
+ *   closes; killing its pid 1 ends it and the run in it.
  */
 #include <asm/unistd.h>
 #include <linux/fcntl.h>
@@ -22,6 +32,8 @@
 #include <linux/sched.h>
 #include <linux/seccomp.h>
 #include <linux/signal.h>
+#include <linux/stat.h>
+#include <asm/statfs.h>
 #include <linux/wait.h>
 
 #if !defined(__x86_64__) && !defined(__aarch64__)
@@ -31,6 +43,11 @@
 #define MS_NOSUID 2
 #define MS_NODEV 4
 #define MS_NOEXEC 8
+#define MNT_DETACH 2
+#define SOL_SOCKET 1
+#define SCM_RIGHTS 1
+#define MSG_CTRUNC 8
+#define MSG_CMSG_CLOEXEC 0x40000000
 #define BPF_MAXINSNS 4096
 
 typedef unsigned long size_t;
@@ -99,7 +116,7 @@ static char *decimal(u64 v, char *end) {
 static void __attribute__((noreturn)) leave(int code) {
     for (;;) sys(__NR_exit_group, code);
 }
-enum { SETUP_FD = 5, NETNS_FD = 6, MNTNS_FD = 7, CGROUPS_FD = 8, SETUP_FAILED = 125 };
+enum { CONTROL_FD = 3, SETUP_FD = 5, NETNS_FD = 6, MNTNS_FD = 7, CGROUPS_FD = 8, SETUP_FAILED = 125 };
 
 /* The names of the errors a set-up step may meet; others by number. */
 static const char *const ERRORS[] = {
@@ -128,17 +145,22 @@ static long check(long result, const char *what) {
     return result;
 }
 
-/* Wait for `pid`; exit as it did (a shell's code for a signal). The set-up pipe is closed first:
- * only the program's process, before it execs, may still write to it. */
-static void __attribute__((noreturn)) exit_as(long pid) {
+/* How `pid` ended, as a shell gives it (128 + the signal that ended it), once it has. */
+static int wait_code(long pid) {
     int status = 0;
-    sys(__NR_close, SETUP_FD);
     long r;
     while ((r = sys(__NR_wait4, pid, &status, 0, 0)) < 0) {
-        if (r != -4) leave(SETUP_FAILED); /* but EINTR */
+        if (r != -4) return SETUP_FAILED; /* but EINTR */
     }
     int signal = status & 0x7f;
-    leave(signal ? 128 + signal : (status >> 8) & 0xff);
+    return signal ? 128 + signal : (status >> 8) & 0xff;
+}
+
+/* Wait for `pid`; exit as it did. The set-up pipe is closed first: only the program's process,
+ * before it execs, may still write to it. */
+static void __attribute__((noreturn)) exit_as(long pid) {
+    sys(__NR_close, SETUP_FD);
+    leave(wait_code(pid));
 }
 
 static void write_fd(long fd, const char *text, const char *what) {
@@ -198,9 +220,9 @@ static int parse(int argc, char **argv, struct spec *s) {
     if ((i = count(i, argc, argv, 2, &s->ntmpfs)) < 0) return -1;
     s->rlimits = argv + i + 1;
     if ((i = count(i, argc, argv, 2, &s->nrlimits)) < 0) return -1;
-    if (i + 2 >= argc || !same(argv[i + 1], "--")) return -1;
+    if (i + 1 >= argc || !same(argv[i + 1], "--")) return -1;
     s->filter = argv[i];
-    s->argv = argv + i + 2;
+    s->argv = argv + i + 2; /* a run's program; none for a server */
     return 0;
 }
 
@@ -233,46 +255,222 @@ static long fork_(void) {
 
 static struct sock_filter FILTER[BPF_MAXINSNS];
 
-static void start(int argc, char **argv, char **envp) {
-    struct spec s;
+/* The spawner's checks of a run's or a server's first process: the set-up pipe closed on exec,
+ * killed with the pool's thread, its arguments and the syscall filter's instructions. */
+static unsigned short begin(int argc, char **argv, struct spec *s) {
     long parent = sys(__NR_getppid);
     if (sys(__NR_fcntl, SETUP_FD, F_SETFD, FD_CLOEXEC) != 0) leave(SETUP_FAILED);
     check(sys(__NR_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "pdeathsig"); /* the pool's thread gone: so is the run */
     if (sys(__NR_getppid) != parent) leave(SETUP_FAILED);
-    if (parse(argc, argv, &s) != 0) fail("the helper's arguments", -22);
-    unsigned short len = parse_filter(s.filter, FILTER);
+    if (parse(argc, argv, s) != 0) fail("the helper's arguments", -22);
+    return parse_filter(s->filter, FILTER);
+}
+
+/* Into the slot: its cgroups (their limits hold over all it forks), first to die when out of
+ * memory, its namespaces; the spawner's other fds closed. */
+static void enter_slot(const struct spec *s) {
     char pid[24];
     const char *self = decimal((u64)sys(__NR_getpid), pid + sizeof pid);
-    for (int i = 0; i < s.ncgroups; i++) write_fd(CGROUPS_FD + i, self, "join the slot's cgroup"); /* its limits hold over all it forks */
-    write_file("/proc/self/oom_score_adj", "1000");                     /* out of memory, the run dies first */
-    if (s.namespaces) {
+    for (int i = 0; i < s->ncgroups; i++) write_fd(CGROUPS_FD + i, self, "join the slot's cgroup");
+    write_file("/proc/self/oom_score_adj", "1000");
+    if (s->namespaces) {
         check(sys(__NR_setns, NETNS_FD, CLONE_NEWNET), "setns (the slot's network namespace)");
         check(sys(__NR_setns, MNTNS_FD, CLONE_NEWNS), "setns (the slot's mount namespace)");
         check(sys(__NR_chdir, "/"), "chdir /");
     }
     check(sys(__NR_close_range, SETUP_FD + 1, ~0U, 0), "close the spawner's fds");
-    if (s.namespaces) {
-        check(sys(__NR_unshare, CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWPID), "unshare");
-        long child = fork_();
-        if (child > 0) exit_as(child);
-        /* pid 1 of the run's namespace: its own tmpfs and /proc, then the program as its child */
-        check(sys(__NR_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "pdeathsig");
-        for (int i = 0; i < s.ntmpfs; i++) {
-            check(sys(__NR_mount, "tmpfs", s.tmpfs[2 * i], "tmpfs", MS_NOSUID | MS_NODEV, s.tmpfs[2 * i + 1]),
-                  s.tmpfs[2 * i]);
-        }
-        check(sys(__NR_mount, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, 0), "mount /proc");
+}
+
+static void mount_tmpfs(const struct spec *s, int i) {
+    check(sys(__NR_mount, "tmpfs", s->tmpfs[2 * i], "tmpfs", MS_NOSUID | MS_NODEV, s->tmpfs[2 * i + 1]), s->tmpfs[2 * i]);
+}
+
+/* pid 1 of a new pid and mount namespace (the caller waits for it and exits as it does), with
+ * the runs' own tmpfs and /proc. */
+static void new_namespaces(const struct spec *s) {
+    check(sys(__NR_unshare, CLONE_NEWNS | CLONE_NEWPID), "unshare");
+    long child = fork_();
+    if (child > 0) {
+        sys(__NR_close, CONTROL_FD);
+        exit_as(child);
     }
+    check(sys(__NR_prctl, PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "pdeathsig");
+    for (int i = 0; i < s->ntmpfs; i++) mount_tmpfs(s, i);
+    check(sys(__NR_mount, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, 0), "mount /proc");
+}
+
+/* One run without namespaces (with them, the slot's server runs it). */
+static void start(int argc, char **argv, char **envp) {
+    struct spec s;
+    unsigned short len = begin(argc, argv, &s);
+    if (s.namespaces || !s.argv[0]) fail("the helper's arguments", -22);
+    enter_slot(&s);
     long child = fork_();
     if (child > 0) exit_as(child);
     run_program(&s, FILTER, len, envp);
+}
+
+/* ---- a slot's server ---------------------------------------------------------------------- */
+
+enum { MAX_TMPFS = 8, MAX_WORDS = 1024, REQUEST_BYTES = 1 << 16, MAX_FDS = 6 };
+
+/* What a run may have changed in one of the namespace's tmpfs: its use, its root's attributes,
+ * times and extended attributes. The kernel sets a ctime on every change, but at a clock tick's
+ * granularity, so the counts and the rest are compared too. */
+struct fs_state {
+    u64 blocks_free, files_free;
+    unsigned mode, uid, gid, nlink;
+    struct statx_timestamp atime, mtime, ctime;
+    long xattr_bytes;
+};
+
+static void fs_state(const char *path, struct fs_state *st) {
+    struct statfs f;
+    struct statx x;
+    memset(st, 0, sizeof *st);
+    check(sys(__NR_statfs, path, &f), path);
+    check(sys(__NR_statx, AT_FDCWD, path, AT_SYMLINK_NOFOLLOW, STATX_BASIC_STATS, &x), path);
+    st->blocks_free = f.f_bfree, st->files_free = f.f_ffree;
+    st->mode = x.stx_mode, st->uid = x.stx_uid, st->gid = x.stx_gid, st->nlink = x.stx_nlink;
+    st->atime = x.stx_atime, st->mtime = x.stx_mtime, st->ctime = x.stx_ctime;
+    st->xattr_bytes = sys(__NR_llistxattr, path, 0, 0);
+}
+
+static int changed(const struct fs_state *a, const struct fs_state *b) {
+    const unsigned char *x = (const unsigned char *)a, *y = (const unsigned char *)b;
+    for (size_t i = 0; i < sizeof *a; i++) {
+        if (x[i] != y[i]) return 1;
+    }
+    return 0;
+}
+
+static struct fs_state FRESH[MAX_TMPFS];
+
+/* Each tmpfs a run changed, mounted afresh (the old one goes with its last user, all killed). */
+static void renew_tmpfs(const struct spec *s) {
+    for (int i = 0; i < s->ntmpfs; i++) {
+        struct fs_state now;
+        fs_state(s->tmpfs[2 * i], &now);
+        if (!changed(&now, &FRESH[i])) continue;
+        check(sys(__NR_umount2, s->tmpfs[2 * i], MNT_DETACH), s->tmpfs[2 * i]);
+        mount_tmpfs(s, i);
+        fs_state(s->tmpfs[2 * i], &FRESH[i]);
+    }
+}
+
+struct iovec_ {
+    void *base;
+    size_t len;
+};
+struct msghdr_ {
+    void *name;
+    int namelen;
+    struct iovec_ *iov;
+    size_t iovlen;
+    void *control;
+    size_t controllen;
+    int flags;
+};
+struct fds_message {
+    size_t len;
+    int level, type;
+    int fds[MAX_FDS];
+};
+
+static char REQUEST[REQUEST_BYTES + 1];
+static char *WORDS[MAX_WORDS + 1];
+
+/* The next request: its words (NUL-separated) and the run's fds (its 0-3 or 0-4, then its set-up
+ * pipe); their number in `nfds`. 0: the pool closed the socket. */
+static int receive(int fds[MAX_FDS], int *nfds) {
+    struct iovec_ iov = {REQUEST, REQUEST_BYTES};
+    struct fds_message cm;
+    struct msghdr_ m = {0, 0, &iov, 1, &cm, sizeof cm, 0};
+    memset(&cm, 0, sizeof cm);
+    long n;
+    while ((n = sys(__NR_recvmsg, CONTROL_FD, &m, MSG_CMSG_CLOEXEC)) == -4) {
+    }
+    if (n <= 0) return 0;
+    int got = m.controllen >= sizeof(size_t) + 2 * sizeof(int) && cm.level == SOL_SOCKET && cm.type == SCM_RIGHTS
+                  ? (int)((cm.len - sizeof(size_t) - 2 * sizeof(int)) / sizeof(int))
+                  : 0;
+    if (got < MAX_FDS - 1 || got > MAX_FDS || (m.flags & MSG_CTRUNC) || REQUEST[n - 1] != 0) leave(SETUP_FAILED); /* not the pool's */
+    for (int i = 0; i < got; i++) fds[i] = cm.fds[i];
+    *nfds = got;
+    int w = 0;
+    for (long i = 0; i < n && w < MAX_WORDS; w++) {
+        WORDS[w] = REQUEST + i;
+        i += (long)length(REQUEST + i) + 1;
+    }
+    WORDS[w] = 0;
+    return w;
+}
+
+/* A run's process: its fds at 0-3 or 0-4 and its set-up pipe at 5 (moved above them first, so
+ * none overwrites another), its own SysV IPC namespace, then the program as a run of the
+ * helper's starts it. */
+static void __attribute__((noreturn)) serve_program(struct spec *s, int words, int fds[MAX_FDS], int nfds, unsigned short len, char **envp) {
+    int high[MAX_FDS];
+    for (int i = 0; i < nfds; i++) high[i] = (int)sys(__NR_fcntl, fds[i], F_DUPFD_CLOEXEC, 16);
+    for (int i = 0; i < nfds; i++) { /* the set-up pipe closed on exec: the program never writes to it */
+        int target = i == nfds - 1 ? SETUP_FD : i;
+        if (high[i] < 0 || sys(__NR_dup3, high[i], target, target == SETUP_FD ? O_CLOEXEC : 0) < 0) leave(SETUP_FAILED);
+    }
+    if (nfds < MAX_FDS) sys(__NR_close, MAX_FDS - 2);
+    sys(__NR_close_range, SETUP_FD + 1, ~0U, 0);
+    int n = words > 1 ? (int)integer(WORDS[1]) : -1;
+    if (n < 0 || 2 + 2 * n >= words) fail("the request", -22);
+    s->cwd = WORDS[0], s->nrlimits = n, s->rlimits = WORDS + 2, s->argv = WORDS + 2 + 2 * n;
+    check(sys(__NR_unshare, CLONE_NEWIPC), "unshare (SysV IPC)");
+    run_program(s, FILTER, len, envp);
+    leave(SETUP_FAILED);
+}
+
+/* One run: the program as pid 2, as in a namespace of its own; then every process it left
+ * killed and reaped, its tmpfs renewed; its exit code to the pool. */
+static void serve_one(struct spec *s, unsigned short len, char **envp) {
+    int fds[MAX_FDS], nfds = 0;
+    int words = receive(fds, &nfds);
+    if (words == 0) leave(0);
+    long last = sys(__NR_openat, AT_FDCWD, "/proc/sys/kernel/ns_last_pid", O_WRONLY | O_CLOEXEC);
+    if (last >= 0) { /* the run's pids from 2 again, as in a namespace of its own (they tell nothing of the last run) */
+        sys(__NR_write, last, "1", 1);
+        sys(__NR_close, last);
+    }
+    long child = fork_();
+    if (child == 0) serve_program(s, words, fds, nfds, len, envp);
+    for (int i = 0; i < nfds; i++) sys(__NR_close, fds[i]);
+    int code = wait_code(child);
+    sys(__NR_kill, -1, SIGKILL); /* from pid 1: every other process of the namespace */
+    long r;
+    while ((r = sys(__NR_wait4, -1, 0, __WALL, 0)) != -10) { /* until ECHILD */
+        if (r < 0 && r != -4) leave(SETUP_FAILED);
+    }
+    renew_tmpfs(s);
+    check(sys(__NR_write, CONTROL_FD, &code, sizeof code), "answer the pool");
+}
+
+static void serve(int argc, char **argv, char **envp) {
+    struct spec s;
+    unsigned short len = begin(argc, argv, &s);
+    if (!s.namespaces || s.ntmpfs > MAX_TMPFS) fail("the server's arguments", -22);
+    enter_slot(&s);
+    new_namespaces(&s);
+    for (int i = 0; i < s.ntmpfs; i++) fs_state(s.tmpfs[2 * i], &FRESH[i]);
+    check(sys(__NR_write, CONTROL_FD, "R", 1), "tell the pool");
+    sys(__NR_close, SETUP_FD); /* each run brings its own */
+    for (;;) serve_one(&s, len, envp);
 }
 
 /* The process's entry: argc, argv and the environment from the stack the kernel set up. */
 void __attribute__((noreturn, used)) entry(long *stack) {
     int argc = (int)stack[0];
     char **argv = (char **)(stack + 1);
-    start(argc, argv, argv + argc + 1);
+    if (argc > 1 && same(argv[1], "serve")) {
+        serve(argc - 1, argv + 1, argv + argc + 1);
+    } else {
+        start(argc, argv, argv + argc + 1);
+    }
     leave(SETUP_FAILED);
 }
 

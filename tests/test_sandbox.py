@@ -706,10 +706,10 @@ def test_a_caller_that_gives_up_while_its_run_starts_leaves_nothing(loop, langua
 
 
 def test_a_run_whose_start_fails_midway_leaves_nothing_and_never_runs_twice(loop, monkeypatch):
-    """The pool's own calls fail while it starts an exec'd program: a descriptor not duplicated
-    (nothing started: the launcher's fork runs it, no descriptor left open), or the started
-    helper's process not watchable (the run fails with why, its process is killed and reaped, and
-    it is not started a second time by the launcher)."""
+    """The pool's own calls fail while it starts the helper of an exec'd program (the slot's
+    server): a descriptor not duplicated (nothing started: the launcher's fork runs it, no
+    descriptor left open), or the started helper's process not watchable (the run fails with why,
+    its process is killed and reaped, and it is not started a second time by the launcher)."""
     from services import sandbox as sb
 
     uid = 61680
@@ -734,6 +734,7 @@ def test_a_run_whose_start_fails_midway_leaves_nothing_and_never_runs_twice(loop
         await pool.start()
         try:
             await pool.run("echo warm", "bash")  # the slot's namespaces exist
+            await pool.servers[uid].stop()  # so the next run starts the slot's server
             before = open_fds()
             monkeypatch.setattr(sb.fcntl, "fcntl", fcntl)
             monkeypatch.setattr(sb.os, "pidfd_open", pidfd_open)
@@ -744,6 +745,7 @@ def test_a_run_whose_start_fails_midway_leaves_nothing_and_never_runs_twice(loop
                 await pool.run("sleep 30", "bash")
             left = sb._pids_of_uid(uid)
             after = await pool.run("echo next", "bash")
+            await pool.servers[uid].stop()
             leaked = [f for f in open_fds() - before if not f.startswith(str(pool.dir.parent))]
         finally:
             await pool.stop()
@@ -1101,3 +1103,80 @@ def test_exec_d_programs_are_isolated_alike_with_or_without_the_exec_helper():
     assert lines[12] == "oom_score_adj 1000 cgroups 3", lines  # the slot's memory, pids and cpu cgroups
     for run_ in (fast, forked):
         assert run_[1:] == ([], "timeout", ("error", 125), []), run_
+
+
+# ---- a slot's server: the runs of exec'd programs share its namespaces, never their state ----
+
+NEXT_RUN_ATTACKS = {  # what a run leaves for the next in its slot, and what the next then sees
+    "files": (
+        "echo x > /tmp/f; mkdir /tmp/d; echo y > /dev/shm/g; echo z > /var/tmp/h",
+        "ls -A /tmp /dev/shm /var/tmp",
+    ),
+    "tmp's mode": ("chmod 750 /tmp", "stat -c %a /tmp"),
+    "tmp's times": ("touch -d @12345 /tmp", "stat -c %Y /tmp | sed 's/^12345$/told/'"),
+    "SysV IPC": ("ipcmk -M 4096 && ipcmk -Q", "ipcs -m -q | grep -c '^0x'"),
+    "processes": (
+        "setsid sleep 100 >/dev/null 2>&1 </dev/null & nohup sleep 100 >/dev/null 2>&1 &",
+        "n=0; for p in /proc/[0-9]*; do n=$((n + 1)); done; echo $n",  # bash's own glob: no process of its own
+    ),
+    "pid numbers": ("for i in $(seq 40); do /bin/true; done", "echo $$"),
+    "tmp's extended attributes": (  # a Python program, exec'd: a fresh interpreter
+        "import os; os.setxattr('/tmp', 'user.note', b'for the next run')",
+        "import os; print(os.listxattr('/tmp'))",
+    ),
+}
+
+
+@pytest.mark.parametrize("attack", NEXT_RUN_ATTACKS)
+def test_a_run_leaves_nothing_the_next_run_in_its_slot_can_see(loop, attack):
+    """Exec'd programs of a slot run in one server's pid and mount namespaces, one after another:
+    whatever a run leaves there (files in its tmpfs, their root's mode or times, SysV IPC objects,
+    processes that left its session, how far the pids went) is gone when the next run starts,
+    which sees what a first run sees."""
+    from services import sandbox as sb
+
+    leave, look = NEXT_RUN_ATTACKS[attack]
+    language = "python" if "import" in leave else "bash"
+
+    async def scenario() -> tuple[str, str]:
+        pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=61690, fresh_interpreter=language == "python"))
+        await pool.start()
+        try:
+            first = await pool.run(look, language)
+            left = await pool.run(leave, language)
+            assert left.status == "ok", left
+            after = await pool.run(look, language)
+            assert [s.alive for s in pool.servers.values()] == [True]  # one server served them
+            return first.stdout, after.stdout
+        finally:
+            await pool.stop()
+
+    first, after = loop.run_until_complete(scenario())
+    assert after == first, (attack, first, after)
+
+
+def test_a_slot_whose_server_died_between_runs_starts_another(loop):
+    """A slot's server killed while idle (by the kernel out of memory, by an operator): the next
+    run starts a new one and runs as any other; nothing of the old one is left."""
+    from services import sandbox as sb
+
+    async def scenario() -> list:
+        pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=61695))
+        await pool.start()
+        try:
+            results = [await pool.run("echo $$", "bash")]
+            for victim in ("server", "its pid 1"):
+                server = next(iter(pool.servers.values()))
+                pid = server.pid
+                if victim == "its pid 1":
+                    pid = int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+                os.kill(pid, signal.SIGKILL)
+                await asyncio.wait_for(asyncio.shield(server.reaped), 5)
+                results.append(await pool.run("echo $$", "bash"))
+            results.append(sb._pids_of_uid(pool.uids[0]))
+            return results
+        finally:
+            await pool.stop()
+
+    *runs, left = loop.run_until_complete(scenario())
+    assert [(r.status, r.stdout) for r in runs] == [("ok", "2\n")] * 3 and left == [], (runs, left)
