@@ -21,7 +21,7 @@ from forge.data import PreferencePairs
 from forge.metrics import record_metric
 from forge.run import Run
 from forge.store import WeightStore, start_store, stop_store
-from services.evals import PairwiseEvals
+from services.evals import PairwiseEvals, first
 from services.tiny_model import resolve_model
 from services.trainer import Trainer
 
@@ -36,9 +36,10 @@ async def run(cfg: Config) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad = tokenizer.pad_token_id or 0
     pairs = PreferencePairs(cfg.data, tokenizer, cfg.task, cfg.seed)  # a bad file stops here, before any spawn
-    held = PreferencePairs(cfg.held_out, tokenizer, cfg.task, cfg.eval.seed) if cfg.eval.enabled else None
-    count = cfg.eval.prompts or (len(held.rows) if held is not None and held.rows is not None else 64)
-    held_batch = pair_batch([held.sample(i) for i in range(count)], pad, 1) if held is not None else None
+    held_batch = None
+    if cfg.eval.enabled:  # a held-out file's rows each once, at most eval.prompts of them, as other evals
+        held = PreferencePairs(cfg.held_out, tokenizer, cfg.task, cfg.eval.seed, "eval.dataset")
+        held_batch = pair_batch(first(held, cfg.eval.prompts), pad, 1)
     store = await start_store()
     trainer = await Trainer.options(procs=cfg.trainer_procs).as_service(
         str(model), cfg.trainer, WeightStore(cfg.trainer.weights, transport=cfg.trainer.transport)

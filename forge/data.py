@@ -185,18 +185,20 @@ class FilePrompts(RowPrompts):
 
 class TokenizedRows(IndexedPrompts):
     """A supervised app's stream: rows of the `data` file (loaded here, checked by the
-    subclass), else the toy `task`'s samples, tokenized by the model's tokenizer."""
+    subclass), else the toy `task`'s samples, tokenized by the model's tokenizer. `key`: the
+    config key that names the file in errors (a held-out file's: eval.dataset)."""
 
-    def __init__(self, cfg: RowsConfig, tokenizer: Any, task: str, seed: int = 0):
+    def __init__(self, cfg: RowsConfig, tokenizer: Any, task: str, seed: int = 0, key: str = "data"):
         super().__init__(seed)
-        self.cfg, self.tokenizer, self.task = cfg, tokenizer, get_task(task)
+        self.cfg, self.tokenizer, self.task, self.key = cfg, tokenizer, get_task(task), key
         self.end_of_turn = end_of_turn(tokenizer)
         self.rows = None
         if cfg.path:
             from forge.sources import read_file  # see FilePrompts
 
             cfg.validate()
-            self.rows = read_file(cfg.path, "data")
+            self.rows = read_file(cfg.path, key)
+            self.size = len(self.rows)
 
 
 class SFTExamples(TokenizedRows):
@@ -296,22 +298,26 @@ Tokens = tuple[list[int], list[int]]  # token ids, loss mask
 class PreferencePairs(TokenizedRows):
     """An endless stream of preference pairs as ((chosen ids, mask), (rejected ids, mask)), the
     loss on each completion: the file's rows, reshuffled each epoch from the seed, or pairs of
-    the toy task (its answer, a wrong one). A row's prompt is text (then its completions are) or
-    chat messages (then each completion is the assistant's messages, or its text). A file's
-    rows are all checked when it loads: a missing column or an empty completion names its row."""
+    the toy task (its answer, a wrong one). A row's prompt is text (then its completions are;
+    a number reads as its text) or chat messages (then each completion is the assistant's
+    messages, or its text; the prompt's own assistant turns are context, not trained). A file's
+    rows are all checked when it loads: a missing column, an empty completion or one that keeps
+    no loss token (no assistant message, or a prompt that fills max_tokens) names its row."""
 
-    def __init__(self, cfg: PreferenceDataConfig, tokenizer: Any, task: str, seed: int = 0):
-        super().__init__(cfg, tokenizer, task, seed)
+    def __init__(self, cfg: PreferenceDataConfig, tokenizer: Any, task: str, seed: int = 0, key: str = "data"):
+        super().__init__(cfg, tokenizer, task, seed, key)
         if self.rows is not None:
             keys = (cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
             missing = [k for k in keys if k not in self.rows.column_names]
             if missing or not len(self.rows):
                 raise ConfigError(
-                    f"config key 'data': {cfg.path} has {len(self.rows)} rows and columns {self.rows.column_names}; "
+                    f"config key '{key}': {cfg.path} has {len(self.rows)} rows and columns {self.rows.column_names}; "
                     f"missing {missing} (data.prompt_key, data.chosen_key, data.rejected_key)"
                 )
             for i, row in enumerate(self.rows.select_columns(list(keys))):
-                _check_pair(row, keys, f"config key 'data.path': {cfg.path} row {i}")
+                where = f"config key '{key}.path': {cfg.path} row {i}"
+                _check_pair(row, keys, where)
+                self._check_room(row, keys, where)
 
     def sample(self, i: int) -> tuple[Tokens, Tokens]:
         if self.rows is None:
@@ -324,11 +330,30 @@ class PreferencePairs(TokenizedRows):
             return self._tokens(prompt, chosen), self._tokens(prompt, rejected)
         row = self.rows[self.shuffled(i, len(self.rows))]
         prompt = row[self.cfg.prompt_key]
-        return self._tokens(prompt, row[self.cfg.chosen_key]), self._tokens(prompt, row[self.cfg.rejected_key])
+        chosen, rejected = (_completion(row[k]) for k in (self.cfg.chosen_key, self.cfg.rejected_key))
+        return self._tokens(prompt, chosen), self._tokens(prompt, rejected)
 
     def _tokens(self, prompt: str | list[dict[str, Any]], completion: str | list[dict[str, Any]]) -> Tokens:
         ids, mask = completion_tokens(self.tokenizer, prompt, completion, self.end_of_turn)
         return ids[: self.cfg.max_tokens], mask[: self.cfg.max_tokens]
+
+    def _check_room(self, row: dict[str, Any], keys: tuple[str, str, str], where: str) -> None:
+        """A completion the cut to max_tokens leaves no loss token of would train nothing and
+        count as a pair its chosen does not win. What precedes the two completions' loss is
+        mostly the same (the prompt): tokenized once then."""
+        known: list[tuple[list[Any], int]] = []
+        for key in keys[1:]:
+            completion = _completion(row[key])
+            lead = _lead(completion)
+            start = next((n for other, n in known if other == lead), None)
+            if start is None:
+                start = loss_start(self.tokenizer, row[keys[0]], completion)
+                known.append((lead, start))
+            if start >= self.cfg.max_tokens:
+                raise ConfigError(
+                    f"{where}: its prompt is {start} tokens and data.max_tokens {self.cfg.max_tokens}: "
+                    f"the cut leaves no token of '{key}' to train on"
+                )
 
 
 def completion_tokens(
@@ -346,16 +371,56 @@ def completion_tokens(
         return text_tokens(tokenizer, prompt, str(completion), plain)
     turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
     messages = present([*prompt, *turns])
-    ids, labels = chat_tokens(tokenizer, messages, end_of_turn, plain)
+    ids, labels = chat_tokens(tokenizer, messages, end_of_turn, plain, first=len(prompt))
     return ids, [int(label != -100) for label in labels]
+
+
+def loss_start(tokenizer: Any, prompt: str | list[dict[str, Any]], completion: str | list[dict[str, Any]]) -> int:
+    """How many of `completion_tokens`' tokens come before its first loss token: the prompt's
+    (and, in chat, the template's up to the completion's first assistant turn, which must
+    exist). What precedes the completion alone is tokenized, as `completion_tokens` tokenizes it:
+    a file's rows are all checked at load, and their completions are most of their tokens."""
+    if isinstance(prompt, str):
+        return len(tokenizer(prompt)["input_ids"])
+    turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+    messages = present([*prompt, *turns])
+    k = next(k for k in range(len(prompt), len(messages)) if messages[k]["role"] == "assistant")
+    before = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
+    return len(tokenizer(before, add_special_tokens=False)["input_ids"])
+
+
+def _lead(completion: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A completion's messages before its first assistant turn: they precede its loss as its
+    prompt does."""
+    if not isinstance(completion, list):
+        return []
+    return completion[: [m.get("role") for m in completion].index("assistant")]
+
+
+def _completion(value: Any) -> Any:
+    """A completion as it trains: a number (a CSV's inferred numeric column, a JSON number) as
+    its text, as SFT reads it; NaN (a CSV's missing value) as none."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value) if value == value else None
+    return value
 
 
 def _check_pair(row: dict[str, Any], keys: tuple[str, str, str], where: str) -> None:
     for key in keys:
-        if not _filled(row[key]):
+        value = row[key] if key == keys[0] else _completion(row[key])
+        if value is not None and not isinstance(value, str) and not is_chat(value):
+            raise ConfigError(
+                f"{where}: column '{key}' holds {str(value)[:60]!r} ({type(value).__name__}), "
+                "not text or chat messages ({role, content})"
+            )
+        if not _filled(value):
             raise ConfigError(f"{where}: column '{key}' is empty")
-    if isinstance(row[keys[0]], str) and not all(isinstance(row[k], str) for k in keys[1:]):
+    if isinstance(row[keys[0]], str) and not all(isinstance(_completion(row[k]), str) for k in keys[1:]):
         raise ConfigError(f"{where}: the prompt is text, so '{keys[1]}' and '{keys[2]}' must be too, not messages")
+    for key in keys[1:]:
+        roles = [m.get("role") for m in row[key]] if isinstance(row[key], list) else ["assistant"]
+        if "assistant" not in roles:  # its tokens would hold no loss token, or be none at all
+            raise ConfigError(f"{where}: column '{key}' has no 'assistant' message to train on (roles {roles})")
 
 
 def _filled(value: Any) -> bool:

@@ -274,12 +274,14 @@ def end_of_turn(tokenizer) -> str:
 
 
 def chat_tokens(
-    tokenizer, messages: list[dict[str, str]], end_of_turn: str, plain: bool = False
+    tokenizer, messages: list[dict[str, str]], end_of_turn: str, plain: bool = False, first: int = 0
 ) -> tuple[list[int], list[int]]:
     """A conversation as the chat template renders it: its token ids, and the labels to train
     on (the assistant turns' tokens, up to and with their `end_of_turn` token, the template's
     (`end_of_turn(tokenizer)`); -100 elsewhere). `plain`: the assistant turns' own text with
-    special-token strings as text (a policy's: it spells "<|im_end|>", it does not end a turn)."""
+    special-token strings as text (a policy's: it spells "<|im_end|>", it does not end a turn).
+    `first`: the first message that may train; assistant turns before it are context (a
+    completion's prompt may hold earlier turns of the conversation)."""
     ids: list[int] = []
     labels: list[int] = []
     rendered = ""
@@ -290,7 +292,7 @@ def chat_tokens(
         labels.extend(piece if train else [-100] * len(piece))
 
     for k, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or k < first:
             continue
         prompt = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
         full = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)

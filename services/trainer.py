@@ -44,6 +44,7 @@ from forge.losses.tinker import TINKER_LOSSES, Datums, loss_config
 from forge.schema import PREFERENCE_LOSSES, LossConfig
 from forge.service import last_line
 from forge.store import WeightStore
+from forge.tasks import end_of_turn
 from forge.types import Batch
 from services import models
 from services.lora import AdapterState, PeftNames, adapters_off, merged
@@ -52,6 +53,7 @@ from services.tenants import Tenants
 from services.titan import SCORE_HEAD, gradients_summed, reshard, target_logprobs
 
 TENANT_META = "tenant.json"  # a tenant checkpoint's LoRA rank, alpha and modules
+PAIR_LOSSES = PREFERENCE_LOSSES | {"bradley_terry"}  # episodes 2k and 2k+1 are pair k
 HF_FILES = (
     "config.json",
     "generation_config.json",
@@ -148,6 +150,8 @@ class Trainer(ForgeActor):
                 f"train_step: {rows} rows do not split over {self.world} ranks x grad_accum {self.cfg.grad_accum}"
             )
         per = rows // self.world
+        if self.cfg.loss.name in PAIR_LOSSES:
+            _pairs_whole(batch)
         return _rows(batch, slice(self.rank * per, (self.rank + 1) * per))
 
     @endpoint
@@ -520,10 +524,12 @@ class Trainer(ForgeActor):
     @endpoint
     async def export_hf(self, path: str, merged: bool = False) -> str:
         """A HF model directory (safetensors + config + tokenizer) of the current weights; with
-        LoRA, a PEFT adapter directory, or the model with the adapter merged in (`merged`)."""
+        LoRA, a PEFT adapter directory, or the model with the adapter merged in (`merged`). A
+        score head's is always merged: a sequence classifier, its head trained whole, which a
+        causal-LM adapter has no place for."""
         from safetensors.torch import save_file
 
-        if self.peft is not None and not merged:
+        if self.peft is not None and not merged and self.cfg.head != "score":
             tensors = self.peft.tensors(self.model)  # as trained, whatever versions are published in
             if self.rank == 0:
                 write_adapter(path, tensors, self.cfg.lora, self.model_dir)
@@ -606,13 +612,53 @@ class Trainer(ForgeActor):
 
 def _as_sequence_classifier(config: Path) -> None:
     """An exported reward model's config.json: transformers' AutoModelForSequenceClassification
-    of the family, one label (the score)."""
+    of the family, one label (the score), and the pad token of `_score_pad`."""
     cfg = json.loads(config.read_text())
     cfg["architectures"] = [a.replace("ForCausalLM", "ForSequenceClassification") for a in cfg.get("architectures", [])]
     cfg["num_labels"] = 1
     cfg.pop("id2label", None)
     cfg.pop("label2id", None)
+    cfg["pad_token_id"] = _score_pad(config.parent)
     config.write_text(json.dumps(cfg, indent=2))
+
+
+def _score_pad(model: Path) -> int:
+    """The pad token of the exported reward model in `model`, set in its tokenizer files too.
+    transformers' sequence classifier scores a row's last token that is not its pad_token_id
+    (none: a batch of one only), forge a sequence's last token, an EOS where a text completion
+    ends: a pad that is the EOS (Qwen's base models) or none (Llama 3's) would read another
+    token than forge trained, or fail on a batch. The tokenizer's own pad if it is neither the
+    EOS nor the end of a turn, else another of its special tokens the chat template never writes
+    (one named pad first)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ends = {tok.eos_token, end_of_turn(tok)}
+    if tok.pad_token is not None and tok.pad_token not in ends:
+        return tok.pad_token_id
+    taken = ends | {tok.bos_token, tok.unk_token}
+    spare = [t for t in tok.get_added_vocab() if t not in taken and t not in (tok.chat_template or "")]
+    if not spare:
+        raise ValueError(
+            f"{model}: the tokenizer's pad token is {tok.pad_token!r} (its EOS {tok.eos_token!r}) and it has no "
+            "other special token to pad with: transformers would score another token than forge"
+        )
+    pad = min(spare, key=lambda t: ("pad" not in t.lower(), tok.convert_tokens_to_ids(t)))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (model / name).is_file():
+            settings = json.loads((model / name).read_text())
+            (model / name).write_text(json.dumps({**settings, "pad_token": pad}, indent=2, ensure_ascii=False))
+    return tok.convert_tokens_to_ids(pad)
+
+
+def _pairs_whole(b: Batch) -> None:
+    """A pair loss reads episodes 2k and 2k+1 as pair k; an episode with no token in the batch
+    is gone once a shard renumbers the episodes it holds (`_rows`), and every pair after it
+    would be read as one pair's rejected and the next one's chosen."""
+    held = torch.unique(b.doc_ids[b.doc_ids >= 0])
+    if held.numel() != b.num_episodes:
+        empty = sorted(set(range(b.num_episodes)) - set(held.tolist()))
+        raise ValueError(f"train_step: episodes {empty[:8]} of the batch's pairs have no tokens")
 
 
 def _means(sums: dict[str, torch.Tensor], units: torch.Tensor) -> dict[str, float]:

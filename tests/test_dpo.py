@@ -11,8 +11,10 @@ from transformers import AutoTokenizer
 from apps.dpo import Config, main, pair_batch
 from forge import tasks
 from forge.config import ConfigError, load_config
-from forge.data import PreferencePairs
+from forge.data import PreferencePairs, completion_tokens, loss_start
 from forge.schema import PreferenceDataConfig
+from forge.tasks import end_of_turn
+from services.trainer import _pairs_whole
 
 CONFIG = "configs/dpo_tiny.yaml"
 
@@ -94,6 +96,119 @@ def test_a_broken_preference_row_is_named(tmp_path, tiny_model_dir, rows, messag
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(ConfigError, match=rf"config key 'data(.path)?': {path}.*{message}"):
         PreferencePairs(PreferenceDataConfig(path=path), tok, "reverse")
+
+
+USER = [{"role": "user", "content": "rev abc="}]
+
+
+@pytest.mark.parametrize(
+    "row, max_tokens, message",
+    [
+        # ShareGPT's roles, or a user's 'chosen': no loss token, no token at all once tokenized
+        (
+            {
+                "prompt": USER,
+                "chosen": [{"role": "gpt", "content": "cba"}],
+                "rejected": [{"role": "gpt", "content": "a"}],
+            },
+            1024,
+            r"row 0: column 'chosen' has no 'assistant' message to train on \(roles \['gpt'\]\)",
+        ),
+        (
+            {"prompt": USER, "chosen": [{"role": "assistant", "content": "cba"}], "rejected": USER},
+            1024,
+            r"row 0: column 'rejected' has no 'assistant' message",
+        ),
+        # a prompt that fills max_tokens: the cut leaves nothing of either completion
+        (
+            {"prompt": "rev " + "abcdefgh" * 40 + "=", "chosen": "x", "rejected": "y"},
+            64,
+            r"row 0: its prompt is \d+ tokens",
+        ),
+        ({"prompt": USER * 20, "chosen": "cba", "rejected": "abc"}, 64, r"row 0: its prompt is \d+ tokens"),
+        (
+            {"prompt": "2+3=", "chosen": 5, "rejected": {"text": "6"}},
+            1024,
+            r"row 0: column 'rejected' holds .*\(dict\), not text or chat messages",
+        ),
+    ],
+)
+def test_a_pair_with_no_loss_token_is_named(tmp_path, tiny_model_dir, row, max_tokens, message):
+    """Such a pair would train nothing and count as one its chosen does not win; an empty
+    episode would also shift every pair after it in the trainer's shards."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    path = write_jsonl(tmp_path / "bad.jsonl", [row])
+    with pytest.raises(ConfigError, match=rf"config key 'data.path': {path} {message}"):
+        PreferencePairs(PreferenceDataConfig(path=path, max_tokens=max_tokens), tok, "reverse")
+    if max_tokens < 1024:  # one token more: the completions' first loss token fits
+        room = loss_start(tok, row["prompt"], row["chosen"]) + 1
+        pairs = PreferencePairs(PreferenceDataConfig(path=path, max_tokens=room), tok, "reverse")
+        assert all(sum(mask) == 1 for _, mask in pairs.sample(0))
+
+
+@pytest.mark.parametrize(
+    "prompt, completion",
+    [
+        ("rev abc=", "cba"),
+        (USER, "cba"),
+        (USER, [{"role": "assistant", "content": "cba"}]),
+        ([*USER, {"role": "assistant", "content": "cba"}, {"role": "user", "content": "again"}], "cba"),
+        (
+            USER,
+            [
+                {"role": "assistant", "content": "c"},
+                {"role": "user", "content": "more"},
+                {"role": "assistant", "content": "ba"},
+            ],
+        ),
+        ([{"role": "system", "content": "Reverse."}], [*USER, {"role": "assistant", "content": "cba"}]),
+    ],
+)
+def test_loss_start_is_where_the_completion_tokens_loss_starts(tiny_model_dir, prompt, completion):
+    """The load check tokenizes what precedes a completion alone: it must count what
+    `completion_tokens` does."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    _, mask = completion_tokens(tok, prompt, completion, end_of_turn(tok))
+    assert loss_start(tok, prompt, completion) == mask.index(1)
+
+
+def test_numeric_completions_read_as_text(tmp_path, tiny_model_dir):
+    """A JSON number, or a CSV's column inferred as numbers, is the completion's text, as SFT reads it."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    csv = tmp_path / "p.csv"
+    csv.write_text("prompt,chosen,rejected\n2+3=,5,6.5\n")
+    for path in (write_jsonl(tmp_path / "p.jsonl", [{"prompt": "2+3=", "chosen": 5, "rejected": 6.5}]), str(csv)):
+        chosen, rejected = PreferencePairs(PreferenceDataConfig(path=path), tok, "add").sample(0)
+        assert (completion(tok, chosen), completion(tok, rejected)) == ("5<|eos|>", "6.5<|eos|>")
+    chat = write_jsonl(
+        tmp_path / "c.jsonl", [{"prompt": [{"role": "user", "content": "2+3="}], "chosen": 5, "rejected": 6}]
+    )
+    chosen, _ = PreferencePairs(PreferenceDataConfig(path=chat), tok, "add").sample(0)
+    assert completion(tok, chosen) == "5<|im_end|>"
+
+
+def test_a_chat_prompts_assistant_turns_are_context(tmp_path, tiny_model_dir):
+    """TRL's conversational rows often hold earlier turns in the prompt: only the completion trains."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = [*USER, {"role": "assistant", "content": "cba"}, {"role": "user", "content": "rev xyz="}]
+    row = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "zyx"}], "rejected": "xyz"}
+    chosen, rejected = PreferencePairs(
+        PreferenceDataConfig(path=write_jsonl(tmp_path / "p.jsonl", [row])), tok, "reverse"
+    ).sample(0)
+    assert (completion(tok, chosen), completion(tok, rejected)) == ("zyx<|im_end|>", "xyz<|im_end|>")
+    assert tok.decode(chosen[0]).startswith(tok.apply_chat_template(prompt, tokenize=False))  # the turns are there
+
+
+def test_the_trainer_refuses_pairs_with_an_empty_episode():
+    """An episode with no token would vanish when a shard renumbers its episodes, and every pair
+    after it would be read as one pair's rejected and the next one's chosen."""
+    whole = pair_batch([(([1, 2], [0, 1]), ([1, 3], [0, 1]))] * 2, pad_id=0, rows_multiple_of=1)
+    _pairs_whole(whole)
+    empty = pair_batch(
+        [(([1, 2], [0, 1]), ([], [])), (([1, 5], [0, 1]), ([1, 6], [0, 1]))], pad_id=0, rows_multiple_of=1
+    )
+    with pytest.raises(ValueError, match=r"episodes \[1\] of the batch's pairs have no tokens"):
+        _pairs_whole(empty)
 
 
 def test_dpo_config_errors():

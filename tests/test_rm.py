@@ -157,3 +157,131 @@ def test_the_reward_model_reward_batches_and_fails_like_any_reward(rm_run, tmp_p
     assert [g.reward for g in good] == pytest.approx([got[0] + 0.5, got[1]], abs=1e-5)
     assert all(b.failed and "reward_model" in b.error and b.components["reward_model"] == 0 for b in bad)
     assert [b.reward for b in bad] == [0.5, 0.0]  # exact still counts
+
+
+def test_a_lora_reward_models_export_is_the_merged_sequence_classifier(tmp_path, tiny_model_dir):
+    """With LoRA the score head still trains whole, which a causal-LM PEFT adapter has no place
+    for: the export is the merged model with its trained head, as transformers and the
+    `reward_model` reward load it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    data = tasks.write_dataset(tmp_path / "pairs.jsonl", "reverse", n=16, preferences=True)
+    over = [
+        f"runs_dir={tmp_path}",
+        "run_name=rm",
+        "model.tiny=null",
+        f"model.path={tiny_model_dir}",
+        f"data.path={data}",
+        "eval.every=0",
+        "eval.before_train=false",
+        "steps=2",
+        "batch_size=4",
+        "trainer.lr=1e-2",
+        "trainer.warmup_steps=0",
+        "checkpoint_every=0",
+        "metrics=[jsonl]",
+        "trainer.lora.rank=4",
+    ]
+    main(load_config(CONFIG, over, Config))
+    export = tmp_path / "rm" / "model"
+    assert not (export / "adapter_config.json").exists()
+    assert json.loads((export / "config.json").read_text())["architectures"] == ["Qwen3ForSequenceClassification"]
+    head = load_file(str(export / "model.safetensors"))["score.weight"]
+    initial = load_hf_model(tiny_model_dir, head="score").lm_head.weight  # the fresh head it started from
+    assert (head - initial).abs().max().item() > 1e-4  # it trained
+    hf = AutoModelForSequenceClassification.from_pretrained(export, dtype=torch.float32).eval()
+    ids = torch.randint(6, 100, (4, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (
+            hf(ids).logits[:, 0] - token_scores(load_hf_model(export, head="score"), ids)[:, -1]
+        ).abs().max() <= 1e-5
+
+
+def pad_shipped(model, pad: str | None) -> None:
+    """`model`'s tokenizer and config.json with this pad token (None: none, no pad_token_id)."""
+    from transformers import AutoTokenizer
+
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    config = json.loads((model / "config.json").read_text())
+    settings.pop("pad_token", None)
+    config.pop("pad_token_id", None)
+    if pad is not None:
+        settings["pad_token"] = pad
+        config["pad_token_id"] = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(pad)
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    (model / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("shipped", ["pad_is_eos", "no_pad", "pad_is_eos_after_export"])
+def test_transformers_scores_a_padded_batch_of_the_export_as_forge(tmp_path, tiny_model_dir, shipped):
+    """transformers' sequence classifier scores a row's last token that is not pad_token_id
+    (with none, a batch of one only). A base model whose pad is its EOS (Qwen's base models) or
+    that has none (Llama 3's): the export pads with another special token, so transformers reads
+    the EOS forge trained on. A checkpoint whose pad is its EOS all the same (trained elsewhere):
+    the `reward_model` reward reads the token before, as transformers does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from forge.tasks import end_of_turn
+    from forge.types import RewardInput
+    from services.rewards.reward_model import RewardModel, rm_tokens
+    from services.schema import RewardModelConfig
+    from services.trainer import _as_sequence_classifier
+
+    export = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, export)  # what export_hf writes: the weights with a score head, the base's files
+    pad_shipped(export, None if shipped == "no_pad" else "<|eos|>")
+    weights = load_file(str(export / "model.safetensors"))
+    weights["score.weight"] = torch.randn(1, 256, generator=torch.Generator().manual_seed(0))
+    save_file(weights, str(export / "model.safetensors"), metadata={"format": "pt"})
+    _as_sequence_classifier(export / "config.json")
+    tok = AutoTokenizer.from_pretrained(export)
+    assert json.loads((export / "config.json").read_text())["pad_token_id"] == tok.pad_token_id
+    assert tok.pad_token == "<|pad|>"  # neither its EOS nor the end of a turn
+    if shipped == "pad_is_eos_after_export":
+        pad_shipped(export, "<|eos|>")
+        tok = AutoTokenizer.from_pretrained(export)
+    chat = [{"role": "user", "content": "rev abc="}]
+    samples = [
+        RewardInput({"prompt": p, "answer": "cba"}, c) for p in ("rev abc=", chat) for c in ("cba", "a", "cbacba")
+    ]
+    ours = RewardModel(RewardModelConfig(path=str(export))).scores(samples)
+    seqs = [rm_tokens(tok, s, end_of_turn(tok))[0] for s in samples]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
+    attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    hf = AutoModelForSequenceClassification.from_pretrained(export, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, attention_mask=attention).logits[:, 0].tolist()
+    assert ours == pytest.approx(theirs, abs=1e-5)
+
+
+def test_held_out_pairs_are_each_row_once_and_their_errors_name_eval_dataset(tmp_path, monkeypatch, tiny_model_dir):
+    """eval.prompts (256 in rm_tiny.yaml) caps at the held-out file's rows, as every eval's
+    prompts; a broken row of that file names its own config key."""
+    import asyncio
+
+    import apps.rm as rm
+
+    data = tasks.write_dataset(tmp_path / "pairs.jsonl", "reverse", n=8, preferences=True)
+    held = tasks.write_dataset(tmp_path / "held.jsonl", "reverse", n=10, seed=1, preferences=True)
+    over = [f"runs_dir={tmp_path}", "model.tiny=null", f"model.path={tiny_model_dir}", f"data.path={data}"]
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def stop(pairs, *args):  # before any service starts
+        seen.extend(pairs)
+        raise Stop
+
+    monkeypatch.setattr(rm, "pair_batch", stop)
+    with pytest.raises(Stop):
+        asyncio.run(rm.run(load_config(CONFIG, [*over, f"eval.dataset.path={held}"], Config)))
+    assert len({tuple(chosen[0]) for chosen, _ in seen}) == len(seen) == 10
+    held.write_text(json.dumps({"prompt": "rev ab=", "chosen": "ba", "rejected": ""}) + "\n")
+    with pytest.raises(ConfigError, match=f"config key 'eval.dataset.path': {held} row 0: column 'rejected' is empty"):
+        asyncio.run(rm.run(load_config(CONFIG, [*over, f"eval.dataset.path={held}"], Config)))

@@ -8,13 +8,17 @@
 The checkpoint is a transformers *ForSequenceClassification with one label (the rm app's
 export), loaded as forge's torchtitan model with a score head; a sample is its prompt and
 completion tokenized as the reward model was trained (`forge.data.completion_tokens`, the
-policy's text read as plain text), and its score is the last token's.
+policy's text read as plain text), and its score is the last token's that is not the
+checkpoint's pad_token_id, where transformers reads it (forge's exports pad with a token no
+sequence ends with; a checkpoint whose pad is its EOS was trained on the token before).
 Samples arriving together (a group, several groups) share one forward.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,7 +76,10 @@ class RewardModel:
         episodes = []
         for s in samples:
             ids, mask = rm_tokens(self.tokenizer, s, self.end_of_turn)
-            episodes.append(Episode(ids, mask, [0.0] * len(ids)))
+            end = len(ids)
+            while end > 1 and ids[end - 1] == self.pad:  # transformers' sequence classifiers skip them
+                end -= 1
+            episodes.append(Episode(ids[:end], mask[:end], [0.0] * end))
         # Completions of one prompt (a group's) read it once.
         batch = collate(episodes, pad_id=self.tokenizer.pad_token_id or 0, share_prefix=True)
         with torch.no_grad():
@@ -86,6 +93,7 @@ class RewardModel:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.path)
         self.end_of_turn = end_of_turn(self.tokenizer)
+        self.pad = json.loads((Path(self.cfg.path) / "config.json").read_text()).get("pad_token_id")
         self.model = load_hf_model(self.cfg.path, head="score").eval().requires_grad_(False)
         self._token_scores = token_scores
 
