@@ -26,13 +26,14 @@ from apps.schema import GRPOConfig as Config
 from apps.sft import warm_start
 from forge.buffer import ReplayBuffer
 from forge.config import import_object
-from forge.losses.advantages import explained_variance, gae, teacher_advantages, whiten
+from forge.console import report
+from forge.losses.advantages import explained_variance, finite_episodes, gae, teacher_advantages, whiten
 from forge.metrics import Reduce, metrics_scope, record_metric
 from forge.mixture import Mixture, build_prompts, register
 from forge.rollout import RolloutLoops, Rollouts, SingleTurn
 from forge.run import ActorState, Run
 from forge.service import ReplicaRestored
-from forge.types import Batch, collate
+from forge.types import Batch, collate, continued
 from services.agentic import AgenticRollouts
 from services.evals import BackgroundEvals, held_out
 from services.roles import Roles, Shared
@@ -130,7 +131,14 @@ async def train(cfg: Config, s: Roles, resume_from: Path | None = None) -> dict[
 def rollouts(cfg: Config, s: Roles) -> Rollouts:
     """Groups of multi-turn episodes through the gateway (`agentic`), else of the `rollout` function."""
     if cfg.agentic.enabled:
-        return AgenticRollouts(cfg.agentic, s.gateway, s.envs, cfg.group_size, cfg.trainer.loss.normalize_std)
+        return AgenticRollouts(
+            cfg.agentic,
+            s.gateway,
+            s.envs,
+            cfg.group_size,
+            cfg.trainer.loss.normalize_std,
+            relative=cfg.algorithm == "grpo",
+        )
     return SingleTurn(import_object("rollout", cfg.rollout), cfg.rollout, s.gen, s.rewards, cfg)
 
 
@@ -146,7 +154,8 @@ def batch_rows(cfg: Config) -> int:
 async def step(cfg: Config, s: Roles, run: Run, loops: RolloutLoops, buffer: Any) -> None:
     """One step: a batch of scored groups (generated beside the loop), train, push weights."""
     t0 = time.perf_counter()
-    episodes = await loops.batch(run.version)
+    moves = s.critic is None or run.step >= cfg.ppo.critic_warmup  # PPO's critic warms up alone first
+    episodes = await loops.batch(run.version, policy_steps=moves)
     t1 = time.perf_counter()
     batch = collate(episodes, pad_id=0, rows_multiple_of=batch_rows(cfg), share_prefix=cfg.trainer.share_prefix)
     if s.ref is not None:
@@ -156,7 +165,6 @@ async def step(cfg: Config, s: Roles, run: Run, loops: RolloutLoops, buffer: Any
     if s.teachers:
         await distill(cfg, s, batch, episodes)
     t2 = time.perf_counter()
-    moves = s.critic is None or run.step >= cfg.ppo.critic_warmup  # PPO's critic warms up alone first
     policy = s.trainer.train_step.route(batch) if moves else unchanged(run.version)
     (version, metrics), _ = await run.training(asyncio.gather(policy, train_critic(cfg, s, batch)))
     t3 = time.perf_counter()
@@ -177,16 +185,42 @@ async def unchanged(version: int) -> tuple[int, dict[str, float]]:
 
 async def critic_advantages(cfg: Config, s: Roles, batch: Batch, episodes: list) -> None:
     """PPO: the critic's values of the batch's tokens, read now (at train time: right whatever
-    the samples' staleness), and GAE over each episode's own tokens with its reward at its last,
-    whitened over the batch. The values and returns stay in the batch for the critic's step."""
+    the samples' staleness), and GAE over each episode's own tokens with its reward at its last
+    (a multi-turn episode recorded as several samples: over all of them), whitened over the
+    batch. The values and returns stay in the batch for the critic's step; a group with a value
+    that is not finite leaves it (`drop_nonfinite`)."""
     t0 = time.perf_counter()
     values = await s.critic.values.route(batch)
     rewards = torch.tensor([e.reward for e in episodes], dtype=values.dtype)
-    advantages, returns = gae(batch, values, rewards, cfg.ppo.gamma, cfg.ppo.lam)
-    own = batch.loss_mask * (batch.doc_ids >= 0)
-    batch.advantages, batch.values, batch.returns = whiten(advantages, own), values, returns
-    record_metric("critic/explained_variance", explained_variance(values, returns, own))
+    advantages, returns = gae(batch, values, rewards, cfg.ppo.gamma, cfg.ppo.lam, continues=continued(episodes))
+    advantages = drop_nonfinite(batch, episodes, advantages, "critic values")
+    own = (batch.loss_mask > 0) & (batch.doc_ids >= 0)
+    # 0 off the tokens the critic learns: what it read there (a prompt's, a dropped group's) never counts.
+    batch.values, batch.returns = torch.where(own, values, 0.0), torch.where(own, returns, 0.0)
+    batch.advantages = whiten(advantages, own)
+    record_metric("critic/explained_variance", explained_variance(batch.values, batch.returns, own))
     record_metric("time/critic_values_s", time.perf_counter() - t0)
+
+
+def drop_nonfinite(batch: Batch, episodes: list, advantages: torch.Tensor, what: str) -> torch.Tensor:
+    """`advantages` without the groups of the episodes where they are not finite (the `what`,
+    a critic's or a teacher's, NaN or inf on one of their loss tokens): those groups leave the
+    batch (loss mask 0, advantage 0), counted (`groups_nonfinite`) and reported, as a rollout's
+    group whose advantages are not finite; the rest of the batch trains."""
+    finite = finite_episodes(batch, advantages)
+    if bool(finite.all()):
+        return advantages
+    group = torch.tensor([e.group if e.group >= 0 else len(episodes) + i for i, e in enumerate(episodes)])
+    dropped = torch.isin(group, group[~finite])
+    off = dropped[batch.doc_ids.clamp(min=0)] & (batch.doc_ids >= 0)
+    batch.loss_mask = torch.where(off, 0.0, batch.loss_mask)
+    record_metric("groups_nonfinite", int(group[dropped].unique().numel()), Reduce.SUM)
+    report(
+        "groups not trained on",
+        f"the {what} of {int((~finite).sum())} episode(s) are not finite: their groups "
+        f"({int(dropped.sum())} episodes) are not trained on",
+    )
+    return torch.where(off, 0.0, advantages)
 
 
 async def train_critic(cfg: Config, s: Roles, batch: Batch) -> None:
@@ -207,12 +241,16 @@ async def distill(cfg: Config, s: Roles, batch: Batch, episodes: list) -> None:
     to them. Scored here, at train time, on the tokens as sampled, whatever their staleness;
     each teacher weighs in on the episodes of the data sources it names."""
     teacher_logprobs = await asyncio.gather(*(t.logprobs.route(batch) for t in s.teachers))
-    on_token = batch.doc_ids.clamp(min=0)
-    weights = [
-        torch.tensor([t.weight if t.scores(e.task) else 0.0 for e in episodes])[on_token] * (batch.doc_ids >= 0)
+    on_token, own = batch.doc_ids.clamp(min=0), batch.doc_ids >= 0
+    # float64: a teacher's weight, however small, stays above 0
+    per_episode = [
+        torch.tensor([t.weight if t.scores(e.task) else 0.0 for e in episodes], dtype=torch.float64)
         for t in cfg.distill.teachers
     ]
+    weights = [torch.where(own, w[on_token], 0.0) for w in per_episode]
     advantages, reverse_kl = teacher_advantages(batch, list(teacher_logprobs), weights, cfg.distill.coef)
+    advantages = drop_nonfinite(batch, episodes, advantages, "teacher logprobs")
+    reverse_kl = torch.where(batch.loss_mask > 0, reverse_kl, 0.0)
     batch.advantages = advantages if cfg.algorithm == "distill" else batch.advantages + advantages
     record_metric("distill/reverse_kl", float(reverse_kl.sum() / batch.loss_mask.sum().clamp(min=1)))
 

@@ -5,6 +5,7 @@
     ticket = await buffer.admit.call_one(start)            # room for a group; its weights: ticket.weights or newer
     await buffer.add.call_one(group, ticket)               # a GRPO group (list of Episodes)
     episodes = await buffer.sample.call_one(8, version)   # waits until 8 fresh groups exist
+    episodes = await buffer.sample.call_one(8, version, policy_steps=False)  # the next batch is for `version` too
 
 A group is the unit: its advantages are relative to each other, so a batch that held part of a
 group would push its episodes up or down alone (one failed episode of eight, advantage -2.6,
@@ -21,7 +22,9 @@ a Ticket with the oldest policy version its weights may have (`max_staleness` ol
 generating on older weights would be thrown away). On-policy (max_staleness 0) it also admits
 exactly `capacity` groups per batch, as a synchronous system starts them: without that, loops
 that finish early start extra groups, the batch fills with the fastest ones and the slow ones
-are thrown away (wasted generation, and a batch biased to short episodes). A group admitted
+are thrown away (wasted generation, and a batch biased to short episodes). A batch the policy
+does not step on (`policy_steps=False`: PPO's critic trains alone) leaves the version as it is:
+the next batch is for the same weights, and its groups are admitted afresh. A group admitted
 that fails (`withdraw`) or that the buffer does not keep gives its room back. A rewind
 (`load_state_dict`, a checkpoint's groups) voids every ticket given before it: an `add` still
 on its way or waiting for room brings a group whose prompt the run replays, and is dropped.
@@ -145,6 +148,14 @@ class ReplayBuffer(ForgeActor):
                 del self.admitted[old]
             self.changed.notify_all()
 
+    def _again(self, version: int, taken: int) -> None:
+        """The batch for `version` was taken and the next is for `version` too (the policy did not
+        step on it): the `taken` groups give their room to the next batch's. No new version is
+        invented: the trainer publishes them."""
+        self._advance(version)
+        self.admitted[version] = max(self.admitted[version] - taken, 0)
+        self.changed.notify_all()
+
     @concurrent_endpoint
     async def add(self, group: list[Episode], ticket: Ticket | None = None) -> int:
         """Add one group (admitted with `ticket`, if it was); returns how many of its episodes
@@ -179,8 +190,12 @@ class ReplayBuffer(ForgeActor):
             self.changed.notify_all()
 
     @concurrent_endpoint
-    async def sample(self, groups: int, version: int, timeout_s: float | None = None) -> list[Episode]:
-        """The episodes of the `groups` oldest groups usable by policy `version`, once there are enough."""
+    async def sample(
+        self, groups: int, version: int, timeout_s: float | None = None, policy_steps: bool = True
+    ) -> list[Episode]:
+        """The episodes of the `groups` oldest groups usable by policy `version`, once there are
+        enough. Admission moves on to version + 1, unless the policy does not step on this batch
+        (`policy_steps=False`): then the next batch is for `version` again."""
         if groups > self.capacity:
             raise ValueError(f"ReplayBuffer: a batch of {groups} groups is larger than capacity {self.capacity}")
         async with self.changed:
@@ -197,12 +212,18 @@ class ReplayBuffer(ForgeActor):
                     f"version {version} after {timeout_s}s ({len(self.groups)} held)"
                 ) from None
             taken = [self.groups.popleft() for _ in range(groups)]
-            self._advance(version + 1)
+            if policy_steps:
+                self._advance(version + 1)
+            else:
+                self._again(version, groups)
             self.changed.notify_all()  # room for waiting adds
         if not all(self._fresh(g, version) for g in taken):
             raise StalenessError(
                 f"a group older than max_staleness={self.max_staleness} in a batch for version {version}"
             )
+        for i, g in enumerate(taken):
+            for e in g:
+                e.group = i  # what goes whole past here too (a group whose advantages are not finite)
         batch = [e for g in taken for e in g]
         self.stats["sampled"] += len(batch)
         return batch

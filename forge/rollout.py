@@ -224,10 +224,12 @@ class RolloutLoops:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.tasks = []
 
-    async def batch(self, version: int) -> list[Episode]:
-        """The next batch for policy `version`; or why none will come: a loop that stopped, or
-        no batch within `cfg.sample_timeout_s`."""
-        get = asyncio.ensure_future(self.buffer.sample.call_one(self.cfg.groups_per_step, version))
+    async def batch(self, version: int, policy_steps: bool = True) -> list[Episode]:
+        """The next batch for policy `version` (with `policy_steps` False, one the policy does
+        not step on: the batch after it is for `version` too); or why none will come: a loop that
+        stopped, or no batch within `cfg.sample_timeout_s`."""
+        sample = self.buffer.sample.call_one(self.cfg.groups_per_step, version, policy_steps=policy_steps)
+        get = asyncio.ensure_future(sample)
         done, _ = await asyncio.wait(
             [get, *self.tasks], timeout=self.cfg.sample_timeout_s, return_when=asyncio.FIRST_COMPLETED
         )

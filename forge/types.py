@@ -182,6 +182,11 @@ class Episode:
     score: Score = field(default_factory=lambda: Score(0.0))
     routed_experts: torch.Tensor | None = None  # [tokens, layers, top_k], as in Completion
     task: str = ""  # the data source of its prompt (`Sample.task`)
+    # Its group's place in the batch it was sampled into (ReplayBuffer.sample); -1: a group of its own.
+    group: int = -1
+    # One of the samples a multi-turn episode was recorded as, its turns in a line (services/gateway.py):
+    # (the episode's id, this sample's place in it); None: a whole episode, or samples that branch.
+    part: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -209,6 +214,16 @@ class Episode:
     @property
     def num_response_tokens(self) -> int:
         return sum(self.loss_mask)
+
+
+def continued(episodes: Sequence[Episode]) -> torch.Tensor:
+    """[episodes] bool: whether episode i goes on in episode i + 1, the next sample of the same
+    multi-turn episode (`Episode.part`): its return is that sample's, not 0 after its last token."""
+    return torch.tensor([_goes_on(a, b) for a, b in zip(episodes, [*episodes[1:], None])], dtype=torch.bool)
+
+
+def _goes_on(a: Episode, b: Episode | None) -> bool:
+    return a.part is not None and b is not None and b.part == (a.part[0], a.part[1] + 1)
 
 
 @dataclass

@@ -42,11 +42,16 @@ class EpisodeResult:
 
 class AgenticRollouts:
     """Runs GRPO groups of agent or environment episodes through `gateway` (and `envs`, the
-    environment pool service, for environments)."""
+    environment pool service, for environments). With `relative` (GRPO), the advantages compare
+    a group's episodes, so a group needs two that succeeded; without (a critic's or teachers'
+    advantages, made at train time), one is enough."""
 
-    def __init__(self, cfg: AgenticConfig, gateway: Any, envs: Any, group_size: int, std_normalize: bool):
+    def __init__(
+        self, cfg: AgenticConfig, gateway: Any, envs: Any, group_size: int, std_normalize: bool, relative: bool = True
+    ):
         self.cfg, self.gateway, self.envs = cfg, gateway, envs
         self.group_size, self.std_normalize = group_size, std_normalize
+        self.fewest = 2 if relative else 1  # successful episodes a group trains on
         self.agent = import_object("agentic.agent", cfg.agent) if cfg.agent else None
 
     async def group(self, sample: Sample) -> list[Episode]:
@@ -59,7 +64,7 @@ class AgenticRollouts:
         ok = [r for r in results if r.score is not None]
         for r in ok:
             record_metric("rollout_reward", r.score.reward)
-        if len(ok) < 2 or (len(ok) < len(results) and self.cfg.on_failure == "drop"):
+        if len(ok) < self.fewest or (len(ok) < len(results) and self.cfg.on_failure == "drop"):
             record_metric("groups_dropped", 1, Reduce.SUM)
             return []
         advantages = finite_advantages([r.score.reward for r in ok], self.std_normalize)

@@ -82,8 +82,16 @@ class SessionRecord:
         a turn whose prompt extends a sequence (its earlier prompts and sampled tokens, token for
         token) continues it; any other (the agent edited its history, the template rendered an
         earlier turn differently) starts a sample of its own (`new_sample_at` lists them). Each
-        sequence is extended by one choice per turn; other choices become samples of their own."""
-        return [s.episode() for s in self._sequences()]
+        sequence is extended by one choice per turn; other choices become samples of their own.
+        Samples that are the turns in a line, cut (each turn once, in order), are marked as parts
+        of one episode (`Episode.part`): a critic's returns run on from one to the next."""
+        sequences = self._sequences()
+        episodes = [s.episode() for s in sequences]
+        if len(episodes) > 1 and [t for s in sequences for t in s.turns] == list(range(len(self.turns))):
+            episode = uuid.uuid4().hex  # not the session: that is the agent's API key
+            for k, e in enumerate(episodes):
+                e.part = (episode, k)
+        return episodes
 
     @property
     def new_sample_at(self) -> list[int]:

@@ -174,14 +174,29 @@ async def stop_started(stack: contextlib.AsyncExitStack) -> None:
 
 def check_tokenizer(model: str, other: str, key: str) -> None:
     """A teacher or a critic scores the policy's tokens: it must read them as the policy does
-    (the same tokenizer file), else its numbers are of other strings."""
+    (the same vocabulary and special tokens, as transformers loads them, whatever files hold
+    them), else its numbers are of other strings. Tokenizers that do not load cannot be
+    compared: refused too."""
     require_file(key, Path(other) / "config.json")
-    mine, theirs = Path(model) / "tokenizer.json", Path(other) / "tokenizer.json"
-    if mine.is_file() and (not theirs.is_file() or theirs.read_bytes() != mine.read_bytes()):
+    if _tokenizer(model, key, other) != _tokenizer(other, key, other):
         raise ConfigError(
-            f"config key '{key}': {other} does not have the policy's tokenizer ({mine}); "
+            f"config key '{key}': {other} does not have the policy's tokenizer ({model}); "
             "it scores the policy's own tokens"
         )
+
+
+def _tokenizer(path: str, key: str, other: str) -> tuple[dict[str, int], list[str]]:
+    """What says which string each of `path`'s token ids is: its vocabulary and special tokens."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # any of the ways a directory can fail to be a tokenizer
+        raise ConfigError(
+            f"config key '{key}': cannot tell whether {other} has the policy's tokenizer: {path}'s does "
+            f"not load ({type(e).__name__}: {e})"
+        ) from None
+    return tokenizer.get_vocab(), sorted(tokenizer.all_special_tokens)
 
 
 @dataclass

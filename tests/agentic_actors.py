@@ -89,6 +89,17 @@ async def inf_agent(client, task):
     return {"reward": float("inf"), "correct": 0.0} if second_of_four() else {"reward": 1.0, "correct": 1.0}
 
 
+async def sure_agent(client, task):
+    return 1.0
+
+
+async def lone_agent(client, task):
+    """One episode of each four succeeds; the others' tool crashes."""
+    if second_of_four():
+        return 1.0
+    raise ValueError("the agent's tool crashed")
+
+
 async def stubborn_agent(client, task):
     """One episode of four swallows its cancellation (a retry loop's bare `except BaseException`)."""
     if second_of_four():

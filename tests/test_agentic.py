@@ -407,6 +407,22 @@ def test_a_non_finite_reward_costs_only_its_episode(loop, tmp_path):
         assert len(episodes) == 3 and all(math.isfinite(e.advantage) and e.reward == 1.0 for e in episodes)
 
 
+def test_a_lone_episode_trains_when_the_advantages_are_not_the_groups():
+    """A critic's or teachers' advantages (algorithm ppo, distill: not `relative`) need no
+    siblings: a group of one trains, and so does a group of four with one episode left; GRPO's,
+    relative to the group, need two episodes that succeeded."""
+
+    def group(group_size, relative, agent):
+        cfg = AgenticConfig(agent=f"agentic_actors:{agent}")
+        r = AgenticRollouts(cfg, _FakeGateway(), None, group_size, std_normalize=True, relative=relative)
+        return asyncio.run(r.group(TASK))
+
+    [episode] = group(1, False, "sure_agent")
+    assert episode.reward == 1.0 and episode.advantage == 0.0  # the critic's or teachers' come at train time
+    assert group(1, True, "sure_agent") == []
+    assert len(group(4, False, "lone_agent")) == 1 and group(4, True, "lone_agent") == []
+
+
 @pytest.mark.parametrize("agent", ["stubborn_agent", "exiting_agent"])
 def test_an_agent_that_ignores_its_timeout_or_exits_costs_its_episode(agent):
     """An agent swallowing its cancellation is abandoned at episode_timeout_s (asyncio.wait_for

@@ -171,3 +171,47 @@ def test_an_add_from_before_a_rewind_never_lands():
 
     waited, late, stats = asyncio.run(main())
     assert (waited, late) == (0, 0) and stats["size"] == 0
+
+
+def test_a_batch_the_policy_does_not_step_on_leaves_admission_at_its_version():
+    """PPO's critic warm-up: the policy trains on nothing, stays at version 0 and publishes no
+    new weights. On-policy, the batch after it is for version 0 again, admitted afresh on
+    version 0's weights (admitting for version 1 would wait for weights that never come)."""
+
+    async def main():
+        buf = await ReplayBuffer.options().as_actor(capacity=2, max_staleness=0)
+        try:
+            start = await buf.restart.call_one(0)
+            for _ in range(2):
+                ticket = await buf.admit.call_one(start)
+                await buf.add.call_one(group(0), ticket)
+            blocked = asyncio.ensure_future(buf.admit.call_one(start))  # the batch's groups are all admitted
+            await asyncio.sleep(0.3)
+            assert not blocked.done()
+            assert len(await buf.sample.call_one(2, 0, timeout_s=5, policy_steps=False)) == 4
+            ticket = await asyncio.wait_for(blocked, 5)
+            assert (ticket.version, ticket.weights) == (0, 0)
+            await buf.add.call_one(group(0), ticket)
+            await buf.add.call_one(group(0), await buf.admit.call_one(start))
+            assert len(await buf.sample.call_one(2, 0, timeout_s=5)) == 4  # the policy steps: on to version 1
+            assert (await buf.admit.call_one(start)).weights == 1
+        finally:
+            await buf.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_batchs_episodes_name_their_group():
+    """Each sampled episode carries its group's place in the batch: what must go whole past the
+    buffer (a group whose advantages are not finite) can be found."""
+
+    async def main():
+        buf = await ReplayBuffer.options().as_actor(capacity=4, max_staleness=1)
+        try:
+            for rewards in ((0.0, 1.0, 1.0), (1.0, 0.0)):
+                await buf.add.call_one(group(0, rewards))
+            return [e.group for e in await buf.sample.call_one(2, 0, timeout_s=5)]
+        finally:
+            await buf.shutdown()
+
+    assert asyncio.run(main()) == [0, 0, 0, 1, 1]

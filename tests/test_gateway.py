@@ -254,6 +254,26 @@ def test_edited_history_falls_back_to_one_sample_per_turn(loop, served, letters)
         assert episode.tokens == turn.prompt_ids + turn.token_ids[0]
 
 
+def test_the_samples_of_one_line_of_turns_are_the_parts_of_one_episode():
+    """A turn that does not extend the last (a re-rendered history) starts a sample: when every
+    turn is in one sample, in order, the samples are the parts of one episode (a critic's returns
+    run on from one to the next); a turn of two choices branches, and one sample is the episode."""
+    from forge.types import continued
+    from services.gateway import SessionRecord, Turn
+
+    def turn(prompt, sampled, n=1):
+        return Turn(prompt, [sampled] * n, [[-0.1] * len(sampled)] * n, ["stop"] * n, (0, 0))
+
+    cut = SessionRecord("key", [turn([1, 2], [5]), turn([1, 9, 5, 3], [6]), turn([1, 9, 5, 3, 6, 4], [7])])
+    a, b = cut.samples()
+    assert cut.new_sample_at == [1] and b.tokens == [1, 9, 5, 3, 6, 4, 7]
+    assert a.part[0] == b.part[0] != "key" and (a.part[1], b.part[1]) == (0, 1)  # not the session: its API key
+    assert continued([a, b]).tolist() == [True, False]
+    branched = SessionRecord("key", [turn([1, 2], [5], n=2), turn([1, 2, 5, 3], [6])])
+    assert len(branched.samples()) == 2 and all(e.part is None for e in branched.samples())
+    assert SessionRecord("key", [turn([1, 2], [5]), turn([1, 2, 5, 3], [6])]).samples()[0].part is None
+
+
 def test_sessions_interleave_and_stay_apart(loop, served, letters):
     gw, *_ = served
     _, allowed = letters

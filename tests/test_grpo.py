@@ -1,6 +1,7 @@
 """GRPO end to end through the real services (vLLM generator, torchtitan trainer, TorchStore)."""
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -409,9 +410,7 @@ def test_distillation_alone_scores_the_sampled_tokens_with_the_teacher(tmp_path,
     other = tmp_path / "other"
     shutil.copytree(tiny_model_dir, other)
     (other / "tokenizer.json").write_text("{}")
-    with pytest.raises(
-        ConfigError, match=r"config key 'distill.teachers\[1\].path': .* not have the policy's tokenizer"
-    ):
+    with pytest.raises(ConfigError, match=r"config key 'distill.teachers\[1\].path': .* the policy's tokenizer"):
         check_tokenizer(str(MODEL), str(other), "distill.teachers[1].path")
 
 
@@ -423,6 +422,160 @@ def test_a_ppo_batch_splits_over_the_critics_ranks_and_micro_batches_too():
     cfg = load_config("configs/ppo_tiny.yaml", ["trainer.grad_accum=2", "ppo.critic.grad_accum=3"], Config)
     assert batch_rows(cfg) == 6
     assert batch_rows(load_config("configs/grpo_tiny.yaml", ["trainer.grad_accum=2"], Config)) == 2
+
+
+def advantages_of(tmp_path, make, *args) -> dict[str, float]:
+    """Run `make(*args)` (apps/grpo.py's critic_advantages or distill, on stand-ins of the roles)
+    in a metrics scope of its own; the metrics it recorded."""
+    import asyncio
+
+    from forge.metrics import MetricWriter, metrics_scope
+
+    async def main():
+        with metrics_scope():
+            await make(*args)
+            writer = MetricWriter(tmp_path, ["jsonl"])
+            try:
+                return await writer.flush(1)
+            finally:
+                writer.close()
+
+    return asyncio.run(main())
+
+
+def four_episodes_in_two_groups():
+    from forge.types import Episode, Score, collate
+
+    rewards = (1.0, 0.0, 1.0, 0.0)
+    eps = [
+        Episode([1, 5, 6], [0, 1, 1], [0.0, -0.5, -0.7], score=Score(r), group=i // 2) for i, r in enumerate(rewards)
+    ]
+    return eps, collate(eps, pad_id=0)
+
+
+def a_step_survives(batch) -> bool:
+    """Whether a policy step on `batch` has a finite gradient (theta: every logprob's parameter)."""
+    from forge.losses import LOSSES, importance_weight
+    from forge.schema import LossConfig
+
+    theta = torch.zeros((), requires_grad=True)
+    lp = batch.gen_logprobs + theta
+    cfg = LossConfig(name="grpo")
+    LOSSES["grpo"](lp, batch, importance_weight(lp, batch, cfg), cfg).backward()
+    return bool(theta.grad.isfinite())
+
+
+def test_a_group_with_a_value_that_is_not_finite_leaves_the_batch_not_the_step(tmp_path):
+    """PPO: a critic's NaN on one episode's token costs that episode's group, counted
+    (`groups_nonfinite`); the other group's advantages are whitened without it, and nothing the
+    critic read off the episodes' tokens (an inf on a prompt) reaches the values, returns or the
+    explained variance. The step trains on the rest."""
+    from types import SimpleNamespace
+
+    from apps.grpo import critic_advantages
+
+    eps, batch = four_episodes_in_two_groups()
+    values = torch.full(batch.input_ids.shape, 0.5)
+    values[:, 0] = float("inf")
+    values[3, 1] = float("nan")
+
+    async def route(_):
+        return values
+
+    critic = SimpleNamespace(values=SimpleNamespace(route=route))
+    cfg = load_config("configs/ppo_tiny.yaml", [], Config)
+    row = advantages_of(tmp_path, critic_advantages, cfg, SimpleNamespace(critic=critic), batch, eps)
+    kept = batch.loss_mask > 0
+    assert kept.tolist() == [[False, True, True]] * 2 + [[False, False, False]] * 2
+    assert all(getattr(batch, name).isfinite().all() for name in ("advantages", "values", "returns"))
+    assert batch.advantages[~kept].abs().max() == 0 and batch.advantages[kept].mean().abs() < 1e-6
+    assert row["groups_nonfinite"] == 1 and math.isfinite(row["critic/explained_variance"])
+    assert a_step_survives(batch)
+
+
+def test_ppo_advantages_of_an_episode_recorded_as_two_samples_are_those_of_the_episode(tmp_path):
+    """A multi-turn episode the gateway recorded as two samples (parts 0 and 1, the second
+    re-rendering the first turn) gets the advantages it has whole: its reward once, at its end,
+    the first sample's return running on into the second's."""
+    from types import SimpleNamespace
+
+    from apps.grpo import critic_advantages
+    from forge.types import Episode, Score, collate
+
+    def advantages(eps, values):
+        async def route(_):
+            return values
+
+        batch = collate(eps, pad_id=0)
+        s = SimpleNamespace(critic=SimpleNamespace(values=SimpleNamespace(route=route)))
+        advantages_of(tmp_path, critic_advantages, load_config("configs/ppo_tiny.yaml", [], Config), s, batch, eps)
+        return batch.advantages
+
+    other = Episode([1, 5, 6, 7], [0, 1, 1, 1], [0.0] * 4, score=Score(0.0))  # whitened with it
+    episode = Episode([1, 5, 8, 6], [0, 1, 0, 1], [0.0] * 4, score=Score(1.0))
+    whole = advantages([episode, other], torch.tensor([[0, 0.2, 0, 0.9], [0, 0.3, 0.5, 0.1]]))
+    parts = [
+        Episode([1, 5], [0, 1], [0.0] * 2, score=Score(1.0), part=("e", 0)),
+        Episode([1, 7, 8, 6], [0, 0, 0, 1], [0.0] * 4, score=Score(1.0), part=("e", 1)),
+    ]
+    split = advantages([*parts, other], torch.tensor([[0, 0.2, 0, 0], [0, 0, 0, 0.9], [0, 0.3, 0.5, 0.1]]))
+    assert [split[0, 1].item(), split[1, 3].item()] == pytest.approx([whole[0, 1].item(), whole[0, 3].item()])
+    assert split[2].tolist() == pytest.approx(whole[1].tolist())
+
+
+def test_a_group_with_a_teacher_logprob_that_is_not_finite_leaves_the_batch_not_the_step(tmp_path):
+    """Distillation: a teacher's NaN on one episode's model token costs that episode's group; a
+    teacher's -inf on the prompts (never scored) costs nothing. The teacher's weight, however
+    small (1e-50: below float32's range), makes it the teacher."""
+    from types import SimpleNamespace
+
+    from apps.grpo import distill
+    from services.schema import DistillConfig, TeacherConfig
+
+    eps, batch = four_episodes_in_two_groups()
+    teacher = torch.full(batch.input_ids.shape, -0.2)
+    teacher[:, 0] = float("-inf")
+    teacher[0, 2] = float("nan")
+
+    async def route(_):
+        return teacher
+
+    cfg = SimpleNamespace(algorithm="distill", distill=DistillConfig([TeacherConfig("t", weight=1e-50)], coef=1.0))
+    s = SimpleNamespace(teachers=[SimpleNamespace(logprobs=SimpleNamespace(route=route))])
+    row = advantages_of(tmp_path, distill, cfg, s, batch, eps)
+    assert (batch.loss_mask > 0).tolist() == [[False, False, False]] * 2 + [[False, True, True]] * 2
+    assert batch.advantages.isfinite().all() and batch.advantages[:2].abs().max() == 0
+    torch.testing.assert_close(batch.advantages[2:, 1:], torch.tensor([[0.3, 0.5]] * 2))  # teacher - student
+    assert row["groups_nonfinite"] == 1 and row["distill/reverse_kl"] == pytest.approx(-0.4)
+    assert a_step_survives(batch)
+
+
+def test_a_teacher_or_critic_must_have_the_policys_tokenizer_whatever_files_hold_it(tmp_path, tiny_model_dir):
+    """The tokenizers are compared as transformers loads them (vocabulary, special tokens): a
+    policy whose tokenizer is a GPT-2 style vocab.json + merges.txt refuses a teacher of another;
+    the same tokenizer in a file written differently passes; one that does not load cannot be
+    compared, and is refused."""
+    import shutil
+
+    from services.roles import check_tokenizer
+
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (policy / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "<|endoftext|>": 2}))
+    (policy / "merges.txt").write_text("#version: 0.2\n")
+    key = "distill.teachers[0].path"
+    with pytest.raises(
+        ConfigError, match=r"config key 'distill.teachers\[0\].path': .* not have the policy's tokenizer"
+    ):
+        check_tokenizer(str(policy), str(tiny_model_dir), key)
+    same = tmp_path / "same"
+    shutil.copytree(tiny_model_dir, same)
+    (same / "tokenizer.json").write_text(json.dumps(json.loads((same / "tokenizer.json").read_text()), indent=1))
+    check_tokenizer(str(tiny_model_dir), str(same), key)
+    (same / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"cannot tell whether .* has the policy's tokenizer"):
+        check_tokenizer(str(tiny_model_dir), str(same), key)
 
 
 def test_ppo_critic_trains_alone_then_beside_the_policy_and_resumes(tmp_path, loop, services):

@@ -8,9 +8,16 @@ import torch
 from forge.config import ConfigError
 from forge.losses import IS_CORRECTIONS, LOSSES, importance_weight, k3_kl, mismatch_sums
 from forge.losses import SCORE_LOSSES as LOSSES_BY_HEAD
-from forge.losses.advantages import explained_variance, gae, group_advantages, teacher_advantages, whiten
+from forge.losses.advantages import (
+    explained_variance,
+    finite_episodes,
+    gae,
+    group_advantages,
+    teacher_advantages,
+    whiten,
+)
 from forge.schema import IS_CORRECTION_NAMES, LOSS_NAMES, LossConfig
-from forge.types import Episode, collate
+from forge.types import Episode, collate, continued
 
 # Episode 1: prompt 1 token, 3 response tokens, advantage +1. Episode 2: 2 response tokens, -0.5.
 EPS = [
@@ -248,6 +255,38 @@ def test_teacher_advantages_are_the_mixed_teachers_reverse_kl_on_model_tokens():
     torch.testing.assert_close(adv, -2.0 * torch.tensor(expect_rkl))
 
 
+def test_a_teachers_number_where_it_does_not_count_never_reaches_the_advantages():
+    """A teacher's -inf on an episode it does not score (weight 0: another data source's) and a
+    NaN on a prompt token (mask 0) leave the advantages as if they were any number there; a NaN
+    where a teacher scores a loss token makes that episode's advantages non-finite (the caller
+    drops its group), and only that episode's."""
+    eps = [
+        Episode([1, 5, 6], [0, 1, 1], [0.0, -0.5, -1.0]),
+        Episode([1, 8, 9], [0, 1, 1], [0.0, -1.0, -0.2]),
+    ]
+    batch = collate(eps, pad_id=0)
+    only_first = (batch.doc_ids == 0).float()
+    a = torch.tensor([[float("nan"), -0.1, -0.3], [0.0, float("-inf"), -0.5]])  # episode 0's source only
+    c = torch.tensor([[float("nan"), -0.5, -1.0], [float("nan"), -1.0, -1.0]])  # every source
+    adv, rkl = teacher_advantages(batch, [a, c], [only_first, torch.ones_like(only_first)], coef=1.0)
+    torch.testing.assert_close(rkl, torch.tensor([[0.0, -0.5 + 0.3, -1.0 + 0.65], [0.0, 0.0, 0.8]]))
+    assert adv.isfinite().all()
+    c[1, 2] = float("nan")
+    adv, _ = teacher_advantages(batch, [a, c], [only_first, torch.ones_like(only_first)], coef=1.0)
+    assert finite_episodes(batch, adv).tolist() == [True, False] and adv[0].isfinite().all()
+
+
+@pytest.mark.parametrize("weight", [1e-13, 1e-50])
+def test_a_single_teacher_of_any_positive_weight_is_that_teacher(weight):
+    """Weights are proportions: one teacher of a tiny weight (any above 0, as the config accepts)
+    is that teacher, not a mix shrunk toward 0 nor, below float32's range, no teacher at all."""
+    batch = collate([Episode([1, 5, 6], [0, 1, 1], [0.0, -0.5, -1.0])], pad_id=0)
+    t = torch.tensor([[0.0, -2.0, -3.0]])
+    expected, _ = teacher_advantages(batch, [t], [1.0], coef=1.0)
+    for w in (weight, torch.full(batch.input_ids.shape, weight, dtype=torch.float64)):
+        torch.testing.assert_close(teacher_advantages(batch, [t], [w], coef=1.0)[0], expected)
+
+
 # A preference pair: chosen (2 completion tokens), rejected (1), one row, with the reference's logprobs.
 PAIR = [
     Episode(tokens=[1, 5, 6], loss_mask=[0, 1, 1], gen_logprobs=[0.0] * 3),
@@ -352,6 +391,47 @@ def test_gae_by_hand_over_tokens_turns_and_a_cut_episode():
     assert w[~off].mean().item() == pytest.approx(0, abs=1e-6) and w[~off].std(unbiased=False).item() == pytest.approx(
         1, abs=1e-4
     )
+
+
+def test_gae_runs_on_over_the_samples_of_one_episode():
+    """A multi-turn episode recorded as two samples (the second turn re-rendered the first:
+    sample B holds it again, mask 0) gets the advantages it would have whole: sample A's last
+    token steps to B's first model token, and the reward comes once, at B's last; an episode
+    after them is its own. gamma 0.9, lam 0.5."""
+    g, lam = 0.9, 0.5
+    whole = collate([Episode([1, 5, 8, 6], [0, 1, 0, 1], [0.0] * 4)], pad_id=0)
+    aw, rw = gae(whole, torch.tensor([[9.0, 0.2, 9.0, 0.9]]), torch.tensor([1.0]), g, lam)
+    a, b = Episode([1, 5], [0, 1], [0.0] * 2, part=("e", 0)), Episode([1, 7, 8, 6], [0, 0, 0, 1], [0.0] * 4)
+    b.part = ("e", 1)
+    other = Episode([1, 5, 6], [0, 1, 1], [0.0] * 3)
+    split = collate([a, b, other], pad_id=0)
+    values = torch.tensor([[9.0, 0.2, 0, 0], [9.0, 9.0, 9.0, 0.9], [9.0, 0.3, 0.4, 0]])
+    assert continued([a, b, other]).tolist() == [True, False, False]
+    adv, ret = gae(split, values, torch.tensor([1.0, 1.0, 2.0]), g, lam, continues=continued([a, b, other]))
+    assert [adv[0, 1].item(), adv[1, 3].item()] == pytest.approx([aw[0, 1].item(), aw[0, 3].item()], abs=1e-6)
+    assert ret[0, 1].item() == pytest.approx(rw[0, 1].item(), abs=1e-6)
+    alone, _ = gae(collate([other], pad_id=0), values[2:, :3], torch.tensor([2.0]), g, lam)
+    assert adv[2, :3].tolist() == pytest.approx(alone[0].tolist(), abs=1e-6)
+    # Samples that are not consecutive parts of one episode are episodes of their own.
+    assert continued([a, other, b]).tolist() == [False, False, False]
+    assert continued([b, a]).tolist() == [False, False] and continued([]).tolist() == []
+
+
+def test_a_non_finite_value_costs_its_episode_only():
+    """A critic's NaN on one episode's token: that episode's advantages are not finite (its
+    group is dropped by the caller), the other's are as without it; values off the episodes'
+    tokens (inf on a prompt) never reach the returns; whitening and explained variance over a
+    mask read nothing outside it."""
+    batch = collate([Episode([1, 5, 6], [0, 1, 1], [0.0] * 3), Episode([1, 8, 9], [0, 1, 1], [0.0] * 3)], pad_id=0)
+    values = torch.tensor([[float("inf"), 0.2, 0.4], [0.0, float("nan"), 0.3]])
+    adv, ret = gae(batch, values, torch.tensor([1.0, 0.0]), 1.0, 0.95)
+    assert finite_episodes(batch, adv).tolist() == [True, False]
+    clean, _ = gae(batch, values.nan_to_num(0.0, 0.0), torch.tensor([1.0, 0.0]), 1.0, 0.95)
+    assert torch.equal(adv[0], clean[0]) and ret[0, 0] == 0 and ret[0].isfinite().all()
+    first = (batch.doc_ids == 0) & (batch.loss_mask > 0)
+    w = whiten(adv, first)
+    assert w.isfinite().all() and w[first].tolist() == pytest.approx([1.0, -1.0], abs=1e-3)
+    assert math.isfinite(explained_variance(values, ret, first))
 
 
 def test_value_loss_clips_each_tokens_move_by_hand():

@@ -189,6 +189,27 @@ def test_on_policy_a_batch_is_exactly_the_groups_started_for_it_on_its_weights()
     asyncio.run(main())
 
 
+def test_on_policy_batches_the_policy_does_not_step_on_keep_coming_on_its_weights():
+    """PPO's critic warm-up on-policy: two batches the policy does not step on (it stays at
+    version 0, nothing is published), each of groups started for it on version 0, then one it
+    steps on; the next batch waits for version 1."""
+
+    async def main():
+        gen = FakeGen()
+        rollouts = Recorder(gen)
+        async with loops_on(gen, rollouts, max_staleness=0) as (loops, sync):
+            async with loops.running(0):
+                for _ in range(2):
+                    assert {e.policy_version for e in await loops.batch(0, policy_steps=False)} == {0}
+                assert len(await loops.batch(0)) == 4
+                await asyncio.sleep(0.3)
+                assert rollouts.started == [0] * 6  # three batches' groups, none ahead of version 1
+                sync.publish(1)
+                assert {e.policy_version for e in await loops.batch(1)} == {1}
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(
     "fail, empty, error",
     [

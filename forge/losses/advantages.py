@@ -40,12 +40,15 @@ def teacher_advantages(
     logprobs by `weights`: a number per teacher, or a [rows, seq] tensor (0 on the tokens it
     does not score, e.g. another data source's). Returns (advantages, reverse KL) [rows, seq], 0
     off the loss tokens (prompts, and an agentic episode's environment tokens) and on tokens no
-    teacher scores."""
+    teacher scores, whatever a teacher's logprob there (a NaN of a token nobody reads stays out).
+    Non-finite where a teacher scores a loss token: the caller drops that episode's group."""
     like = batch.gen_logprobs
-    weights = [torch.as_tensor(w, dtype=like.dtype).expand_as(like) for w in weights]
+    # In float64: any weight a config accepts (> 0) stays > 0 and mixes in its proportion.
+    weights = [torch.as_tensor(w, dtype=torch.float64).expand_as(like) for w in weights]
     total = sum(weights)
-    teacher = sum(w * lp.to(like) for w, lp in zip(weights, teacher_logprobs)) / total.clamp(min=1e-12)
-    reverse_kl = (like - teacher) * batch.loss_mask * (total > 0)
+    mixed = sum(torch.where(w > 0, w * lp.double(), 0.0) for w, lp in zip(weights, teacher_logprobs))
+    teacher = (mixed / torch.where(total > 0, total, 1.0)).to(like.dtype)
+    reverse_kl = torch.where((batch.loss_mask > 0) & (total > 0), like - teacher, 0.0)
     return -coef * reverse_kl, reverse_kl
 
 
@@ -56,38 +59,69 @@ def gae(
     gamma: float = 1.0,
     lam: float = 1.0,
     bootstrap: torch.Tensor | None = None,
+    continues: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation over each episode's own tokens (loss mask 1) in order:
     the environment's tokens of a multi-turn episode are skipped, neither steps nor values. The
     episode's reward (`rewards`, [episodes]) comes at its last such token; after it the return is
     0, or `bootstrap` ([episodes]: the value after the last token, for an episode cut short).
+    With `continues` ([episodes] bool, forge.types.continued), episode i that goes on in episode
+    i + 1 (one multi-turn episode recorded as several samples) is one episode with it: its last
+    token steps to the next one's first, and only the last sample's reward and bootstrap count.
     delta_i = r_i + gamma V_(i+1) - V_i, A_i = delta_i + gamma lam A_(i+1). Returns (advantages,
-    returns = advantages + values) [rows, seq], 0 off the episode's tokens."""
+    returns = advantages + values) [rows, seq], 0 off the episode's tokens (whatever the values there)."""
     advantages = torch.zeros_like(values)
     after = torch.zeros_like(rewards) if bootstrap is None else bootstrap.to(values)
     own = (batch.loss_mask > 0) & (batch.doc_ids >= 0)
-    for doc in range(batch.num_episodes):
-        where = (own & (batch.doc_ids == doc)).nonzero(as_tuple=True)  # row-major: the tokens in order
-        v = values[where]
-        if v.numel() == 0:
+    for docs in _chains(batch.num_episodes, continues):
+        # row-major within each sample, the samples in order: the episode's tokens in order
+        parts = [(own & (batch.doc_ids == doc)).nonzero(as_tuple=True) for doc in docs]
+        where = tuple(torch.cat(index) for index in zip(*parts))
+        if where[0].numel() == 0:
             continue
-        nxt = torch.cat([v[1:], after[doc].reshape(1)])
-        r = torch.zeros_like(v)
-        r[-1] = rewards[doc]
-        delta = r + gamma * nxt - v
-        out = torch.zeros_like(v)
-        running = v.new_zeros(())
-        for i in range(v.numel() - 1, -1, -1):
-            running = delta[i] + gamma * lam * running
-            out[i] = running
-        advantages[where] = out
-    return advantages, (advantages + values) * own.to(values.dtype)
+        advantages[where] = _gae_steps(values[where], rewards[docs[-1]], after[docs[-1]], gamma, lam)
+    return advantages, torch.where(own, advantages + values, 0.0)
+
+
+def _chains(episodes: int, continues: torch.Tensor | None) -> list[list[int]]:
+    """The episodes as runs of the samples of one episode: [0, 1], [2], ... (`continues[i]`: i
+    goes on in i + 1)."""
+    chains: list[list[int]] = []
+    for doc in range(episodes):
+        if not (doc and continues is not None and bool(continues[doc - 1])):
+            chains.append([])
+        chains[-1].append(doc)
+    return chains
+
+
+def _gae_steps(v: torch.Tensor, reward: torch.Tensor, after: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
+    """GAE over one episode's values `v` in order, `reward` at its last step, `after` the value after it."""
+    nxt = torch.cat([v[1:], after.reshape(1)])
+    r = torch.zeros_like(v)
+    r[-1] = reward
+    delta = r + gamma * nxt - v
+    out = torch.zeros_like(v)
+    running = v.new_zeros(())
+    for i in range(v.numel() - 1, -1, -1):
+        running = delta[i] + gamma * lam * running
+        out[i] = running
+    return out
+
+
+def finite_episodes(batch: Batch, x: torch.Tensor) -> torch.Tensor:
+    """[episodes] bool: whether `x` ([rows, seq]) is finite on every loss token of each episode."""
+    bad = ~x.isfinite() & (batch.loss_mask > 0) & (batch.doc_ids >= 0)
+    finite = torch.ones(batch.num_episodes, dtype=torch.bool)
+    finite[batch.doc_ids[bad]] = False
+    return finite
 
 
 def _masked_var(x: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and variance of `x` over the `n` entries where `m` is 1."""
-    mean = (x * m).sum() / n
-    return mean, (((x - mean) * m) ** 2).sum() / n
+    """Mean and variance of `x` over the `n` entries where `m` is 1 (what `x` holds elsewhere,
+    a NaN too, never counts)."""
+    on = m > 0
+    mean = torch.where(on, x, 0.0).sum() / n
+    return mean, torch.where(on, x - mean, 0.0).pow(2).sum() / n
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -95,7 +129,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
     whitening), 0 elsewhere."""
     m = mask.to(x.dtype)
     mean, var = _masked_var(x, m, m.sum().clamp(min=1))
-    return (x - mean) * torch.rsqrt(var + eps) * m
+    return torch.where(m > 0, (x - mean) * torch.rsqrt(var + eps), 0.0)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
