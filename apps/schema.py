@@ -6,11 +6,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import operator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from forge import tasks
-from forge.config import ConfigError, import_object
+from forge.config import ConfigError, check_ranges, import_object
 from forge.schema import (
     PREFERENCE_LOSSES,
     REWARD_UNAVAILABLE,
@@ -52,6 +53,20 @@ SUPERVISED_MOVED = {
     "eval_every": ("eval.every", "evals have their own section"),
     "eval_samples": ("eval.prompts", "evals have their own section"),
 }
+
+
+def lr_schedule(cfg: RunConfig, key: str, steps: int, what: str) -> None:
+    """The LR schedule of trainer section `key` (trainer, ppo.critic), whose optimizer takes
+    `steps` steps in the run (`what`: where that number comes from): its length `total_steps`,
+    when null, is `steps` (derived: the saved config keeps it null, so a resumed run with more
+    `steps` stretches it); a decaying one set shorter would take the LR below 0 after its end."""
+    cfg.derive(f"{key}.total_steps", steps)
+    trainer = operator.attrgetter(key)(cfg)
+    if trainer.lr_decay != "none" and trainer.total_steps < steps:
+        raise ConfigError(
+            f"config key '{key}.total_steps' must be >= {steps} ({what}) with {key}.lr_decay {trainer.lr_decay}, "
+            f"got {trainer.total_steps}: the schedule would end before the run does"
+        )
 
 
 @dataclass
@@ -100,11 +115,9 @@ class GRPOConfig(RunConfig):
             raise ConfigError(
                 f"config key 'group_size' must be >= 2 (GRPO compares samples of a group), got {self.group_size}"
             )
-        if self.max_staleness < 0:
-            raise ConfigError(f"config key 'max_staleness' must be >= 0, got {self.max_staleness}")
-        for key in ("max_rollout_failures", "sample_timeout_s", "rollout_tasks"):
-            if not getattr(self, key) > 0:  # NaN too
-                raise ConfigError(f"config key '{key}' must be > 0, got {getattr(self, key)}")
+        check_ranges(self, "", ">= 0", ("max_staleness", "trainer_restores", "max_episode_tokens"))
+        check_ranges(self, "", "> 0", ("max_rollout_failures", "sample_timeout_s", "rollout_tasks"))
+        check_ranges(self, "", ">= 1", ("groups_per_step", "trainer_procs", "generator_replicas"))
         shards = self.trainer_procs * self.trainer.grad_accum
         if self.batch_size % shards:
             raise ConfigError(
@@ -116,10 +129,9 @@ class GRPOConfig(RunConfig):
                 f"config key 'reward_unavailable': {self.reward_unavailable!r} is not one of "
                 f"{', '.join(REWARD_UNAVAILABLE)}"
             )
-        if self.trainer.total_steps is None:
-            self.trainer.total_steps = self.steps
-        if self.ppo.critic.total_steps is None:
-            self.ppo.critic.total_steps = self.steps * self.ppo.critic_updates
+        warmup = self.ppo.critic_warmup if self.algorithm == "ppo" else 0  # steps the policy does not take
+        lr_schedule(self, "trainer", max(1, self.steps - warmup), "steps - ppo.critic_warmup" if warmup else "steps")
+        lr_schedule(self, "ppo.critic", self.steps * self.ppo.critic_updates, "steps x ppo.critic_updates")
         if self.agentic.enabled and self.rollout != GRPOConfig.rollout:
             raise ConfigError(
                 "config keys 'rollout' and 'agentic': an agent or environment makes the rollouts; set one of them"
@@ -131,6 +143,7 @@ class GRPOConfig(RunConfig):
                 raise ConfigError(
                     f"config key 'task': {e} (or give a source: dataset.path, dataset.hf, dataset.reasoning_gym)"
                 ) from None
+        self.model.check_tiny_task()
         self._validate_rewards()
         self._validate_eval()
         self._validate_algorithm()
@@ -181,6 +194,11 @@ class GRPOConfig(RunConfig):
             raise ConfigError(
                 f"config key 'ppo.critic_warmup': {self.ppo.critic_warmup} steps of critic alone leave none of "
                 f"the run's {self.steps} for the policy"
+            )
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ConfigError(
+                "config key 'dynamic_sampling': it drops groups whose rewards are all equal, and a group "
+                "of one's always are (group_size 1): no batch would come"
             )
         if self.algorithm == "distill" and self.dynamic_sampling:
             raise ConfigError(
@@ -286,11 +304,9 @@ class SupervisedConfig(RunConfig):
         super().validate()
         if self.task not in tasks.TASKS:
             raise ConfigError(f"config key 'task': unknown task {self.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
-        for key in ("batch_size", "trainer_procs"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
-        if self.trainer.total_steps is None:
-            self.trainer.total_steps = self.steps
+        self.model.check_tiny_task()
+        check_ranges(self, "", ">= 1", ("batch_size", "trainer_procs"))
+        lr_schedule(self, "trainer", self.steps, "steps")
         if self.eval.enabled:
             if self.data.path and not self.eval.dataset.path:
                 raise ConfigError(
@@ -393,10 +409,9 @@ class TinkerAppConfig(RunConfig):
 
     def validate(self) -> None:
         super().validate()
+        self.model.check_tiny_task()
         self.tinker.validate()
-        for key in ("generator_replicas", "trainer_procs"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
+        check_ranges(self, "", ">= 1", ("generator_replicas", "trainer_procs"))
         if self.trainer.lora.enabled:
             raise ConfigError(
                 "config key 'trainer.lora': forge tinker sets each client's adapter (tinker.max_lora_rank, "

@@ -9,13 +9,14 @@ import argparse
 import importlib
 import importlib.util
 import pkgutil
+import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
 from forge import logs, tasks
 from forge.checkpoint import RunStopped
-from forge.config import ConfigError, load_config, read_yaml, require_file
+from forge.config import ConfigError, Override, load_config, read_key, read_yaml, require_file
 
 
 def fail(msg: str) -> NoReturn:
@@ -24,19 +25,26 @@ def fail(msg: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def app_config(config: str | None, overrides: list[str], app: str | None = None) -> tuple[str, Any]:
+def app_config(config: str | None, overrides: list[Override], app: str | None = None) -> tuple[str, Any]:
     """The app's name (`app`, else the config's `app:` key) and its loaded Config. Only the apps'
     configs (apps/schema.py) are imported: a bad config is reported before torch loads."""
     if app is None:
         if config is None:
             raise ConfigError("no config file given")
-        app = read_yaml(config).get("app")
+        app = read_key(read_yaml(config), "app", config)
         if not app:
             raise ConfigError(f"{config}: no top-level 'app' key (e.g. app: grpo)")
+        if not isinstance(app, str):
+            raise ConfigError(f"config key 'app' ({config}): expected an app's name (e.g. app: grpo), got {app}")
     apps = importlib.import_module("apps.schema").APPS
     if app not in apps:
         raise ConfigError(f"config key 'app': no app named {app!r}; apps: {', '.join(apps)}")
-    return app, load_config(config, overrides, apps[app])
+    cfg = load_config(config, overrides, apps[app])
+    if cfg.app != app:  # `app=` on the command line: the config would claim an app that does not run it
+        raise ConfigError(
+            f"config key 'app' is {cfg.app!r}, but this config runs the {app} app; an override does not change the app"
+        )
+    return app, cfg
 
 
 def run(config: str | None, overrides: list[str], app: str | None = None, resume: str | None = None):
@@ -48,8 +56,9 @@ def run(config: str | None, overrides: list[str], app: str | None = None, resume
             config = config or str(Path(resume) / "config.yaml")
             # It goes on in its own directory, wherever this runs from (its config's runs_dir may be relative).
             found = Path(resume).resolve()  # `.` or a link: the directory itself
-            here = [f"runs_dir={found.parent}", f"run_name={found.name}"]
-            overrides = [*here, *overrides, f"resume={resume}"]
+            # Not read as YAML: a run named 007 goes on in 007, not in 7.
+            here, again = {"runs_dir": str(found.parent), "run_name": found.name}, {"resume": resume}
+            overrides = [literal(here), *overrides, literal(again)]
         app, cfg = app_config(config, overrides, app)
     except ConfigError as e:
         fail(str(e))
@@ -58,6 +67,12 @@ def run(config: str | None, overrides: list[str], app: str | None = None, resume
         return importlib.import_module(f"apps.{app}").main(cfg)
     except (RunStopped, ConfigError) as e:  # a data file, a checkpoint: read once the run starts
         fail(str(e))
+
+
+def literal(values: dict[str, str]) -> dict[str, str]:
+    """Override values taken as they are: not read as YAML, and `${` not an interpolation (OmegaConf's
+    escape: a backslash before it, and each backslash before that doubled)."""
+    return {key: re.sub(r"(\\*)\$\{", r"\1\1\\${", value) for key, value in values.items()}
 
 
 def evaluate(config: str, overrides: list[str], model: str, out: str | None) -> dict[str, float]:

@@ -7,10 +7,12 @@ wrong and where it came from, so `forge run` can print one line instead of a tra
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -55,7 +57,7 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> DictConfig:
         raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', None) or e})") from None
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"{path}: the top level must be a mapping of keys")
-    base = cfg.pop("base", None)
+    base = read_key(cfg, "base", str(path), pop=True)
     if base is None:
         return cfg
     if path.resolve() in _seen:
@@ -63,20 +65,46 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> DictConfig:
     return OmegaConf.merge(read_yaml(path.parent / str(base), (*_seen, path.resolve())), cfg)
 
 
-def parse_overrides(overrides: Sequence[str]) -> DictConfig:
-    for o in overrides:
-        if "=" not in o or o.startswith("="):
-            raise ConfigError(f"command-line override {o!r} is not of the form key=value (e.g. trainer.lr=1e-4)")
+def read_key(cfg: DictConfig, key: str, source: str, pop: bool = False) -> Any:
+    """Top-level `key` of `cfg` (read from `source`), or None; with `pop`, taken out of it. An
+    interpolation that does not resolve is a ConfigError naming the key."""
     try:
-        return OmegaConf.from_dotlist(list(overrides))
+        return cfg.pop(key, None) if pop else OmegaConf.select(cfg, key)
+    except OmegaConfBaseException as e:
+        raise _explain(e, source) from None
+
+
+Override = str | Mapping[str, Any]  # "key=value" (the value read as YAML), or {dotted key: value} taken as it is
+
+
+def parse_overrides(overrides: Sequence[Override]) -> list[DictConfig]:
+    """The layers of command-line overrides, in order: each run of "key=value" strings, the value
+    read as YAML (trainer.lr=1e-4 a float), and each mapping, its values as they are (a run
+    directory's name "007" stays that string)."""
+    for o in overrides:
+        if isinstance(o, str) and ("=" not in o or o.startswith("=")):
+            raise ConfigError(f"command-line override {o!r} is not of the form key=value (e.g. trainer.lr=1e-4)")
+    layers = []
+    try:
+        for literal, run in itertools.groupby(overrides, lambda o: not isinstance(o, str)):
+            if not literal:
+                layers.append(OmegaConf.from_dotlist(list(run)))
+                continue
+            for values in run:
+                layer = OmegaConf.create({})
+                for key, value in values.items():
+                    OmegaConf.update(layer, key, value)
+                layers.append(layer)
     except OmegaConfBaseException as e:
         raise _explain(e, "command line") from None
+    return layers
 
 
 def load_config(
-    path: str | Path | None, overrides: Sequence[str] = (), schema: type[T] | None = None
+    path: str | Path | None, overrides: Sequence[Override] = (), schema: type[T] | None = None
 ) -> T | DictConfig:
-    """Load `path`, apply `key=value` overrides, validate against the `schema` dataclass.
+    """Load `path`, apply `key=value` overrides (or mappings of values, parse_overrides),
+    validate against the `schema` dataclass.
 
     Returns a `schema` instance (interpolations resolved, `validate()` run if the schema
     has one), or a resolved DictConfig when no schema is given.
@@ -84,8 +112,7 @@ def load_config(
     layers: list[tuple[str, DictConfig]] = []
     if path is not None:
         layers.append((str(path), read_yaml(path)))
-    if overrides:
-        layers.append(("command line", parse_overrides(overrides)))
+    layers += [("command line", layer) for layer in parse_overrides(overrides)]
     merged = OmegaConf.structured(schema) if schema is not None else OmegaConf.create({})
     for source, layer in layers:
         _refuse_moved(layer, source, getattr(schema, "MOVED", {}), merged)
@@ -152,10 +179,56 @@ def _validate(obj: Any, path: tuple[str, ...] = ()) -> None:
 
 
 def to_yaml(cfg: Any) -> str:
-    """The resolved config as YAML (what a run saves next to its outputs)."""
+    """The resolved config as YAML (what a run saves next to its outputs). The keys its
+    `validate()` worked out from others (`derived`, e.g. an LR schedule's length from `steps`)
+    stay null, so a resumed run with other `steps` works them out again."""
     if dataclasses.is_dataclass(cfg):
+        derived = getattr(cfg, "derived", ())
         cfg = OmegaConf.structured(cfg)
+        for key in derived:
+            OmegaConf.update(cfg, key, None)
     return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+_RULE = re.compile(r"(>=|>) (\S+)|([\[(])([^,]+), ([^\])]+)([\])])")
+
+
+def _allows(rule: str, value: float) -> bool:
+    if not rule:
+        return True
+    m = _RULE.fullmatch(rule)
+    if m is None:
+        raise ValueError(f"check_range: {rule!r} is not '>= LOW', '> LOW' or an interval '[LOW, HIGH)'")
+    op, low, left, lo, hi, right = m.groups()
+    if op:
+        return value >= float(low) if op == ">=" else value > float(low)
+    above = value >= float(lo) if left == "[" else value > float(lo)
+    return above and (value <= float(hi) if right == "]" else value < float(hi))
+
+
+def check_range(key: str, value: Any, rule: str = "") -> None:
+    """For `validate()` methods: config key `key` must be a finite number that `rule` allows:
+    ">= LOW", "> LOW", or an interval "[LOW, HIGH)" (a bracket takes its end in, a parenthesis
+    leaves it out); "" any finite number. NaN and infinity fail every rule (`value < low` is
+    False for NaN, which is why the checks go through here)."""
+    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if finite and _allows(rule, value):
+        return
+    must = f"in {rule}" if rule[:1] in ("[", "(") else rule
+    must = must if finite else f"a finite number {must}".rstrip()
+    raise ConfigError(f"config key '{key}' must be {must}, got {value}")
+
+
+def check_ranges(section: Any, prefix: str, rule: str, keys: Sequence[str]) -> None:
+    """`check_range` of each of `keys` of `section` (a config dataclass), named `prefix` + key."""
+    for key in keys:
+        check_range(f"{prefix}{key}", getattr(section, key), rule)
+
+
+def check_choice(key: str, value: Any, choices: Sequence[str]) -> None:
+    """For `validate()` methods: config key `key` must be one of `choices`."""
+    if value not in choices:
+        raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(choices)}")
 
 
 def require_file(key: str, value: str | Path) -> None:

@@ -8,6 +8,7 @@ own keys in `validate()`; the modules that use a section import it from here.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
@@ -17,8 +18,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from forge import checkpoint, tasks
-from forge.config import ConfigError
+from forge.config import ConfigError, check_range, check_ranges
 
+TRANSPORTS = ("shm", "torchstore")  # how versions of the weights travel (forge/store.py, trainer.transport)
 DEFAULT_BACKENDS = ("console", "jsonl", "tensorboard")
 BACKENDS = (*DEFAULT_BACKENDS, "wandb")  # what `metrics` may name
 
@@ -44,11 +46,25 @@ class RunConfig:
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.run_name
 
+    @property
+    def derived(self) -> tuple[str, ...]:
+        """The keys `derive` filled in: a saved config keeps them null (forge/config.py `to_yaml`)."""
+        return tuple(vars(self).get("_derived", ()))
+
+    def derive(self, key: str, value: Any) -> None:
+        """Set config key `key` (dotted), when it is null, to `value`, worked out from other keys
+        (an LR schedule's length from `steps`). The run's saved config keeps it null, so a resumed
+        run with other `steps` works it out again."""
+        *sections, name = key.split(".")
+        section = functools.reduce(getattr, sections, self)
+        if getattr(section, name) is None:
+            setattr(section, name, value)
+            vars(self)["_derived"] = (*self.derived, key)
+
     def validate(self) -> None:
         """The keys every run has (an app's `validate` calls it first)."""
-        for key, low in (("steps", 1), ("checkpoint_every", 0)):
-            if getattr(self, key) < low:
-                raise ConfigError(f"config key '{key}' must be >= {low}, got {getattr(self, key)}")
+        check_range("steps", self.steps, ">= 1")
+        check_range("checkpoint_every", self.checkpoint_every, ">= 0")
         unknown = sorted(set(self.metrics) - set(BACKENDS))
         if unknown:  # here, not when the writer opens: that is after every service has started
             raise ConfigError(f"config key 'metrics': unknown backend(s) {unknown}; known: {', '.join(BACKENDS)}")
@@ -326,7 +342,7 @@ class SFTDataConfig(RowsConfig):
     prompt_key: str = "prompt"  # else prompt and completion columns: loss on the completion (and EOS)
     completion_key: str = "completion"  # the completion column beside prompt_key
     pack_to: int = 0  # examples packed into rows of up to this many tokens, each seeing only itself; 0: one per row
-    noise: float = 0.0  # toy task only: this fraction of answer characters (or digits) replaced at random
+    noise: float = 0.0  # toy task only: this fraction (0 to 1) of answer characters (or digits) replaced at random
     # Toy task with `system` only: this fraction of examples take a random-length start of the system
     # turn instead (none at length 0), so a model that knows the task behind short prompts learns
     # to find it behind a long one.
@@ -337,10 +353,8 @@ class SFTDataConfig(RowsConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.pack_to < 0:
-            raise ConfigError(f"config key 'data.pack_to' must be >= 0, got {self.pack_to}")
-        if not 0 <= self.system_cut <= 1:
-            raise ConfigError(f"config key 'data.system_cut' must be in [0, 1], got {self.system_cut}")
+        check_range("data.pack_to", self.pack_to, ">= 0")
+        check_ranges(self, "data.", "[0, 1]", ("noise", "system_cut"))
         if self.system_cut and self.system is None:
             raise ConfigError("config key 'data.system_cut' cuts the system turn of data.system, which is not set")
         if self.reasoning_gym.task and self.path:
@@ -399,19 +413,11 @@ class LossConfig:
             raise ConfigError(
                 f"config key 'loss.is_correction': {self.is_correction!r} is not one of {', '.join(IS_CORRECTION_NAMES)}"
             )
-        if self.is_cap < 1:
-            raise ConfigError(f"config key 'loss.is_cap' must be >= 1, got {self.is_cap}")
-        if self.beta <= 0:
-            raise ConfigError(f"config key 'loss.beta' must be > 0, got {self.beta}")
-        if self.rpo_alpha < 0:
-            raise ConfigError(f"config key 'loss.rpo_alpha' must be >= 0, got {self.rpo_alpha}")
-        if self.value_clip <= 0:
-            raise ConfigError(f"config key 'loss.value_clip' must be > 0, got {self.value_clip}")
+        check_range("loss.is_cap", self.is_cap, ">= 1")
+        check_ranges(self, "loss.", "> 0", ("beta", "value_clip"))
         # a negative one turns the loss around: clip bounds swapped, Dr.GRPO's sum divided by < 0,
         # a KL that pushes away from the reference
-        for key in ("clip_low", "clip_high", "kl_coef", "norm_tokens"):
-            if not getattr(self, key) >= 0:
-                raise ConfigError(f"config key 'loss.{key}' must be >= 0, got {getattr(self, key)}")
+        check_ranges(self, "loss.", ">= 0", ("rpo_alpha", "clip_low", "clip_high", "kl_coef", "norm_tokens"))
         if self.clip_low >= 1:
             raise ConfigError(
                 f"config key 'loss.clip_low' must be < 1 (the ratio's floor is 1 - it), got {self.clip_low}"
@@ -431,8 +437,10 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 class LoRAConfig:
     """Low-rank adapters on the target linears; the base weights stay frozen."""
 
+    KEY: ClassVar[str] = "trainer.lora"  # how its errors name its keys, wherever it sits (ppo.critic.lora)
+
     rank: int = 0  # 0: off, every weight trains
-    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank (> 0)
     dropout: float = 0.0  # on the adapter's input, while training
     targets: list[str] = field(default_factory=lambda: list(ALL_LINEAR))  # HF module names
 
@@ -444,11 +452,11 @@ class LoRAConfig:
     def scaling(self) -> float:
         return self.alpha / self.rank
 
-    def validate(self, key: str = "trainer.lora") -> None:
+    def validate(self, key: str = KEY) -> None:
         if self.rank < 0:
             raise ConfigError(f"config key '{key}.rank' must be >= 0 (0: off), got {self.rank}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"config key '{key}.dropout' must be in [0, 1), got {self.dropout}")
+        check_range(f"{key}.alpha", self.alpha, "> 0")
+        check_range(f"{key}.dropout", self.dropout, "[0, 1)")
         if self.enabled and not self.targets:
             raise ConfigError(f"config key '{key}.targets' names no module to adapt")
 

@@ -28,6 +28,7 @@ from torchstore.controller import Controller
 
 from forge.actor import spawn_procs, stop_procs
 from forge.metrics import Reduce, record_metric
+from forge.schema import TRANSPORTS
 from forge.shm import (
     check_safetensors,
     forget_mapping,
@@ -68,9 +69,6 @@ _make_controller_endpoints_async()
 
 
 # ---- versioned policy weights -------------------------------------------------------
-
-
-TRANSPORTS = ("shm", "torchstore")
 
 
 async def start_store(hosts=None):

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from forge.config import ConfigError, import_object, require_file
+from forge import tasks
+from forge.config import ConfigError, check_choice, check_range, check_ranges, import_object, require_file
 from forge.schema import (
     ADAPTER_CONFIG,
     SCORE_LOSS_NAMES,
+    TRANSPORTS,
     DatasetConfig,
     LoRAConfig,
     LossConfig,
@@ -39,8 +41,8 @@ class TinyModelSpec:
     its cache key, `spec_key`)."""
 
     family: str = "qwen3"  # services/models/: its tiny builder
-    task: str = "add"
-    sft_steps: int = 0
+    task: str = "add"  # the toy task (forge/tasks.py) of its tokenizer's examples and warm start
+    sft_steps: int = 0  # warm-start (SFT) steps on the task; 0: none, the random initial weights
     seed: int = 0
     hidden_size: int = 256
     intermediate_size: int = 512
@@ -63,6 +65,14 @@ class TinyModelSpec:
     # (e.g. a GRPO config's ${dataset.reasoning_gym}); empty task: the toy task's.
     sft_reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
 
+    def validate(self) -> None:  # its `task`: ModelConfig.check_tiny_task
+        check_range("model.tiny.sft_steps", self.sft_steps, ">= 0")
+        sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        sizes += ("num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "sft_batch_size")
+        check_ranges(self, "model.tiny.", ">= 1", sizes)
+        check_range("model.tiny.sft_lr", self.sft_lr, "> 0")
+        check_range("model.tiny.sft_noise", self.sft_noise, "[0, 1]")
+
 
 @dataclass
 class ModelConfig:
@@ -74,6 +84,14 @@ class ModelConfig:
     family: str | None = None
     # When set, `path` is (re)built from this spec if missing or stale (cached otherwise).
     tiny: TinyModelSpec | None = None
+
+    def check_tiny_task(self) -> None:
+        """The tiny model's toy task. The apps check it after their own `task`, which the shipped
+        configs' spec takes (task: ${task}): a bad `task` is named as such."""
+        if self.tiny is not None and self.tiny.task not in tasks.TASKS:
+            raise ConfigError(
+                f"config key 'model.tiny.task': unknown task {self.tiny.task!r}; known: {', '.join(sorted(tasks.TASKS))}"
+            )
 
     def validate(self) -> None:
         for key, family in (("family", self.family), ("tiny.family", self.tiny and self.tiny.family)):
@@ -102,16 +120,24 @@ class SamplingConfig:
     """Defaults for every request; a call's `sampling=` dict overrides any vLLM SamplingParams field."""
 
     temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0  # nucleus sampling's probability mass (1: off)
+    top_p: float = 1.0  # nucleus sampling's probability mass, in (0, 1] (1: off)
     top_k: int = 0  # 0: off
     max_tokens: int = 32  # tokens sampled per completion at most
     stop: list[str] = field(default_factory=list)  # strings that end a completion (not included)
     seed: int | None = None  # vLLM's per-request seed; None: unseeded
 
+    def validate(self) -> None:  # vLLM would refuse them only once a generator has started
+        check_range("generator.sampling.temperature", self.temperature, ">= 0")
+        check_range("generator.sampling.top_p", self.top_p, "(0, 1]")
+        check_range("generator.sampling.max_tokens", self.max_tokens, ">= 1")
+
+
+GENERATOR_DTYPES = ("auto", "float32", "bfloat16", "float16", "float", "half")  # vLLM's `dtype`
+
 
 @dataclass
 class GeneratorConfig:
-    dtype: str = "float32"  # the engine's weights and activations (bfloat16 on GPU)
+    dtype: str = "float32"  # the engine's weights and activations: auto, float32, bfloat16, float16 (bfloat16 on GPU)
     max_model_len: int | None = 512  # None: the model's own (max_position_embeddings)
     # CPU: vLLM cannot size the KV cache from free memory there, so it is given explicitly.
     # null on GPU: vLLM sizes it from engine.gpu_memory_utilization.
@@ -145,8 +171,10 @@ class GeneratorConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # any other vllm AsyncEngineArgs field
 
     def validate(self) -> None:
-        if self.cpu_threads < 0:
-            raise ConfigError(f"config key 'generator.cpu_threads' must be >= 0, got {self.cpu_threads}")
+        check_choice("generator.dtype", self.dtype, GENERATOR_DTYPES)
+        check_range("generator.cpu_threads", self.cpu_threads, ">= 0")
+        check_range("generator.max_num_seqs", self.max_num_seqs, ">= 1")
+        check_range("generator.request_timeout_s", self.request_timeout_s, "> 0")
         for name, path in self.adapters.items():
             require_file(f"generator.adapters.{name}", Path(path) / ADAPTER_CONFIG)
 
@@ -156,6 +184,7 @@ DECAYS = {"none": "linear", "linear": "linear", "cosine": "cosine", "sqrt": "sqr
 
 HEADS = ("lm", "score")
 PUBLISH_DTYPES = ("", "bfloat16", "float16", "float32")
+PARAM_DTYPES = ("float32", "bfloat16", "float16")  # torchtitan's mixed_precision_param
 
 
 @dataclass
@@ -163,12 +192,14 @@ class TrainerConfig:
     KEY: ClassVar[str] = "trainer"  # how its errors name its keys, wherever it sits (ppo.critic)
 
     lr: float = 1e-5  # AdamW's peak learning rate
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's beta1, beta2, each in [0, 1)
     weight_decay: float = 0.0  # AdamW's (decoupled)
     warmup_steps: int = 0  # linear warm-up steps before lr_decay
     lr_decay: str = "none"  # torchtitan decay_type: none | linear | cosine | sqrt
-    total_steps: int | None = None  # length of the LR schedule; null: the app's `steps`
-    max_norm: float = 1.0  # gradient clipping
+    # Length of the LR schedule; null: the run's optimizer steps (the app's `steps`). A decaying
+    # schedule is no shorter than the run: past its end the LR would fall below 0 (linear, sqrt).
+    total_steps: int | None = None
+    max_norm: float = 1.0  # gradient clipping: the gradients' total norm is scaled down to at most this (> 0)
     grad_accum: int = 1  # microbatches per step on each rank
     loss: LossConfig = field(default_factory=LossConfig)  # the loss and its coefficients
     weights: str = "policy"  # WeightStore name push_weights publishes to
@@ -176,7 +207,7 @@ class TrainerConfig:
     # Where generators on other hosts fetch versions from ("shm"): this host's loopback by
     # default; "0.0.0.0" on a cluster (every interface, advertised as the trainer's host name).
     serve_weights_on: str = "127.0.0.1"
-    keep_versions: int = 2  # versions kept in the store (>= the staleness window + 1)
+    keep_versions: int = 2  # versions kept in the store: >= 1, best >= the staleness window + 1
     # The dtype versions are published in: "" as trained (fp32 master weights), or the
     # generators' serving dtype ("bfloat16" on GPU): half the bytes, and few of them change
     # between versions, which `weight_deltas` sends alone.
@@ -185,7 +216,8 @@ class TrainerConfig:
     # hold (forge.delta), checked against the version's digest; whole where that is not smaller.
     weight_deltas: bool = False
     threads: int = 0  # torch threads per rank (0: the cores divided by the ranks)
-    param_dtype: str = "float32"  # FSDP2 compute dtype of parameters (bfloat16 on GPU); grads reduce in fp32
+    # FSDP2 compute dtype of parameters: float32, bfloat16 (on GPU) or float16; grads reduce in fp32
+    param_dtype: str = "float32"
     # MoE: split the experts over this many of the trainer's procs (a divisor of trainer_procs), the
     # rest of the model FSDP-sharded over all of them as always.
     expert_parallel: int = 1
@@ -201,26 +233,31 @@ class TrainerConfig:
 
     def validate(self) -> None:
         self.lora.validate()
-        if not self.lr >= 0:  # NaN too: torch refuses it only once the trainer has started
-            raise ConfigError(f"config key 'trainer.lr' must be >= 0, got {self.lr}")
+        # NaN and inf too: torch refuses them only once the trainer has started, or trains on them
+        check_ranges(self, "trainer.", ">= 0", ("lr", "weight_decay", "warmup_steps"))
+        # 0 would stop every update, < 0 turn the gradients around (Tinker clients' grad_clip_norm: 0 is none)
+        check_range("trainer.max_norm", self.max_norm, "> 0")
+        check_ranges(self, "trainer.", ">= 1", ("grad_accum", "expert_parallel", "keep_versions"))
+        if self.total_steps is not None:
+            check_range("trainer.total_steps", self.total_steps, ">= 1")
+        if len(self.betas) != 2:
+            raise ConfigError(f"config key 'trainer.betas' must be AdamW's [beta1, beta2], got {list(self.betas)}")
+        for i, beta in enumerate(self.betas):
+            check_range(f"trainer.betas[{i}]", beta, "[0, 1)")
+        check_choice("trainer.transport", self.transport, TRANSPORTS)
+        check_choice("trainer.param_dtype", self.param_dtype, PARAM_DTYPES)
+        check_choice("trainer.lr_decay", self.lr_decay, tuple(DECAYS))
+        check_choice("trainer.head", self.head, HEADS)
         if self.publish_dtype not in PUBLISH_DTYPES:
             raise ConfigError(
                 f"config key 'trainer.publish_dtype': {self.publish_dtype!r} is not one of "
                 f"{', '.join(map(repr, PUBLISH_DTYPES))}"
             )
-        if self.head not in HEADS:
-            raise ConfigError(f"config key 'trainer.head': {self.head!r} is not one of {', '.join(HEADS)}")
         if (self.head == "score") != (self.loss.name in SCORE_LOSS_NAMES):
             raise ConfigError(
                 f"config keys 'trainer.head' and 'trainer.loss.name': a score head trains with "
                 f"{', '.join(SCORE_LOSS_NAMES)}, an lm head with a policy's loss; got {self.head!r}, {self.loss.name!r}"
             )
-        if self.lr_decay not in DECAYS:
-            raise ConfigError(f"config key 'trainer.lr_decay': {self.lr_decay!r} is not one of {', '.join(DECAYS)}")
-        if self.grad_accum < 1:
-            raise ConfigError(f"config key 'trainer.grad_accum' must be >= 1, got {self.grad_accum}")
-        if self.expert_parallel < 1:
-            raise ConfigError(f"config key 'trainer.expert_parallel' must be >= 1, got {self.expert_parallel}")
 
 
 # The response is fenced, and said to be graded, not obeyed: it is the policy's text, which
@@ -258,11 +295,8 @@ class JudgeConfig:
             raise ConfigError(f"config key 'judge.pattern': {self.pattern!r} is not a regex: {e}") from None
         if groups != 1:
             raise ConfigError(f"config key 'judge.pattern' must have one group (the score), has {groups}")
-        for key in ("max_score", "max_tokens", "timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"config key 'judge.{key}' must be > 0, got {getattr(self, key)}")
-        if self.retries < 0:
-            raise ConfigError(f"config key 'judge.retries' must be >= 0, got {self.retries}")
+        check_ranges(self, "judge.", "> 0", ("max_score", "max_tokens", "timeout_s"))
+        check_ranges(self, "judge.", ">= 0", ("temperature", "retries"))
         self.check_rubric(None)
 
     def check(self, columns: Iterable[str] | None = None) -> None:
@@ -329,9 +363,7 @@ class SandboxConfig:
 
     def validate(self) -> None:
         keys = ("workers", "run_timeout", "memory_limit_MB", "max_output_bytes", "max_processes", "cpu_cores")
-        for key in keys:
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"config key 'sandbox.{key}' must be > 0, got {getattr(self, key)}")
+        check_ranges(self, "sandbox.", "> 0", keys)
         if self.isolation not in ISOLATION:
             raise ConfigError(
                 f"config key 'sandbox.isolation' must be one of {', '.join(ISOLATION)}, got {self.isolation!r}"
@@ -362,11 +394,8 @@ class RewardModelConfig:
 
     def check(self) -> None:
         require_file("rewards.reward_model.path", Path(self.path) / "config.json")
-        if self.batch_size < 1 or self.max_wait_s < 0:
-            raise ConfigError(
-                f"config keys 'rewards.reward_model.batch_size' (>= 1) and 'max_wait_s' (>= 0): got "
-                f"{self.batch_size}, {self.max_wait_s}"
-            )
+        check_range("rewards.reward_model.batch_size", self.batch_size, ">= 1")
+        check_range("rewards.reward_model.max_wait_s", self.max_wait_s, ">= 0")
 
 
 @dataclass
@@ -389,6 +418,8 @@ class RewardsConfig:
         """Every name is a built-in or an importable function (imported here, before anything
         spawns), and the sections of the rewards used are complete."""
         weights = dict(self.weights) or {"exact": 1.0}
+        for name, weight in weights.items():
+            check_range(f"rewards.weights.{name}", weight)
         self.weights = {n: w for n, w in weights.items() if w != 0}
         if not self.weights:
             raise ConfigError(f"config key 'rewards.weights': every reward's weight is 0 ({weights})")
@@ -405,10 +436,8 @@ class RewardsConfig:
             self.check_judge(None)
         if "reward_model" in self.weights:
             self.reward_model.check()
-        if self.replicas < 1:
-            raise ConfigError(f"config key 'rewards.replicas' must be >= 1, got {self.replicas}")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"config key 'rewards.timeout_s' must be > 0, got {self.timeout_s}")
+        check_range("rewards.replicas", self.replicas, ">= 1")
+        check_range("rewards.timeout_s", self.timeout_s, "> 0")
 
     def check_judge(self, columns: Iterable[str] | None) -> None:
         """With the `judge` reward: its endpoint, and a rubric naming only `columns` of a sample
@@ -472,10 +501,8 @@ class DistillConfig:
         for i, t in enumerate(self.teachers):
             if not t.path:
                 raise ConfigError(f"config key 'distill.teachers[{i}].path': a teacher needs a model directory")
-            if t.weight <= 0:
-                raise ConfigError(f"config key 'distill.teachers[{i}].weight' must be > 0, got {t.weight}")
-        if self.coef <= 0:
-            raise ConfigError(f"config key 'distill.coef' must be > 0, got {self.coef}")
+            check_range(f"distill.teachers[{i}].weight", t.weight, "> 0")
+        check_range("distill.coef", self.coef, "> 0")
 
 
 @dataclass
@@ -497,14 +524,9 @@ class PPOConfig:
     )
 
     def validate(self) -> None:
-        for key in ("gamma", "lam"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ConfigError(f"config key 'ppo.{key}' must be in [0, 1], got {getattr(self, key)}")
-        for key in ("critic_procs", "critic_updates"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"config key 'ppo.{key}' must be >= 1, got {getattr(self, key)}")
-        if self.critic_warmup < 0:
-            raise ConfigError(f"config key 'ppo.critic_warmup' must be >= 0, got {self.critic_warmup}")
+        check_ranges(self, "ppo.", "[0, 1]", ("gamma", "lam"))
+        check_ranges(self, "ppo.", ">= 1", ("critic_procs", "critic_updates"))
+        check_range("ppo.critic_warmup", self.critic_warmup, ">= 0")
         if self.critic.head != "score" or self.critic.loss.name != "value":
             raise ConfigError(
                 "config keys 'ppo.critic.head' and 'ppo.critic.loss.name': a critic is a score head trained "
@@ -538,14 +560,9 @@ class EvalConfig:
         return self.every > 0 or self.before_train
 
     def validate(self) -> None:
-        for key, low in (("every", 0), ("prompts", 0), ("n", 1), ("max_concurrent", 1)):
-            if getattr(self, key) < low:
-                raise ConfigError(f"config key 'eval.{key}' must be >= {low}, got {getattr(self, key)}")
-        if not (self.temperature >= 0 and self.max_hold_s > 0):  # NaN too
-            raise ConfigError(
-                f"config keys 'eval.temperature' (>= 0) and 'eval.max_hold_s' (> 0): got "
-                f"{self.temperature}, {self.max_hold_s}"
-            )
+        check_ranges(self, "eval.", ">= 0", ("every", "prompts", "temperature"))
+        check_ranges(self, "eval.", ">= 1", ("n", "max_concurrent"))
+        check_range("eval.max_hold_s", self.max_hold_s, "> 0")
         if self.n > 1 and self.temperature == 0:
             raise ConfigError(
                 f"config key 'eval.n' is {self.n}: more than one sample per prompt needs eval.temperature > 0"
@@ -598,23 +615,21 @@ class GatewayConfig:
 
     def validate(self) -> None:
         if self.api_key is not None and not self.api_key.strip():  # an unfilled secret: it would match no key
-            raise ValueError(
+            raise ConfigError(
                 "config key 'gateway.api_key' is empty (an unset secret in FORGE_API_KEY?): give a key, or none"
             )
         if not _loopback(self.host):
             if not self.sessions and self.api_key is None:  # training's session ids are its keys
-                raise ValueError(
+                raise ConfigError(
                     f"the gateway would listen on {self.host}, beyond this machine, with no API key: "
                     "give one (forge serve --api-key, or FORGE_API_KEY to keep it off the command line)"
                 )
             log.warning("forge: the gateway listens on %s, beyond this machine", self.host)
         limits = ("max_body_bytes", "max_n", "max_tokens", "default_max_tokens", "max_session_inflight", "max_turns")
         limits += ("max_session_tokens", "request_deadline_s", "max_connections")
-        for key in ("max_sessions", "max_inflight", "session_timeout_s", *limits):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"config key 'gateway.{key}' must be > 0, got {getattr(self, key)}")
+        check_ranges(self, "gateway.", "> 0", ("max_sessions", "max_inflight", "session_timeout_s", *limits))
         if self.default_max_tokens > self.max_tokens:
-            raise ValueError(
+            raise ConfigError(
                 f"config key 'gateway.default_max_tokens' ({self.default_max_tokens}) exceeds "
                 f"'gateway.max_tokens' ({self.max_tokens})"
             )
@@ -669,9 +684,7 @@ class TinkerConfig:
         limits += ("max_models_per_session", "max_samplers_per_session", "max_inflight_per_session")
         limits += ("max_request_bytes", "max_datums", "max_tokens", "tokens_per_pass", "max_seq_len", "max_samples")
         limits += ("request_deadline_s", "max_connections")
-        for key in limits:
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"config key 'tinker.{key}' must be > 0, got {getattr(self, key)}")
+        check_ranges(self, "tinker.", "> 0", limits)
 
 
 ON_FAILURE = ("mask", "drop")
@@ -705,11 +718,10 @@ class AgenticConfig:
             raise ConfigError(
                 f"config key 'agentic.on_failure': {self.on_failure!r} is not one of {', '.join(ON_FAILURE)}"
             )
-        for key in ("env_replicas", "envs_per_replica", "max_turns", "step_timeout_s", "episode_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"config key 'agentic.{key}' must be > 0, got {getattr(self, key)}")
-        if self.max_episode_tokens is not None and self.max_episode_tokens <= 0:
-            raise ConfigError(f"config key 'agentic.max_episode_tokens' must be > 0, got {self.max_episode_tokens}")
+        keys = ("env_replicas", "envs_per_replica", "max_turns", "step_timeout_s", "episode_timeout_s")
+        check_ranges(self, "agentic.", "> 0", keys)
+        if self.max_episode_tokens is not None:
+            check_range("agentic.max_episode_tokens", self.max_episode_tokens, "> 0")
         if self.agent:
             import_object("agentic.agent", self.agent)
         if self.env:

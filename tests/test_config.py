@@ -25,6 +25,7 @@ class Schema:
 
 
 def write(tmp_path, text):
+    tmp_path.mkdir(exist_ok=True)
     p = tmp_path / "c.yaml"
     p.write_text(text)
     return p
@@ -163,10 +164,11 @@ print("LOADED", sorted(m for m in {heavy!r} if m in sys.modules))
 """
 
 
-def test_forge_help_and_config_errors_print_before_any_heavy_library_loads(tmp_path):
+def test_forge_help_and_config_errors_print_before_any_heavy_library_loads(tmp_path, monkeypatch):
     """`forge --help` and a bad config of `forge run` or `forge eval` (a key, a value, a section's
     check, the app's own) answer without importing torch, vLLM or Monarch: in ~0.2 s of CPU, not
     the ~2.5 s those take."""
+    monkeypatch.delenv("FORGE_TEST_UNSET", raising=False)
     argvs = [
         ["--help"],
         ["run", "configs/grpo_tiny.yaml", "steps=-1"],
@@ -177,6 +179,9 @@ def test_forge_help_and_config_errors_print_before_any_heavy_library_loads(tmp_p
         ["run", "configs/grpo_tiny.yaml", "task=nope"],
         ["run", "configs/sft_tiny.yaml", "batch_size=0"],
         ["run", str(write(tmp_path, "app: serve"))],
+        ["run", "configs/grpo_tiny.yaml", "trainer_procs=0"],
+        ["run", str(write(tmp_path / "list", "app: [grpo]"))],
+        ["run", str(write(tmp_path / "unset", "base: ${oc.env:FORGE_TEST_UNSET}"))],
         ["eval", "configs/grpo_tiny.yaml", "--model", "runs/nowhere", "eval.n=0"],
         ["tinker", "configs/tinker_tiny.yaml", "tinker.host=0.0.0.0"],
     ]
@@ -192,7 +197,189 @@ def test_forge_help_and_config_errors_print_before_any_heavy_library_loads(tmp_p
         "task",
         "batch_size",
         "app",
+        "trainer_procs",
+        "app",
+        "base",
         "eval.n",
         "tinker.api_keys",
     ], out.stderr
     assert "usage: forge" in out.stdout and "LOADED []" in out.stdout, out.stdout
+
+
+GRPO, SFT, DPO, TINKER = (f"configs/{app}_tiny.yaml" for app in ("grpo", "sft", "dpo", "tinker"))
+PPO, CODE, TOOL = (f"configs/{name}_tiny.yaml" for name in ("ppo", "grpo_code", "grpo_tool"))
+
+
+def refused(config, overrides, key):
+    """Loading `config` (its app's Config) with `overrides` is one line naming config key `key`."""
+    from forge.cli import app_config
+
+    with pytest.raises(ConfigError) as e:
+        app_config(config, overrides)
+    assert f"config key '{key}'" in one_line(e) and type(e.value) is ConfigError
+    return str(e.value)
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+@pytest.mark.parametrize("config", [GRPO, SFT])
+def test_max_norm_must_be_a_positive_finite_number(config, value):
+    """Clipping scales the gradients by max_norm / their norm: a negative one turns them around,
+    0 stops every update, NaN makes NaN weights."""
+    assert refused(config, [f"trainer.max_norm={value}"], "trainer.max_norm").endswith(f"got {float(value)}")
+
+
+@pytest.mark.parametrize(
+    "config, overrides, key",
+    [
+        (DPO, ["trainer.lr_decay=linear", "steps=100", "trainer.total_steps=50"], "trainer.total_steps"),
+        (GRPO, ["trainer.lr_decay=sqrt", "trainer.total_steps=299"], "trainer.total_steps"),
+        (PPO, ["ppo.critic.lr_decay=cosine", "ppo.critic.total_steps=300"], "ppo.critic.total_steps"),
+        (SFT, ["trainer.total_steps=0"], "trainer.total_steps"),
+    ],
+)
+def test_a_decaying_lr_schedule_is_no_shorter_than_the_run(config, overrides, key):
+    """Past the schedule's end the LR of a linear or sqrt decay goes below 0 (cosine's comes back up)."""
+    refused(config, overrides, key)
+
+
+def test_ppo_s_policy_schedule_spans_the_steps_it_trains():
+    """During `ppo.critic_warmup` the policy takes no optimizer step: its schedule is the rest."""
+    from apps.schema import APPS
+
+    cfg = load_config(PPO, ["steps=100", "ppo.critic_warmup=50", "trainer.lr_decay=linear"], APPS["grpo"])
+    assert (cfg.trainer.total_steps, cfg.ppo.critic.total_steps) == (50, 100 * cfg.ppo.critic_updates)
+
+
+def test_dynamic_sampling_with_groups_of_one_is_refused():
+    """It drops groups whose rewards are all equal, which a group of one's always are."""
+    refused(PPO, ["group_size=1", "groups_per_step=64", "dynamic_sampling=true"], "dynamic_sampling")
+
+
+def test_a_resumed_run_with_more_steps_stretches_its_lr_schedule(tmp_path):
+    """The schedule's length that `steps` gave is not saved with the run (`forge run --resume DIR
+    steps=400` would keep the old one), one the config set is."""
+    from apps.schema import APPS
+    from forge.config import to_yaml
+
+    for given, saved, resumed in (([], None, 400), (["trainer.total_steps=500"], 500, 500)):
+        cfg = load_config(DPO, ["trainer.lr_decay=linear", "steps=300", *given], APPS["dpo"])
+        assert cfg.trainer.total_steps == (saved or 300)
+        (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+        assert load_config(tmp_path / "config.yaml", [], APPS["dpo"]).trainer.total_steps == (saved or 300)
+        again = load_config(tmp_path / "config.yaml", ["steps=400"], APPS["dpo"])
+        assert again.trainer.total_steps == resumed
+
+
+@pytest.mark.parametrize("name", ["007", "yes", "1e3", "null", "run #2", "a ${b} c", "x\\${y}"])
+def test_a_resumed_run_goes_on_in_its_directory_whatever_its_name(tmp_path, monkeypatch, name):
+    """`--resume DIR` sets run_name to DIR's name as it is, not read as YAML (007 would be run 7,
+    `run #2` run `run`) or as an interpolation."""
+    import types
+
+    from apps.schema import APPS
+    from forge import cli
+    from forge.config import to_yaml
+
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(to_yaml(load_config(SFT, [f"runs_dir={tmp_path}"], APPS["sft"])))
+    seen = []
+    monkeypatch.setitem(sys.modules, "apps.sft", types.SimpleNamespace(main=seen.append))
+    cli.run(None, ["steps=7"], resume=str(run_dir))
+    assert seen[0].run_dir == run_dir and seen[0].resume == str(run_dir) and seen[0].steps == 7
+
+
+def test_trainer_procs_zero_is_refused_before_the_batch_is_split():
+    refused(GRPO, ["trainer_procs=0"], "trainer_procs")  # was a ZeroDivisionError
+    refused(SFT, ["trainer_procs=0"], "trainer_procs")
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["groups_per_step=0", "groups_per_step=-1", "trainer_procs=-1", "generator_replicas=0", "trainer_restores=-1"],
+)
+def test_grpo_counts_below_their_minimum_are_refused(override):
+    key, value = override.split("=")
+    assert refused(GRPO, [override], key).endswith(f"got {value}")
+
+
+@pytest.mark.parametrize(
+    "config, override, key",
+    [
+        (GRPO, "trainer.lr=inf", "trainer.lr"),
+        (GRPO, "trainer.weight_decay=nan", "trainer.weight_decay"),
+        (DPO, "trainer.loss.beta=nan", "trainer.loss.beta"),
+        (GRPO, "trainer.loss.is_cap=nan", "trainer.loss.is_cap"),
+        (DPO, "trainer.loss.rpo_alpha=nan", "trainer.loss.rpo_alpha"),
+        (GRPO, "trainer.lora.alpha=nan", "trainer.lora.alpha"),
+        (GRPO, "rewards.weights.exact=nan", "rewards.weights.exact"),
+        (GRPO, "eval.rewards.exact=-inf", "eval.rewards.exact"),
+        (GRPO, "distill.coef=nan", "distill.coef"),
+        (GRPO, "rewards.judge.timeout_s=nan", "rewards.judge.timeout_s"),
+        (CODE, "rewards.code_tests.sandbox.run_timeout=nan", "rewards.code_tests.sandbox.run_timeout"),
+        (TOOL, "agentic.step_timeout_s=nan", "agentic.step_timeout_s"),
+        (TINKER, "tinker.poll_s=nan", "tinker.poll_s"),
+    ],
+)
+def test_nan_and_inf_are_refused_wherever_a_number_is_checked(config, override, key):
+    assert "must be a finite number" in refused(config, [override], key)
+
+
+@pytest.mark.parametrize(
+    "config, override, key",
+    [
+        (GRPO, "trainer.transport=shmm", "trainer.transport"),
+        (GRPO, "trainer.param_dtype=float33", "trainer.param_dtype"),
+        (GRPO, "generator.dtype=float33", "generator.dtype"),
+        (GRPO, "trainer.betas=[0.9]", "trainer.betas"),
+        (GRPO, "trainer.betas=[0.9,1.0]", "trainer.betas[1]"),
+        (GRPO, "trainer.warmup_steps=-3", "trainer.warmup_steps"),
+        (GRPO, "trainer.keep_versions=0", "trainer.keep_versions"),  # it dropped the version just published
+        (GRPO, "generator.sampling.temperature=-1", "generator.sampling.temperature"),
+        (GRPO, "generator.sampling.top_p=0", "generator.sampling.top_p"),
+        (GRPO, "generator.sampling.max_tokens=0", "generator.sampling.max_tokens"),
+        (GRPO, "generator.max_num_seqs=0", "generator.max_num_seqs"),
+        (GRPO, "generator.request_timeout_s=0", "generator.request_timeout_s"),
+        (SFT, "data.noise=5", "data.noise"),
+        (GRPO, "model.tiny.task=nope", "model.tiny.task"),
+        (GRPO, "model.tiny.sft_steps=-1", "model.tiny.sft_steps"),  # was named 'steps', its warm start's
+        (SFT, "model.tiny.sft_noise=2", "model.tiny.sft_noise"),
+    ],
+)
+def test_a_value_out_of_its_range_or_choices_is_refused_before_anything_starts(config, override, key):
+    refused(config, [override], key)
+
+
+def test_a_config_runs_its_own_app():
+    """`app=` on the command line would be saved with the run (whose resume then fails) while
+    the config's own app runs."""
+    assert "this config runs the grpo app" in refused(GRPO, ["app=sft"], "app")
+
+
+@pytest.mark.parametrize(
+    "text", ["app: [grpo]\n", "app: ${oc.env:FORGE_TEST_UNSET}\n", "base: ${oc.env:FORGE_TEST_UNSET}\napp: grpo\n"]
+)
+def test_a_config_s_app_is_a_name_and_its_base_resolves(tmp_path, monkeypatch, text):
+    monkeypatch.delenv("FORGE_TEST_UNSET", raising=False)
+    refused(str(write(tmp_path, text)), [], text.split(":")[0])
+
+
+def test_errors_of_nested_sections_name_the_full_key():
+    """The gateway's (agentic.gateway) and the critic's adapters' (ppo.critic.lora) are named where they sit."""
+    refused(TOOL, ["agentic.gateway.max_n=0"], "agentic.gateway.max_n")
+    refused(PPO, ["ppo.critic.lora.rank=-1"], "ppo.critic.lora.rank")
+    refused(PPO, ["ppo.critic.lora.alpha=0"], "ppo.critic.lora.alpha")
+
+
+@pytest.mark.parametrize(
+    "rule, good, bad",
+    [(">= 0", [0, 2.5], [-1, float("nan"), float("inf")]), ("(0, 1]", [1, 0.5], [0, 1.5]), ("", [-3], [float("nan")])],
+)
+def test_check_range(rule, good, bad):
+    from forge.config import check_range
+
+    for value in good:
+        check_range("x", value, rule)
+    for value in bad:
+        with pytest.raises(ConfigError, match=rf"config key 'x' must be .*got {value}"):
+            check_range("x", value, rule)
