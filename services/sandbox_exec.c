@@ -127,8 +127,8 @@ static const char *const ERRORS[] = {
     [28] = "No space left on device", [36] = "File name too long", [38] = "Function not implemented",
 };
 
-/* "OSError: WHAT: WHY" to the set-up pipe, and exit 125. `err`: the failed call's (negative) return. */
-static void __attribute__((noreturn)) fail(const char *what, long err) {
+/* "OSError: WHAT: WHY" to set-up pipe `fd`; returns 125. `err`: the failed call's (negative) return. */
+static int tell(long fd, const char *what, long err) {
     char msg[512], num[24];
     size_t n = 0;
     const char *why = -err > 0 && -err < (long)(sizeof ERRORS / sizeof *ERRORS) ? ERRORS[-err] : 0;
@@ -136,8 +136,13 @@ static void __attribute__((noreturn)) fail(const char *what, long err) {
     for (size_t p = 0; p < sizeof parts / sizeof *parts; p++) {
         for (const char *c = parts[p]; *c && n < sizeof msg; c++) msg[n++] = *c;
     }
-    sys(__NR_write, SETUP_FD, msg, n); /* nothing left to tell it with if this fails */
-    leave(SETUP_FAILED);
+    sys(__NR_write, fd, msg, n); /* nothing left to tell it with if this fails */
+    return SETUP_FAILED;
+}
+
+/* Why set-up failed, to the set-up pipe; exit 125. */
+static void __attribute__((noreturn)) fail(const char *what, long err) {
+    leave(tell(SETUP_FD, what, err));
 }
 
 static long check(long result, const char *what) {
@@ -346,15 +351,48 @@ static int changed(const struct fs_state *a, const struct fs_state *b) {
 
 static struct fs_state FRESH[MAX_TMPFS];
 
-/* Each tmpfs a run changed, mounted afresh (the old one goes with its last user, all killed). */
+/* Every tmpfs mounted afresh, in their order, if a run changed any (the old ones go with their
+ * last users, all killed): which one it changed, or its mounts' order, tells the next run nothing. */
 static void renew_tmpfs(const struct spec *s) {
-    for (int i = 0; i < s->ntmpfs; i++) {
+    int any = 0;
+    for (int i = 0; i < s->ntmpfs && !any; i++) {
         struct fs_state now;
         fs_state(s->tmpfs[2 * i], &now);
-        if (!changed(&now, &FRESH[i])) continue;
-        check(sys(__NR_umount2, s->tmpfs[2 * i], MNT_DETACH), s->tmpfs[2 * i]);
+        any = changed(&now, &FRESH[i]);
+    }
+    for (int i = 0; any && i < s->ntmpfs; i++) check(sys(__NR_umount2, s->tmpfs[2 * i], MNT_DETACH), s->tmpfs[2 * i]);
+    for (int i = 0; any && i < s->ntmpfs; i++) {
         mount_tmpfs(s, i);
         fs_state(s->tmpfs[2 * i], &FRESH[i]);
+    }
+}
+
+/* Unix sockets of the slot's network namespace (its processes all gone: the ones a run left in
+ * flight), from the lines of /proc/net/unix after its header. */
+static long unix_sockets(void) {
+    static char buf[4096];
+    long fd = sys(__NR_openat, AT_FDCWD, "/proc/net/unix", O_RDONLY | O_CLOEXEC), n, lines = 0;
+    if (fd < 0) return 0;
+    while ((n = sys(__NR_read, fd, buf, sizeof buf)) > 0) {
+        for (long i = 0; i < n; i++) lines += buf[i] == '\n';
+    }
+    sys(__NR_close, fd);
+    return lines > 0 ? lines - 1 : 0;
+}
+
+/* Sockets a run sent over a unix socket that no process holds (fds in flight) outlive its
+ * processes: the files they hold, charged to the slot's memory, and the names they bound stay
+ * for the next run to meet, until the kernel collects them, which closing a unix socket starts.
+ * Started, and waited for (at most ~0.5 s). */
+static void collect_sockets(void) {
+    for (int i = 0; i < 250 && unix_sockets() > 0; i++) {
+        int pair[2];
+        if (sys(__NR_socketpair, 1 /* AF_UNIX */, 1 /* SOCK_STREAM */ | O_CLOEXEC, 0, pair) == 0) {
+            sys(__NR_close, pair[0]);
+            sys(__NR_close, pair[1]);
+        }
+        long pause[2] = {0, 2000000};
+        sys(__NR_clock_nanosleep, 1 /* CLOCK_MONOTONIC */, 0, pause, 0);
     }
 }
 
@@ -437,15 +475,17 @@ static void serve_one(struct spec *s, unsigned short len, char **envp) {
         sys(__NR_write, last, "1", 1);
         sys(__NR_close, last);
     }
-    long child = fork_();
+    long child = sys(__NR_clone, SIGCHLD, 0, 0, 0, 0);
     if (child == 0) serve_program(s, words, fds, nfds, len, envp);
+    int code = child > 0 ? 0 : tell(fds[nfds - 1], "fork", child); /* this run's set-up failed; the server serves on */
     for (int i = 0; i < nfds; i++) sys(__NR_close, fds[i]);
-    int code = wait_code(child);
+    if (child > 0) code = wait_code(child);
     sys(__NR_kill, -1, SIGKILL); /* from pid 1: every other process of the namespace */
     long r;
     while ((r = sys(__NR_wait4, -1, 0, __WALL, 0)) != -10) { /* until ECHILD */
         if (r < 0 && r != -4) leave(SETUP_FAILED);
     }
+    collect_sockets();
     renew_tmpfs(s);
     check(sys(__NR_write, CONTROL_FD, &code, sizeof code), "answer the pool");
 }
@@ -458,7 +498,9 @@ static void serve(int argc, char **argv, char **envp) {
     new_namespaces(&s);
     for (int i = 0; i < s.ntmpfs; i++) fs_state(s.tmpfs[2 * i], &FRESH[i]);
     check(sys(__NR_write, CONTROL_FD, "R", 1), "tell the pool");
-    sys(__NR_close, SETUP_FD); /* each run brings its own */
+    /* Each run brings its own set-up pipe; fds 0-5 stay taken (/dev/null), so none of a run's
+     * received fds is numbered 5, where a failure of pid 1 itself would write. */
+    if (sys(__NR_dup3, 0, SETUP_FD, O_CLOEXEC) < 0 || sys(__NR_dup3, 0, 4, O_CLOEXEC) < 0) leave(SETUP_FAILED);
     for (;;) serve_one(&s, len, envp);
 }
 

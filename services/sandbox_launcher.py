@@ -26,6 +26,7 @@ services/sandbox_exec.c (it starts them itself otherwise).
 
 import atexit
 import builtins
+import contextlib
 import ctypes
 import gc
 import importlib.machinery
@@ -38,6 +39,7 @@ import shutil
 import signal
 import socket
 import sys
+import time
 import types
 from typing import NoReturn
 
@@ -80,6 +82,25 @@ def exit_code(pid: int) -> int:
     """Wait for `pid`; its exit code, or 128 + the signal that ended it (as a shell says)."""
     _, status = os.waitpid(pid, 0)
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+def settle() -> None:
+    """For pid 1 of a run's namespace, its program gone: every other process killed and reaped,
+    and the sockets the run left in flight collected (services/sandbox_exec.c `collect_sockets`
+    says why: they outlive the namespace, in the slot's network namespace and memory)."""
+    with contextlib.suppress(OSError):
+        os.kill(-1, signal.SIGKILL)  # from pid 1: every other process of the namespace
+    with contextlib.suppress(ChildProcessError):
+        while True:
+            os.wait()
+    for _ in range(250):
+        with open("/proc/net/unix") as f:
+            if len(f.readlines()) <= 1:
+                return
+        ends = socket.socketpair()  # closing a unix socket starts the kernel's collector
+        for end in ends:
+            end.close()
+        time.sleep(0.002)
 
 
 NETNS: dict[int, int] = {}  # slot uid -> an fd of its network namespace
@@ -257,7 +278,10 @@ def run(req: dict, fds: list[int], setup: int) -> NoReturn:
         pid = os.fork()
         if pid:
             os.close(setup)
-            os._exit(exit_code(pid))
+            code = exit_code(pid)
+            if req["namespaces"]:  # this is the namespace's pid 1
+                settle()
+            os._exit(code)
         limit(req)
         if not req["python"]:
             os.execve(req["argv"][0], req["argv"], req["env"])  # `setup` is close-on-exec

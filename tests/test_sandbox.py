@@ -1114,7 +1114,7 @@ NEXT_RUN_ATTACKS = {  # what a run leaves for the next in its slot, and what the
     ),
     "tmp's mode": ("chmod 750 /tmp", "stat -c %a /tmp"),
     "tmp's times": ("touch -d @12345 /tmp", "stat -c %Y /tmp | sed 's/^12345$/told/'"),
-    "SysV IPC": ("ipcmk -M 4096 && ipcmk -Q", "ipcs -m -q | grep -c '^0x'"),
+    "SysV IPC": ("ipcmk -M 4096 && ipcmk -Q", "ipcs -m -q | grep -c '^0x' || true"),
     "processes": (
         "setsid sleep 100 >/dev/null 2>&1 </dev/null & nohup sleep 100 >/dev/null 2>&1 &",
         "n=0; for p in /proc/[0-9]*; do n=$((n + 1)); done; echo $n",  # bash's own glob: no process of its own
@@ -1124,22 +1124,51 @@ NEXT_RUN_ATTACKS = {  # what a run leaves for the next in its slot, and what the
         "import os; os.setxattr('/tmp', 'user.note', b'for the next run')",
         "import os; print(os.listxattr('/tmp'))",
     ),
+    "the order of the tmpfs mounts": (  # which tmpfs were mounted afresh
+        "touch /tmp/x",
+        "cut -d' ' -f5 /proc/self/mountinfo | grep -E '^/(tmp|var/tmp|dev/shm)$'",
+    ),
 }
+# Sockets sent over a unix socket no process holds (fds in flight) outlive the run's processes,
+# with the names they bound (in the slot's network namespace) and the files they hold (charged to
+# the slot's memory): until the kernel collects them, the next run reads the names, and runs out of
+# memory where it would not have.
+IN_FLIGHT = """
+import os, socket
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.bind(b"\\0left-by-the-last-run: the tests call f(17)")
+fds = [s.fileno(), a.fileno(), b.fileno()]
+for n in range(3):  # 30 MB each in /tmp, unlinked
+    fd = os.open(f"/tmp/big{n}", os.O_RDWR | os.O_CREAT)
+    os.unlink(f"/tmp/big{n}")
+    os.write(fd, b"x" * (30 << 20))
+    fds.append(fd)
+socket.send_fds(b, [b"x"], fds)  # into a's own queue: a cycle no process holds
+"""
+LOOK_IN_FLIGHT = (
+    "print([line.split('@')[1] for line in open('/proc/net/unix') if '@left' in line])\nx = b'x' * (60 << 20)"
+)
+for kind in ("exec'd", "forked"):
+    NEXT_RUN_ATTACKS[f"sockets left in flight ({kind} Python)"] = (IN_FLIGHT, LOOK_IN_FLIGHT)
 
 
 @pytest.mark.parametrize("attack", NEXT_RUN_ATTACKS)
 def test_a_run_leaves_nothing_the_next_run_in_its_slot_can_see(loop, attack):
     """Exec'd programs of a slot run in one server's pid and mount namespaces, one after another:
     whatever a run leaves there (files in its tmpfs, their root's mode or times, SysV IPC objects,
-    processes that left its session, how far the pids went) is gone when the next run starts,
-    which sees what a first run sees."""
+    processes that left its session, how far the pids went, which tmpfs it changed) is gone when
+    the next run starts, which sees what a first run sees. Sockets left in flight are collected
+    after a run in either path (the slot's network namespace and memory are every run's)."""
     from services import sandbox as sb
 
     leave, look = NEXT_RUN_ATTACKS[attack]
     language = "python" if "import" in leave else "bash"
+    fresh = language == "python" and "forked" not in attack  # exec'd through the slot's server
+    cfg = SandboxConfig(workers=1, uid_base=61690, fresh_interpreter=fresh, memory_limit_MB=128)
 
-    async def scenario() -> tuple[str, str]:
-        pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=61690, fresh_interpreter=language == "python"))
+    async def scenario() -> tuple[tuple, tuple]:
+        pool = sb.SandboxPool(cfg)
         await pool.start()
         try:
             first = await pool.run(look, language)
@@ -1147,12 +1176,12 @@ def test_a_run_leaves_nothing_the_next_run_in_its_slot_can_see(loop, attack):
             assert left.status == "ok", left
             after = await pool.run(look, language)
             assert [s.alive for s in pool.servers.values()] == [True]  # one server served them
-            return first.stdout, after.stdout
+            return (first.status, first.stdout), (after.status, after.stdout)
         finally:
             await pool.stop()
 
     first, after = loop.run_until_complete(scenario())
-    assert after == first, (attack, first, after)
+    assert after == first and first[0] == "ok", (attack, first, after)
 
 
 def test_a_slot_whose_server_died_between_runs_starts_another(loop):
@@ -1180,3 +1209,26 @@ def test_a_slot_whose_server_died_between_runs_starts_another(loop):
 
     *runs, left = loop.run_until_complete(scenario())
     assert [(r.status, r.stdout) for r in runs] == [("ok", "2\n")] * 3 and left == [], (runs, left)
+
+
+def test_a_run_its_server_cannot_fork_is_that_run_s_set_up_error(loop):
+    """The slot's pid 1 cannot fork a run (here: the slot's process limit holds only the server):
+    that run is the sandbox's error naming why, on the run's own set-up pipe (never its output),
+    and the server serves the next run."""
+    from services import sandbox as sb
+
+    async def scenario() -> tuple:
+        pool = sb.SandboxPool(SandboxConfig(workers=1, uid_base=61696))
+        await pool.start()
+        try:
+            first = await pool.run("echo one", "bash")
+            pool.cfg.max_processes = 2  # the server's two processes
+            with pytest.raises(sb.SandboxError, match="could not set up the run: OSError: fork: Resource"):
+                await pool.run("echo two", "bash")
+            pool.cfg.max_processes = SandboxConfig().max_processes
+            return first, await pool.run("echo three", "bash"), [s.alive for s in pool.servers.values()]
+        finally:
+            await pool.stop()
+
+    first, after, alive = loop.run_until_complete(scenario())
+    assert (first.stdout, after.stdout, alive) == ("one\n", "three\n", [True])
