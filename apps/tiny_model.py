@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> Path:
     if a.family not in models.NAMES:
         fail(f"--family: unknown model family {a.family!r}; known: {', '.join(models.NAMES)}")
     spec = TinyModelSpec(family=a.family, task=a.task, sft_steps=a.sft_steps, sft_noise=a.sft_noise, seed=a.seed)
-    out = make_tiny_model(a.out, spec, force=a.force, warm_start=warm_start)
+    out = make_tiny_model(a.out, spec, force=a.force, warm_start=warm_start, where="--out")
     info = json.loads((out / BUILD_FILE).read_text())
     print(f"tiny model in {out}: {info['parameters']:,} parameters, built in {info['build_seconds']} s")
     return out

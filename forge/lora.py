@@ -38,6 +38,8 @@ UNSERVABLE = (
 # init_lora_weights that only draw the adapter's first weights; the others (pissa, olora, corda,
 # loftq) change the base model's when PEFT loads the adapter, which vLLM's base does not see.
 PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+DEFAULT_ALPHA = 8  # PEFT's LoraConfig.lora_alpha, where adapter_config.json leaves it out
+PLAIN_TENSOR = re.compile(rf"{re.escape(PREFIX)}.+\.lora_[AB]\.weight")  # what write_adapter writes back
 
 
 def peft_key(hf_module: str, which: str) -> str:
@@ -100,6 +102,8 @@ def adapter_rank(path: str | Path) -> int:
 
 def _check_servable(peft: dict[str, Any], file: Path) -> None:
     found = {key: peft[key] for key in UNSERVABLE if peft.get(key)}
+    if peft.get("peft_type", "LORA") != "LORA":  # AdaLoRA's, LoHa's, ...: other tensors, other maths
+        found["peft_type"] = peft["peft_type"]
     if peft.get("bias", "none") != "none":
         found["bias"] = peft["bias"]
     init = peft.get("init_lora_weights", True)
@@ -114,7 +118,7 @@ def _scaling(peft: dict[str, Any], module: str, rank: int) -> float:
     """PEFT's scaling of the adapter of `rank` on `module`: its alpha (alpha_pattern's first key
     matching the module, as PEFT's get_pattern_key matches, else lora_alpha) over its rank, or
     over the rank's square root with use_rslora."""
-    alpha = peft.get("lora_alpha", peft["r"])
+    alpha = peft.get("lora_alpha", DEFAULT_ALPHA)
     for key, value in (peft.get("alpha_pattern") or {}).items():
         if re.match(rf"(.*\.)?({key})$", module):
             alpha = value
@@ -126,16 +130,20 @@ def read_adapter(path: str | Path) -> tuple[LoRAConfig, dict[str, torch.Tensor]]
     """A PEFT adapter directory: its config (rank, alpha, dropout, targets) and its tensors. Each
     module's B carries what PEFT's scaling of it differs by from the config's alpha / rank
     (use_rslora, rank_pattern, alpha_pattern), so `write_adapter` gives back the same adapter.
-    An adapter vLLM cannot serve (DoRA, ...) is a ValueError naming its file and key."""
+    An adapter vLLM cannot serve (DoRA, AdaLoRA, tensors besides A and B, ...) is a ValueError
+    naming its file and key. Without `lora_alpha`, alpha is PEFT's default (8)."""
     path = Path(path)
     peft = read_config(path)
     _check_servable(peft, path / ADAPTER_CONFIG)
     tensors = load_file(str(path / ADAPTER_WEIGHTS))
+    other = sorted(k for k in tensors if not PLAIN_TENSOR.fullmatch(k))
+    if other:
+        raise ValueError(f"{path / ADAPTER_WEIGHTS}: {other[:3]} are not LoRA A or B matrices (plain LoRA only)")
     ranks = _module_ranks(tensors)
     targets = peft.get("target_modules") or []
     cfg = LoRAConfig(
         rank=max(ranks.values(), default=peft["r"]),
-        alpha=peft.get("lora_alpha", peft["r"]),
+        alpha=peft.get("lora_alpha", DEFAULT_ALPHA),
         dropout=peft.get("lora_dropout", 0.0),
         targets=sorted(targets) if isinstance(targets, list) else [targets],
     )

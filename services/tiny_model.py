@@ -131,16 +131,32 @@ def build_tokenizer(seed: int = 0):
 WarmStart = Callable[[Path, TinyModelSpec], float]  # trains a built model in place; returns its final loss
 
 
+def _check_replaceable(out: Path, where: str) -> None:
+    """A build replaces `out` whole: only a directory that is missing, empty, or forge's own
+    build (its BUILD_FILE) may be replaced, never a model or files forge did not write."""
+    if out.exists() and not (out / BUILD_FILE).is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(
+            f"{where}: {out} is not a tiny model forge built (no {BUILD_FILE}) and not empty; building one "
+            "there would replace it (use an empty or new directory)"
+        )
+
+
 def make_tiny_model(
-    out: str | Path, spec: TinyModelSpec | None = None, force: bool = False, warm_start: WarmStart | None = None
+    out: str | Path,
+    spec: TinyModelSpec | None = None,
+    force: bool = False,
+    warm_start: WarmStart | None = None,
+    where: str = "tiny model directory",
 ) -> Path:
     """Build (or reuse) the tiny model in `out`; returns the directory. A spec with `sft_steps`
-    needs `warm_start` (the SFT app's: apps/sft.py `warm_start`)."""
+    needs `warm_start` (the SFT app's: apps/sft.py `warm_start`). `out` must be missing, empty or
+    an earlier build (else a ConfigError naming `where`, what set it), `force` or not."""
     spec = spec or TinyModelSpec()
     out = Path(out)
     build_file = out / BUILD_FILE
     if not force and build_file.is_file() and json.loads(build_file.read_text()).get("key") == spec_key(spec):
         return out
+    _check_replaceable(out, where)
     tasks.get_task(spec.task)  # a bad task name fails before any work
     if spec.sft_steps and warm_start is None:
         raise ConfigError("config key 'model.tiny.sft_steps': a warm start needs the SFT app (apps/sft.py)")
@@ -173,6 +189,8 @@ def make_tiny_model(
 def resolve_model(cfg: ModelConfig, warm_start: WarmStart | None = None) -> Path:
     """The `model` section's directory, built first when `tiny` asks for it (warm-started by `warm_start`)."""
     if cfg.tiny is not None:
-        return make_tiny_model(cfg.path, cfg.tiny, warm_start=warm_start)
+        return make_tiny_model(
+            cfg.path, cfg.tiny, warm_start=warm_start, where="config keys 'model.path' and 'model.tiny'"
+        )
     cfg.validate()
     return Path(cfg.path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,7 +103,13 @@ def load_hf_model(
         except SafetensorError as e:
             raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
     score = hf_state.pop(SCORE_HEAD, None)
-    missing, unexpected = model.load_state_dict(family.adapter(cfg).from_hf(hf_state), strict=False)
+    _untie_check(hf, hf_state, model_dir)
+    try:
+        titan_state = family.adapter(cfg).from_hf(hf_state)
+    except KeyError as e:  # the adapter's name map has no entry for a weight (e.g. attention biases)
+        name = _weight_named(hf_state, e.args[0])
+        raise ValueError(f"{model_dir}: weight {name!r} is not one the {family.name} family has") from None
+    missing, unexpected = model.load_state_dict(titan_state, strict=False)
     # adapters keep their init; a sequence-classification checkpoint has no LM head
     missing = [k for k in missing if not is_adapter(k) and not (score is not None and k.startswith("lm_head."))]
     if missing or unexpected:
@@ -116,6 +123,27 @@ def load_hf_model(
     return model.float()
 
 
+def _weight_named(hf_state: dict[str, torch.Tensor], key: Any) -> Any:
+    """The checkpoint's weight a state-dict adapter's `key` stands for: its name map keys a
+    layer's weights by template ("model.layers.{}.self_attn.k_proj.bias")."""
+    return next((k for k in hf_state if re.sub(r"\.\d+\.", ".{}.", k, count=1) == key), key)
+
+
+def _untie_check(hf: dict[str, Any], hf_state: dict[str, torch.Tensor], model_dir: str | Path) -> None:
+    """A tied checkpoint's head is its embeddings: a stored lm_head.weight beside them (some
+    exporters write both) would be loaded after them into the one shared tensor. Dropped where it
+    is the same tensor; where it differs the checkpoint is not tied, whatever config.json says."""
+    head, embed = hf_state.get("lm_head.weight"), hf_state.get("model.embed_tokens.weight")
+    if not hf.get("tie_word_embeddings", False) or head is None or embed is None:
+        return
+    if not torch.equal(head, embed):
+        raise ValueError(
+            f"{model_dir}: config.json says tie_word_embeddings, but its lm_head.weight differs from "
+            "model.embed_tokens.weight (set tie_word_embeddings to false to load the separate head)"
+        )
+    del hf_state["lm_head.weight"]
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of `model_dir`'s HF weights: the ones its index's weight_map lists, as
     transformers and vLLM load them (a hub snapshot may hold others beside them, e.g. Mistral's
@@ -127,13 +155,24 @@ def weight_files(model_dir: Path) -> list[Path]:
             raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir}")
         return files
     try:
-        files = [model_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{index}: not a safetensors index (JSON with a 'weight_map' of key -> file): {e!r}") from None
+    files = [_inside(model_dir, name, index) for name in names]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise FileNotFoundError(f"{index}: its weight_map lists {missing}, not in {model_dir}")
     return files
+
+
+def _inside(model_dir: Path, name: Any, index: Path) -> Path:
+    """The file `name` of `index`'s weight_map: a relative path within `model_dir` (transformers
+    and vLLM join the two), not one that reads weights from elsewhere. Not resolved: a hub
+    snapshot's files are links into its blob store."""
+    parts = Path(name).parts if isinstance(name, str) else ()
+    if not parts or Path(name).is_absolute() or ".." in parts:
+        raise ValueError(f"{index}: weight_map entry {name!r} is not a file inside {model_dir}")
+    return model_dir / name
 
 
 def score_head(model: torch.nn.Module, weight: torch.Tensor | None) -> None:
@@ -275,11 +314,28 @@ def _forward(
     segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     attention = getattr(getattr(model, "config", None), "first_attention", None)
+    _check_context(model, attention, ids, positions)
     if positions is None and attention is not None and not isinstance(attention.inner_attention, FlexAttention.Config):
         return model(ids)  # one episode per row: SDPA's own causal kernel
     if positions is None:
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     return model(ids, positions=positions, attention_masks=_attention_masks(model, attention, positions, segments))
+
+
+def _check_context(model: torch.nn.Module, attention: Any, ids: torch.Tensor, positions: torch.Tensor | None) -> None:
+    """An episode longer than the model's context is an error naming the limit: forge's families
+    have RoPE tables of max_position_embeddings rows (past them, a shape error deep in attention),
+    the hf family's masks ignore a sliding window (past it, other logprobs than transformers')."""
+    if attention is None:
+        limit, key = hf.sliding_window(model), "sliding_window"
+    else:
+        limit, key = getattr(getattr(attention, "rope", None), "max_seq_len", None), "max_position_embeddings"
+    # A token's position is at most its index: only a row longer than the limit needs the (syncing) max.
+    if limit is None or ids.shape[1] <= limit:
+        return
+    longest = ids.shape[1] if positions is None else int(positions.max()) + 1
+    if longest > limit:
+        raise ValueError(f"a {longest}-token sequence is longer than the model's {key} ({limit}, config.json)")
 
 
 def _attention_masks(

@@ -526,7 +526,12 @@ class Trainer(ForgeActor):
         """A HF model directory (safetensors + config + tokenizer) of the current weights; with
         LoRA, a PEFT adapter directory, or the model with the adapter merged in (`merged`). A
         score head's is always merged: a sequence classifier, its head trained whole, which a
-        causal-LM adapter has no place for."""
+        causal-LM adapter has no place for.
+
+        A full model is written as one model.safetensors: a directory that holds other safetensors
+        weights (another checkpoint's shards and index, an adapter) is refused, not cleaned, since
+        loaders would read those instead and forge did not write them. Its own earlier export
+        (model.safetensors) is replaced."""
         from safetensors.torch import save_file
 
         if self.peft is not None and not merged and self.cfg.head != "score":
@@ -535,6 +540,13 @@ class Trainer(ForgeActor):
                 write_adapter(path, tensors, self.cfg.lora, self.model_dir)
             dist.barrier()
             return path
+        other = [_other_weights(Path(path)) if self.rank == 0 else []]
+        dist.broadcast_object_list(other, src=0)  # every rank fails alike, none waits at the barrier
+        if other[0]:
+            raise ValueError(
+                f"{path}: holds other weights ({', '.join(other[0][:3])}) that loaders would read instead "
+                "of the export; export into an empty directory or remove them"
+            )
         sd = self._full_hf_state_dict()
         if self.rank == 0:
             out = Path(path)
@@ -608,6 +620,15 @@ class Trainer(ForgeActor):
                 print(f"forge: trainer could not clear weights {self.store.name!r}: {e}", flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _other_weights(out: Path) -> list[str]:
+    """The safetensors weights and indexes in `out` besides model.safetensors (the file a full
+    export writes): transformers and vLLM prefer an index's shards, and PEFT an adapter, to it."""
+    if not out.is_dir():
+        return []
+    names = {f.name for f in out.glob("*.safetensors")} | {f.name for f in out.glob("*.safetensors.index.json")}
+    return sorted(names - {"model.safetensors"})
 
 
 def _as_sequence_classifier(config: Path) -> None:

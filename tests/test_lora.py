@@ -433,3 +433,48 @@ def test_a_token_of_no_adapter_gets_nothing_when_every_slot_holds_one():
     bgmv_expand(shrunk, lora_b, out, indices)
     assert out[0].abs().max() == 0 and out[2].abs().max() == 0
     assert torch.allclose(out[1], lora_b[0, 0] @ (lora_a[0, 0] @ x[1]), atol=1e-5)
+
+
+def test_an_adapter_of_another_method_is_named_and_alpha_defaults_as_in_peft(tiny_model_dir, tmp_path):
+    """An AdaLoRA adapter (its own tensors and maths), or one with tensors besides A and B, is an
+    error naming the file, not read as plain LoRA. An adapter_config.json without lora_alpha has
+    PEFT's (8): the adapter written back computes the same logits."""
+    import json
+    import re
+
+    from peft import AdaLoraConfig, LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from forge.lora import ADAPTER_WEIGHTS, read_adapter, write_adapter
+
+    def save(name, lora):
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        get_peft_model(base, lora).save_pretrained(str(tmp_path / name))
+        return tmp_path / name
+
+    adalora = save("adalora", AdaLoraConfig(r=4, init_r=4, target_modules=["q_proj"], total_step=10, lora_alpha=8))
+    config = adalora / "adapter_config.json"
+    with pytest.raises(ValueError, match=re.escape(f"{config}: key 'peft_type' is 'ADALORA': vLLM cannot serve")):
+        read_adapter(adalora)
+
+    plain = save("plain", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    weights = load_file(str(plain / ADAPTER_WEIGHTS))
+    save_file({**weights, "base_model.model.lm_head.lora_E": torch.zeros(4, 1)}, str(plain / ADAPTER_WEIGHTS))
+    with pytest.raises(ValueError, match=re.escape(f"{plain / ADAPTER_WEIGHTS}: ['base_model.model.lm_head.lora_E']")):
+        read_adapter(plain)
+    save_file(weights, str(plain / ADAPTER_WEIGHTS))
+
+    config = plain / "adapter_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "lora_alpha"}))
+    cfg, tensors = read_adapter(plain)
+    assert cfg.alpha == 8
+    write_adapter(tmp_path / "served", tensors, cfg, str(tiny_model_dir))
+    ids = torch.tensor([[1, 40, 50, 60, 70, 80, 90]])
+    logits = []
+    for adapter in (plain, tmp_path / "served"):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            logits.append(PeftModel.from_pretrained(base, str(adapter)).eval()(ids).logits)
+    assert (logits[0] - logits[1]).abs().max().item() <= 1e-5

@@ -178,3 +178,207 @@ def test_a_family_gives_the_same_logprobs_and_gradients_with_its_head_in_chunks(
     assert (lp0 - lp7).abs().max().item() <= 1e-5 and (ent0 - ent7).abs().max().item() <= 1e-5
     assert (lp0[positions == 0] == 0).all() and (lp7[positions == 0] == 0).all()
     assert g0.keys() == g7.keys() and all((g0[n] - g7[n]).abs().max().item() <= 1e-5 for n in g0)
+
+
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def save_random(config, model_dir, edit=None):
+    """A random HF checkpoint of `config` in `model_dir`, its config.json then changed by `edit`."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms away from 1, so a wrong eps or a missing norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(model_dir)
+    if edit is not None:
+        path = model_dir / "config.json"
+        config = json.loads(path.read_text())
+        edit(config)
+        path.write_text(json.dumps(config))
+    return model_dir
+
+
+def forge_logprobs(model_dir, ids: torch.Tensor, positions=None) -> torch.Tensor:
+    model = titan.load_hf_model(model_dir).eval()
+    with torch.no_grad():
+        return titan.token_logprobs(model, ids, positions=positions)[0][:, 1:]
+
+
+def without(*keys):
+    return lambda config: [config.pop(k, None) for k in keys]
+
+
+def qwen3(**keys):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**SMALL, head_dim=16, **keys)
+
+
+def llama(**keys):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**SMALL, **keys)
+
+
+def qwen3_moe(**keys):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **keys)
+
+
+LIKE_TRANSFORMERS = {  # config.json without a key: transformers' default, not another
+    "qwen3 without rope_theta": (qwen3, {}, ("rope_parameters", "rope_theta")),
+    "llama without rope_theta": (llama, {}, ("rope_parameters", "rope_theta")),
+    "qwen3_moe without norm_topk_prob": (qwen3_moe, {"norm_topk_prob": False}, ("norm_topk_prob",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LIKE_TRANSFORMERS))
+def test_a_key_config_json_leaves_out_is_transformers_default(tmp_path, case):
+    make, keys, dropped = LIKE_TRANSFORMERS[case]
+    model_dir = save_random(make(**keys), tmp_path, edit=without(*dropped))
+    ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0))
+    assert (forge_logprobs(model_dir, ids) - transformers_logprobs(model_dir, ids)).abs().max().item() <= 1e-5
+
+
+REFUSED = {  # what a family's blocks cannot compute as transformers does: an error naming the key
+    "qwen3 yarn": (qwen3(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_type 'yarn'"),
+    "qwen3 linear": (qwen3(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}), "'linear'"),
+    "qwen3 sliding": (qwen3(use_sliding_window=True, sliding_window=8, max_window_layers=0), "use_sliding_window"),
+    "qwen3 gelu": (qwen3(hidden_act="gelu"), "hidden_act 'gelu' is not supported for qwen3"),
+    "llama gelu": (llama(hidden_act="gelu"), "hidden_act 'gelu' is not supported for llama"),
+    "qwen3 bias": (qwen3(attention_bias=True), "attention_bias is not supported for qwen3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_config_a_family_cannot_compute_is_refused(tmp_path, case):
+    config, message = REFUSED[case]
+    with pytest.raises(ValueError, match=f"config.json: .*{message}"):
+        titan.load_hf_model(save_random(config, tmp_path))
+
+
+def test_missing_keys_unknown_weights_and_long_sequences_are_named(tmp_path):
+    """A key config.json lacks, a weight the family has no place for and a sequence past the
+    RoPE table are errors naming the file, the key or the limit, not tracebacks from inside."""
+    model_dir = save_random(llama(), tmp_path / "no_eps", edit=without("rms_norm_eps"))
+    with pytest.raises(ValueError, match=f"{model_dir / 'config.json'}: key 'rms_norm_eps' is missing"):
+        titan.load_hf_model(model_dir)
+
+    model_dir = save_random(qwen3(attention_bias=True), tmp_path / "bias", edit=without("attention_bias"))
+    with pytest.raises(
+        ValueError, match=f"{model_dir}: weight 'model.layers.0.self_attn.k_proj.bias' is not one the qwen3 family has"
+    ):
+        titan.load_hf_model(model_dir)
+
+    model_dir = save_random(qwen3(), tmp_path / "short", edit=lambda c: c.update(max_position_embeddings=32))
+    model = titan.load_hf_model(model_dir).eval()
+    with torch.no_grad():
+        titan.token_logprobs(model, torch.zeros(1, 32, dtype=torch.long))
+        packed = torch.arange(24).repeat(2).reshape(1, 48)  # two episodes of 24 in a 48-token row
+        titan.token_logprobs(model, torch.zeros(1, 48, dtype=torch.long), positions=packed)
+        for positions in (None, torch.arange(48).reshape(1, 48)):
+            with pytest.raises(
+                ValueError, match=r"48-token sequence is longer than the model's max_position_embeddings \(32"
+            ):
+                titan.token_logprobs(model, torch.zeros(1, 48, dtype=torch.long), positions=positions)
+
+
+def test_a_tied_checkpoint_s_stored_head_must_be_its_embeddings(tmp_path):
+    """Some exporters store lm_head.weight beside tied embeddings: the same tensor is dropped (the
+    model is the checkpoint's); another would overwrite the shared one, and is an error."""
+    from safetensors.torch import save_file
+
+    model_dir = save_random(qwen3(tie_word_embeddings=True), tmp_path)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    want = forge_logprobs(model_dir, ids)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    save_file(
+        {**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()},
+        str(model_dir / "model.safetensors"),
+    )
+    assert torch.equal(forge_logprobs(model_dir, ids), want)
+    other = torch.randn(weights["model.embed_tokens.weight"].shape)
+    save_file({**weights, "lm_head.weight": other}, str(model_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"{model_dir}: config.json says tie_word_embeddings, but its lm_head.weight"):
+        titan.load_hf_model(model_dir)
+
+
+def test_an_index_names_files_inside_the_model_directory(tmp_path):
+    """A weight_map entry that leaves the directory (.., an absolute path) is an error naming the
+    index and the entry, before anything is read."""
+    from safetensors.torch import save_file
+
+    model_dir = save_random(qwen3(), tmp_path / "m")
+    weights = load_file(str(model_dir / "model.safetensors"))
+    (model_dir / "model.safetensors").unlink()
+    (tmp_path / "elsewhere").mkdir()
+    save_file(weights, str(tmp_path / "elsewhere" / "w.safetensors"))
+    for name in ("../elsewhere/w.safetensors", str(tmp_path / "elsewhere" / "w.safetensors")):
+        (model_dir / titan.INDEX).write_text(json.dumps({"weight_map": {k: name for k in weights}}))
+        with pytest.raises(
+            ValueError, match=f"{model_dir / titan.INDEX}: weight_map entry '{name}' is not a file inside"
+        ):
+            titan.load_hf_model(model_dir)
+
+
+def test_the_hf_family_runs_no_code_of_the_model_directory(tmp_path):
+    """torchtitan's backend loads the config with trust_remote_code: a config.json whose auto_map
+    names a .py file there is refused before anything reads it."""
+    from transformers import Qwen2Config
+
+    model_dir = save_random(Qwen2Config(**SMALL), tmp_path / "m")
+    ran = tmp_path / "ran"
+    (model_dir / "configuration_evil.py").write_text(
+        f"open({str(ran)!r}, 'w').write('ran')\nfrom transformers import Qwen2Config\nclass EvilConfig(Qwen2Config): pass\n"
+    )
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(
+        json.dumps({**config, "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}})
+    )
+    with pytest.raises(ValueError, match=f"{model_dir}/config.json: key 'auto_map' names code in the model directory"):
+        titan.load_hf_model(model_dir)
+    assert not ran.exists()
+
+
+def test_the_hf_family_takes_only_layouts_its_backend_builds(tmp_path):
+    """GPT-2's decoder is not at `.model.layers`: not the hf family's. One that passes that check
+    but still fails the backend's constructor (MBart's decoder) is an error naming it, and leaves
+    transformers' configs as they were (the backend adds a model's key aliases to the class-level
+    attribute_map every config shares)."""
+    from transformers import GPT2Config, MBartConfig, PretrainedConfig
+
+    save_random(GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4, n_positions=256), tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        models.of_model(tmp_path / "gpt2")
+    sizes = dict(decoder_layers=1, encoder_layers=1, decoder_attention_heads=4, encoder_attention_heads=4)
+    mbart = MBartConfig(vocab_size=128, d_model=64, decoder_ffn_dim=128, encoder_ffn_dim=128, **sizes)
+    model_dir = save_random(mbart, tmp_path / "mbart")
+    with pytest.raises(ValueError, match="MBartForCausalLM: not a layout torchtitan's transformers backend can build"):
+        titan.load_hf_model(model_dir)
+    assert PretrainedConfig.attribute_map == {}
+
+
+def test_the_hf_family_refuses_an_episode_past_its_sliding_window(tmp_path):
+    """The backend's masks attend whole episodes: within the window, transformers' logprobs
+    (packed rows too); an episode past it is an error naming the window."""
+    from transformers import MistralConfig
+
+    model_dir = save_random(MistralConfig(**SMALL, sliding_window=8), tmp_path)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    want = transformers_logprobs(model_dir, ids)
+    assert (forge_logprobs(model_dir, ids) - want).abs().max().item() <= 1e-5
+    packed = forge_logprobs(model_dir, ids.reshape(1, 16), positions=torch.arange(8).repeat(2).reshape(1, 16))
+    assert (packed.reshape(1, 15)[:, 8:] - want[1:, :]).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match=r"16-token sequence is longer than the model's sliding_window \(8"):
+        forge_logprobs(model_dir, ids.reshape(1, 16))

@@ -165,3 +165,26 @@ def test_a_turn_ends_where_the_chat_template_ends_it(tiny_model_dir):
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     with pytest.raises(ValueError, match="ends an assistant turn with no token of its own"):
         tasks.end_of_turn(tok)
+
+
+def test_a_build_never_replaces_a_directory_forge_did_not_build(tmp_path):
+    """`model.tiny` left set with `model.path` at a real model: a ConfigError naming both keys,
+    the directory untouched. A missing or empty directory, or an earlier build, is built into."""
+    from forge.config import ConfigError
+    from services.schema import ModelConfig
+    from services.tiny_model import resolve_model
+
+    spec = TinyModelSpec(num_hidden_layers=1)
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=f"config keys 'model.path' and 'model.tiny': {real} is not a tiny model"):
+        resolve_model(ModelConfig(path=str(real), tiny=spec))
+    assert [p.name for p in real.iterdir()] == ["config.json"]
+
+    (tmp_path / "empty").mkdir()
+    built = resolve_model(ModelConfig(path=str(tmp_path / "empty"), tiny=spec))
+    assert (built / BUILD_FILE).is_file()
+    assert (
+        resolve_model(ModelConfig(path=str(built), tiny=TinyModelSpec(num_hidden_layers=1, seed=1))) / BUILD_FILE
+    ).is_file()

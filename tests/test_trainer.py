@@ -90,7 +90,9 @@ def test_two_procs_fsdp_train_save_load_export_push(tmp_path, tiny_model_dir):
 
 def test_one_proc_grad_accum_bad_batch_and_bf16_versions(tmp_path, tiny_model_dir):
     """grad_accum 2 trains; a batch that does not split is named; `publish_dtype: bfloat16`
-    publishes the fp32 weights cast to bf16 (the export stays fp32)."""
+    publishes the fp32 weights cast to bf16 (the export stays fp32). An export replaces its own
+    earlier one, and refuses a directory holding other weights (a sharded checkpoint's index and
+    shards, which loaders would read instead)."""
 
     async def main():
         procs = await start_store()
@@ -107,6 +109,14 @@ def test_one_proc_grad_accum_bad_batch_and_bf16_versions(tmp_path, tiny_model_di
             with pytest.raises(ValueError, match="3 rows do not split over 1 ranks x grad_accum 2"):
                 await trainer.train_step.route(fixed_batch(3))
             await trainer.export_hf.route(str(tmp_path / "hf"))
+            await trainer.export_hf.route(str(tmp_path / "hf"))
+            stale = tmp_path / "stale"
+            stale.mkdir()
+            for name in ("model-00001-of-00001.safetensors", "model.safetensors.index.json"):
+                (stale / name).write_text("{}")
+            with pytest.raises(ValueError, match=f"{stale}: holds other weights \\(model-00001-of-00001.safetensors"):
+                await trainer.export_hf.route(str(stale))
+            assert not (stale / "model.safetensors").exists()
             published = await store.fetch(await trainer.push_weights.route())
         finally:
             await trainer.shutdown()

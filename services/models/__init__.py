@@ -8,6 +8,7 @@ family. A new family is a module here and a line in `FAMILIES`.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,15 +29,34 @@ class ModelFamily:
     build: Callable[[Any], Any] = lambda cfg: cfg.build()  # (its model config) -> the model, on the current device
 
 
+def _keys_named(titan_config: Callable[[dict, str], Any]) -> Callable[[dict, str], Any]:
+    """`titan_config` whose missing config.json key is an error naming the key and the file, not
+    a KeyError: a family reads what transformers' config classes require of its checkpoints."""
+
+    @functools.wraps(titan_config)
+    def named(hf: dict, device_type: str = "cpu") -> Any:
+        try:
+            return titan_config(hf, device_type)
+        except KeyError as e:
+            where = Path(hf.get("_name_or_path", ".")) / "config.json"
+            raise ValueError(f"{where}: key {e} is missing (needed to build the model)") from None
+
+    return named
+
+
 FAMILIES: dict[str, ModelFamily] = {
     f.model_type: f
     for f in (
-        ModelFamily("qwen3", "qwen3", qwen3.titan_config, qwen3.adapter, qwen3.parallelize, qwen3.tiny_model),
-        ModelFamily("llama3", "llama", llama3.titan_config, llama3.adapter, llama3.parallelize, llama3.tiny_model),
+        ModelFamily(
+            "qwen3", "qwen3", _keys_named(qwen3.titan_config), qwen3.adapter, qwen3.parallelize, qwen3.tiny_model
+        ),
+        ModelFamily(
+            "llama3", "llama", _keys_named(llama3.titan_config), llama3.adapter, llama3.parallelize, llama3.tiny_model
+        ),
         ModelFamily(
             "qwen3_moe",
             "qwen3_moe",
-            qwen3_moe.titan_config,
+            _keys_named(qwen3_moe.titan_config),
             qwen3_moe.adapter,
             qwen3_moe.parallelize,
             qwen3_moe.tiny_model,

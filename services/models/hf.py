@@ -17,10 +17,26 @@ MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 def supports(hf: dict) -> bool:
     """Whether transformers has a causal LM for `hf`'s model_type (dense: MoE checkpoints need a
-    family of their own, for routing replay and expert parallelism)."""
+    family of their own, for routing replay and expert parallelism) of the layout the backend
+    wraps: its decoder at `.model` (base_model_prefix), whose `.layers` the backend walks. GPT-2's
+    `.transformer.h` and GPT-NeoX's `.gpt_neox.layers` fail in the backend's constructor."""
+    import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return hf.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not any(hf.get(k) for k in MOE_KEYS)
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf.get("model_type"))
+    if name is None or any(hf.get(k) for k in MOE_KEYS):
+        return False
+    return getattr(getattr(transformers, name, None), "base_model_prefix", None) == "model"
+
+
+def _refuse_remote_code(hf: dict) -> None:
+    """The backend loads the config with trust_remote_code=True: an `auto_map` in config.json
+    would run Python from the model directory."""
+    if "auto_map" in hf:
+        raise ValueError(
+            f"{hf['_name_or_path']}/config.json: key 'auto_map' names code in the model directory "
+            "(custom modeling code), which forge does not run; remove the key to use transformers' own classes"
+        )
 
 
 def titan_config(hf: dict, device_type: str = "cpu") -> Any:
@@ -28,7 +44,9 @@ def titan_config(hf: dict, device_type: str = "cpu") -> Any:
     directory, `_name_or_path`: the backend loads it with AutoConfig itself)."""
     from torchtitan.config import ParallelismConfig
     from torchtitan.experiments.transformers_modeling_backend import HFTransformerModel, TitanModelConfig
+    from transformers import PretrainedConfig
 
+    _refuse_remote_code(hf)
     # block_causal: packed episodes attend only within themselves, as forge's own families do.
     cfg = HFTransformerModel.Config(model_config=TitanModelConfig(attn_mask_type="block_causal"))
     runtime = SimpleNamespace(
@@ -38,6 +56,10 @@ def titan_config(hf: dict, device_type: str = "cpu") -> Any:
         debug=SimpleNamespace(deterministic=False),
         loss=SimpleNamespace(),
     )
+    # The backend adds the checkpoint's key aliases (GPT-2's n_embd, ...) to `attribute_map` in
+    # place, which is PretrainedConfig's class-level dict: every config in the process would take
+    # them. This config gets a copy of its own.
+    cfg.attribute_map = dict(PretrainedConfig.attribute_map)
     cfg.update_from_config(config=runtime)
     if device_type == "cpu":  # flex attention has no backward on CPU: SDPA, told the mask (attention_masks)
         cfg._attn_implementation = "sdpa"
@@ -45,6 +67,17 @@ def titan_config(hf: dict, device_type: str = "cpu") -> Any:
 
 
 FLEX_BLOCK = 128  # the backend's flex block size (its get_attention_masks)
+
+
+def sliding_window(model: Any) -> int | None:
+    """The window of `model`'s sliding-window attention layers (transformers' `sliding_window`,
+    on the layers `layer_types` says, on all without it), None where none slides. The masks forge
+    gives the backend attend whole episodes: an episode longer than this would differ."""
+    config = model.model.config
+    window = getattr(config, "sliding_window", None)
+    if not window or "sliding_attention" not in (getattr(config, "layer_types", None) or ["sliding_attention"]):
+        return None
+    return window
 
 
 def uses_sdpa(model: Any) -> bool:
@@ -69,6 +102,10 @@ def build(cfg: Any) -> Any:
     saved = {name: getattr(PreTrainedModel, name) for name in ("_init_weights", "_initialize_weights")}
     try:
         return cfg.build()
+    except AttributeError as e:  # a decoder the backend cannot walk (no `.model.layers`, e.g. OPT's)
+        raise ValueError(
+            f"{cfg.architectures[0]}: not a layout torchtitan's transformers backend can build ({e})"
+        ) from None
     finally:
         for name, fn in saved.items():
             setattr(PreTrainedModel, name, fn)

@@ -58,9 +58,37 @@ def rms_norm(n: int, eps: float) -> RMSNorm.Config:
     return RMSNorm.Config(normalized_shape=n, eps=eps)
 
 
-def rope_theta(hf: dict, default: float = 1e6) -> float:
-    # transformers 5 keeps rope_theta under rope_parameters; older files have it top-level.
-    return float((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", default)))
+def rope_theta(hf: dict) -> float:
+    # transformers 5 keeps rope_theta under rope_parameters; older files have it top-level. Neither:
+    # transformers' default for Llama, Qwen3 and Qwen3-MoE alike.
+    return float((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def rope_scaling(hf: dict) -> tuple[dict, str]:
+    """The HF config's rope parameters and their rope_type ("default": no scaling)."""
+    # transformers 5 writes `rope_parameters`; checkpoints saved before it `rope_scaling`.
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return rope, rope.get("rope_type", rope.get("type", "default"))
+
+
+def check_dense_decoder(hf: dict, family: str, biases: tuple[str, ...]) -> None:
+    """The config.json keys transformers reads for `family` that forge's blocks have no place for,
+    an error naming them: another activation than SiLU's gated MLP, the biases `biases` (torchtitan's
+    projections have none), a sliding window (its attention sees the whole episode)."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json: hidden_act {act!r} is not supported for {family} (supported: silu)")
+    bias = [key for key in biases if hf.get(key)]
+    if bias:
+        raise ValueError(
+            f"config.json: {' / '.join(bias)} is not supported for {family} (its projections have no bias)"
+        )
+    window = hf.get("sliding_window")
+    if hf.get("use_sliding_window") and window and window < hf["max_position_embeddings"]:
+        raise ValueError(
+            f"config.json: use_sliding_window (sliding_window {window}) is not supported for {family}: "
+            "its attention sees the whole sequence"
+        )
 
 
 class ParamDtypeGroupedExperts(GroupedExperts):

@@ -15,11 +15,9 @@ def rope_config(hf: dict, head_dim: int) -> Any:
     """torchtitan's ComplexRoPE for the HF config's rope: plain, or Llama 3's scaling."""
     from torchtitan.models.common import ComplexRoPE
 
-    from services.models.layers import rope_theta
+    from services.models.layers import rope_scaling, rope_theta
 
-    # transformers 5 writes `rope_parameters`; checkpoints saved before it `rope_scaling`.
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    rope, kind = rope_scaling(hf)
     if kind not in ("default", "llama3"):
         raise ValueError(f"config.json: rope_type {kind!r} is not supported for llama (supported: default, llama3)")
     scaling = {}
@@ -31,9 +29,7 @@ def rope_config(hf: dict, head_dim: int) -> Any:
             high_freq_factor=float(rope["high_freq_factor"]),
             original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
         )
-    return ComplexRoPE.Config(
-        dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=rope_theta(hf, 500000.0), **scaling
-    )
+    return ComplexRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=rope_theta(hf), **scaling)
 
 
 def titan_config(hf: dict, device_type: str = "cpu") -> Any:
@@ -43,10 +39,9 @@ def titan_config(hf: dict, device_type: str = "cpu") -> Any:
     from torchtitan.models.llama3 import Llama3Model
     from torchtitan.models.llama3.model import Llama3TransformerBlock
 
-    from services.models.layers import INIT, gqa_config, rms_norm
+    from services.models.layers import INIT, check_dense_decoder, gqa_config, rms_norm
 
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("config.json: attention_bias / mlp_bias are not supported for llama (Llama 3 has none)")
+    check_dense_decoder(hf, "llama", ("attention_bias", "mlp_bias"))
     dim, vocab, eps = hf["hidden_size"], hf["vocab_size"], hf["rms_norm_eps"]
     head_dim = hf.get("head_dim") or dim // hf["num_attention_heads"]
     if head_dim * hf["num_attention_heads"] != dim:

@@ -18,8 +18,12 @@ def titan_config(hf: dict, device_type: str = "cpu", moe: Any = None) -> Any:
     from torchtitan.models.common.config_utils import make_ffn_config
     from torchtitan.models.qwen3 import Qwen3Model, Qwen3TransformerBlock
 
-    from services.models.layers import INIT, gqa_config, rms_norm, rope_theta
+    from services.models.layers import INIT, check_dense_decoder, gqa_config, rms_norm, rope_scaling, rope_theta
 
+    check_dense_decoder(hf, "qwen3", ("attention_bias",))
+    _, kind = rope_scaling(hf)
+    if kind != "default":  # torchtitan's CosSinRoPE has no scaling HF's Qwen3 computes alike
+        raise ValueError(f"config.json: rope_type {kind!r} is not supported for qwen3 (supported: default)")
     dim, vocab, eps = hf["hidden_size"], hf["vocab_size"], hf["rms_norm_eps"]
     head_dim = hf.get("head_dim") or dim // hf["num_attention_heads"]
     rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=rope_theta(hf))

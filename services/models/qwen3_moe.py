@@ -43,7 +43,7 @@ def moe_config(hf: dict, layer: int) -> Any:
         gate_param_init=INIT,
         top_k=top_k,
         score_func="softmax",
-        route_norm=bool(hf.get("norm_topk_prob", True)),
+        route_norm=bool(hf.get("norm_topk_prob", False)),  # transformers' default too
     )
     return make_moe_config(
         num_experts=experts,
