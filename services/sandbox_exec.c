@@ -319,11 +319,11 @@ static void start(int argc, char **argv, char **envp) {
 
 enum { MAX_TMPFS = 8, MAX_WORDS = 1024, REQUEST_BYTES = 1 << 16, MAX_FDS = 6 };
 
-/* What a run may have changed in one of the namespace's tmpfs: its use, its root's attributes,
- * times and extended attributes. The kernel sets a ctime on every change, but at a clock tick's
- * granularity, so the counts and the rest are compared too. */
+/* What a run may have changed in one of the namespace's tmpfs: its use, its root's mode, owner,
+ * links, flags (chattr), times and extended attributes. The kernel sets a ctime on every change,
+ * but before Linux 6.13 at a clock tick's granularity, so the counts and the rest are compared too. */
 struct fs_state {
-    u64 blocks_free, files_free;
+    u64 blocks_free, files_free, attributes;
     unsigned mode, uid, gid, nlink;
     struct statx_timestamp atime, mtime, ctime;
     long xattr_bytes;
@@ -335,7 +335,7 @@ static void fs_state(const char *path, struct fs_state *st) {
     memset(st, 0, sizeof *st);
     check(sys(__NR_statfs, path, &f), path);
     check(sys(__NR_statx, AT_FDCWD, path, AT_SYMLINK_NOFOLLOW, STATX_BASIC_STATS, &x), path);
-    st->blocks_free = f.f_bfree, st->files_free = f.f_ffree;
+    st->blocks_free = f.f_bfree, st->files_free = f.f_ffree, st->attributes = x.stx_attributes;
     st->mode = x.stx_mode, st->uid = x.stx_uid, st->gid = x.stx_gid, st->nlink = x.stx_nlink;
     st->atime = x.stx_atime, st->mtime = x.stx_mtime, st->ctime = x.stx_ctime;
     st->xattr_bytes = sys(__NR_llistxattr, path, 0, 0);

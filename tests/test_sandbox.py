@@ -1114,6 +1114,7 @@ NEXT_RUN_ATTACKS = {  # what a run leaves for the next in its slot, and what the
     ),
     "tmp's mode": ("chmod 750 /tmp", "stat -c %a /tmp"),
     "tmp's times": ("touch -d @12345 /tmp", "stat -c %Y /tmp | sed 's/^12345$/told/'"),
+    "tmp's flags": ("chattr +d /tmp", "lsattr -d /tmp"),
     "SysV IPC": ("ipcmk -M 4096 && ipcmk -Q", "ipcs -m -q | grep -c '^0x' || true"),
     "processes": (
         "setsid sleep 100 >/dev/null 2>&1 </dev/null & nohup sleep 100 >/dev/null 2>&1 &",
