@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from forge import tasks
-from forge.config import ConfigError, check_ranges, import_object
+from forge.config import ConfigError, check_choice, check_ranges, import_object
 from forge.schema import (
     PREFERENCE_LOSSES,
     REWARD_UNAVAILABLE,
@@ -124,11 +124,7 @@ class GRPOConfig(RunConfig):
                 f"batch of {self.batch_size} (group_size x groups_per_step) does not split over "
                 f"trainer_procs x trainer.grad_accum = {shards}"
             )
-        if self.reward_unavailable not in REWARD_UNAVAILABLE:
-            raise ConfigError(
-                f"config key 'reward_unavailable': {self.reward_unavailable!r} is not one of "
-                f"{', '.join(REWARD_UNAVAILABLE)}"
-            )
+        check_choice("reward_unavailable", self.reward_unavailable, REWARD_UNAVAILABLE)
         warmup = self.ppo.critic_warmup if self.algorithm == "ppo" else 0  # steps the policy does not take
         lr_schedule(self, "trainer", max(1, self.steps - warmup), "steps - ppo.critic_warmup" if warmup else "steps")
         lr_schedule(self, "ppo.critic", self.steps * self.ppo.critic_updates, "steps x ppo.critic_updates")
@@ -179,8 +175,7 @@ class GRPOConfig(RunConfig):
             self.rewards.check_judge(columns=())  # a dataset's columns: checked once read
 
     def _validate_algorithm(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ConfigError(f"config key 'algorithm': {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        check_choice("algorithm", self.algorithm, ALGORITHMS)
         if self.algorithm == "distill" and not self.distill.enabled:
             raise ConfigError("config key 'distill.teachers': algorithm 'distill' learns from teachers; name one")
         sources = [s.source_name or self.task for s in self._sources().values()]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from forge import checkpoint, tasks
-from forge.config import ConfigError, check_range, check_ranges
+from forge.config import ConfigError, check_choice, check_range, check_ranges
 
 TRANSPORTS = ("shm", "torchstore")  # how versions of the weights travel (forge/store.py, trainer.transport)
 DEFAULT_BACKENDS = ("console", "jsonl", "tensorboard")
@@ -409,10 +409,7 @@ class LossConfig:
             raise ConfigError(
                 f"unknown loss {self.name!r} (config key 'loss.name'); known: {', '.join(LOSS_NAMES + SCORE_LOSS_NAMES)}"
             )
-        if self.is_correction not in IS_CORRECTION_NAMES:
-            raise ConfigError(
-                f"config key 'loss.is_correction': {self.is_correction!r} is not one of {', '.join(IS_CORRECTION_NAMES)}"
-            )
+        check_choice("loss.is_correction", self.is_correction, IS_CORRECTION_NAMES)
         check_range("loss.is_cap", self.is_cap, ">= 1")
         check_ranges(self, "loss.", "> 0", ("beta", "value_clip"))
         # a negative one turns the loss around: clip bounds swapped, Dr.GRPO's sum divided by < 0,
@@ -490,8 +487,7 @@ class JobConfig:
     placement: dict[str, str] = field(default_factory=dict)  # role (trainer, generator, ...) -> the mesh it runs on
 
     def validate(self) -> None:
-        if self.kind not in KINDS:
-            raise ConfigError(f"config key 'job.kind': {self.kind!r} is not one of {', '.join(KINDS)}")
+        check_choice("job.kind", self.kind, KINDS)
         if self.kind == "local":
             for key in ("meshes", "args", "mesh_args", "placement"):
                 if getattr(self, key):

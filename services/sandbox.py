@@ -13,8 +13,9 @@ Each run gets:
 - a seccomp filter (services/sandbox_seccomp.py): an allow-list of what programs and their tools
   use; no namespaces, keyrings, ptrace, mounts, bpf, perf, modules or io_uring;
 - a scrubbed environment and a fresh working directory;
-- where the kernel allows it (root or CAP_SYS_ADMIN), new network, pid, mount and IPC
-  namespaces: no network (its own loopback, down), a /proc that shows only its own processes,
+- where the kernel allows it (root or CAP_SYS_ADMIN), its slot's network namespace, its own IPC
+  namespace, and pid and mount namespaces of its own (a Python program's) or its slot server's,
+  emptied between runs (an exec'd program's): no network (its own loopback, down), a /proc that shows only its own processes,
   and private size-limited tmpfs on /tmp (the working directory), /var/tmp and /dev/shm. Its
   first process in the namespace (pid 1) waits for the program; when the program exits, every
   process left in it is killed (by the kernel as pid 1 exits, or by pid 1 where it serves the

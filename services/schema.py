@@ -714,10 +714,7 @@ class AgenticConfig:
     def validate(self) -> None:
         if self.agent and self.env:
             raise ConfigError("config keys 'agentic.agent' and 'agentic.env': set one, not both")
-        if self.on_failure not in ON_FAILURE:
-            raise ConfigError(
-                f"config key 'agentic.on_failure': {self.on_failure!r} is not one of {', '.join(ON_FAILURE)}"
-            )
+        check_choice("agentic.on_failure", self.on_failure, ON_FAILURE)
         keys = ("env_replicas", "envs_per_replica", "max_turns", "step_timeout_s", "episode_timeout_s")
         check_ranges(self, "agentic.", "> 0", keys)
         if self.max_episode_tokens is not None:
