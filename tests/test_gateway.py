@@ -78,7 +78,10 @@ def test_chat_logprobs_n_models_and_completions(loop, served):
             extra_body={"return_token_ids": True},
         )
         models = await c.models.list()
-        text = await c.completions.create(model=MODEL_NAME, prompt="rev abc=", max_tokens=4, logprobs=1)
+        # ignore_eos: four tokens whatever the sampled ones are (EOS among them would end it early)
+        text = await c.completions.create(
+            model=MODEL_NAME, prompt="rev abc=", max_tokens=4, logprobs=1, extra_body={"ignore_eos": True}
+        )
         ids = await c.completions.create(model=MODEL_NAME, prompt=[4, 5, 6], max_tokens=4)
         return r, models, text, ids, await gw.finish(sid)
 
