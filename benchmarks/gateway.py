@@ -5,10 +5,13 @@ HTTP, vLLM's serving layer, the recording) and straight through `gen.generate.ro
 
 - Throughput: SESSIONS concurrent sessions, each sending `turns` requests of MAX_TOKENS tokens
   (EOS ignored, so every side generates the same number of tokens); rounds of the sides
-  alternate and their medians are compared. Goal: gateway >= 0.9 of direct. A third side,
-  `engine`, sends the same requests through the gateway's engine client (vLLM's rendered
-  prompt and SamplingParams, streamed back from the generator through a Monarch port) without
-  HTTP, the `openai` client or vLLM's serving layer: what forge's own path costs.
+  alternate and their medians are compared. Goal: gateway >= 0.9 of direct. The gateway side
+  calls through `Gateway.client` (an episode's client, as agents get it: aiohttp as its
+  transport); `gateway_httpx` through an `openai.AsyncOpenAI` with the client's default
+  transport, as a user who makes their own would. A fourth side, `engine`, sends the same
+  requests through the gateway's engine client (vLLM's rendered prompt and SamplingParams to a
+  generator replica, the output back as the call's result) without HTTP, the `openai` client
+  or vLLM's serving layer: what forge's own path costs.
 - Added latency per call: one request at a time, gateway and direct alternating; the
   difference of each pair, p50 and p99; and the controller's CPU time per call on each side.
 Two models: the 2.4M-parameter tiny model, whose engine is so cheap that the gateway's Python
@@ -90,19 +93,29 @@ async def measure(model: str, turns: int, rounds: int, pairs: int) -> dict:
     async def session_loop(call, session: str | None, client) -> int:
         return sum([await call(session, client) for _ in range(turns)])
 
-    sides = {"gateway": via_gateway, "engine": via_engine, "direct": direct}
+    def plain_client(session: str) -> openai.AsyncOpenAI:  # what a user makes: the client's default transport
+        return openai.AsyncOpenAI(base_url=gw.base_url, api_key=session, max_retries=0)
+
+    # side: (its call, the client its sessions call with; None: no session, no HTTP)
+    sides = {
+        "gateway": (via_gateway, gw.client),  # an episode's client, as agents get it
+        "gateway_httpx": (via_gateway, plain_client),
+        "engine": (via_engine, None),
+        "direct": (direct, None),
+    }
     cpu: dict[str, list[float]] = {side: [] for side in sides}  # this process's CPU ms per call
 
     async def round_of(side: str) -> float:
-        call = sides[side]
-        sessions = [gw.open_session() for _ in range(SESSIONS)] if call is via_gateway else [None] * SESSIONS
-        clients = [openai.AsyncOpenAI(base_url=gw.base_url, api_key=s or "-", max_retries=0) for s in sessions]
+        call, make_client = sides[side]
+        sessions = [gw.open_session() for _ in range(SESSIONS)] if make_client else [None] * SESSIONS
+        clients = [make_client(s) if make_client else None for s in sessions]
         start, cpu_start = time.perf_counter(), time.process_time()
         tokens = sum(await asyncio.gather(*(session_loop(call, s, c) for s, c in zip(sessions, clients))))
         seconds = time.perf_counter() - start
         cpu[side].append(1000 * (time.process_time() - cpu_start) / (SESSIONS * turns))
-        for s in sessions:
+        for s, c in zip(sessions, clients):
             if s is not None:
+                await c.close()
                 await gw.finish(s)
         return tokens / seconds
 
@@ -114,7 +127,7 @@ async def measure(model: str, turns: int, rounds: int, pairs: int) -> dict:
             for side in sides:
                 rates[side].append(await round_of(side))
         session = gw.open_session()
-        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=session, max_retries=0)
+        client = gw.client(session)
         added = []
         for _ in range(pairs):
             t = time.perf_counter()
@@ -123,16 +136,19 @@ async def measure(model: str, turns: int, rounds: int, pairs: int) -> dict:
             t = time.perf_counter()
             await direct()
             added.append(g - (time.perf_counter() - t))
+        await client.close()
         await gw.finish(session)
     finally:
         await gw.shutdown()
         await gen.shutdown()
-    g, e, d = (statistics.median(rates[side]) for side in sides)
+    g, h, e, d = (statistics.median(rates[side]) for side in sides)
     return {
         "gateway_tokens_per_s": g,
+        "gateway_httpx_tokens_per_s": h,
         "engine_tokens_per_s": e,
         "direct_tokens_per_s": d,
         "gateway_fraction_of_direct": g / d,
+        "gateway_httpx_fraction_of_direct": h / d,
         "engine_fraction_of_direct": e / d,
         "added_latency_ms_p50": 1000 * percentile(added, 0.5),
         "added_latency_ms_p99": 1000 * percentile(added, 0.99),
@@ -150,20 +166,22 @@ def main(argv: list[str] | None = None) -> dict:
         for name, (dims, turns) in models.items()
     }
     print(
-        f"{'model':<12}{'gateway tok/s':>15}{'engine':>8}{'direct':>8}{'fraction':>10}{'engine':>8}"
-        f"{'added p50 ms':>14}{'added p99 ms':>14}{'cpu ms/call gw':>16}{'engine':>8}{'direct':>8}"
+        f"{'model':<12}{'gateway tok/s':>15}{'httpx':>8}{'engine':>8}{'direct':>8}{'fraction':>10}{'httpx':>8}{'engine':>8}"
+        f"{'added p50 ms':>14}{'added p99 ms':>14}{'cpu ms/call gw':>16}{'httpx':>8}{'engine':>8}{'direct':>8}"
     )
     for name, r in rows.items():
         c = r["controller_cpu_ms_per_call"]
         print(
-            f"{name:<12}{r['gateway_tokens_per_s']:>15.0f}{r['engine_tokens_per_s']:>8.0f}{r['direct_tokens_per_s']:>8.0f}"
-            f"{r['gateway_fraction_of_direct']:>10.2f}{r['engine_fraction_of_direct']:>8.2f}"
+            f"{name:<12}{r['gateway_tokens_per_s']:>15.0f}{r['gateway_httpx_tokens_per_s']:>8.0f}"
+            f"{r['engine_tokens_per_s']:>8.0f}{r['direct_tokens_per_s']:>8.0f}{r['gateway_fraction_of_direct']:>10.2f}"
+            f"{r['gateway_httpx_fraction_of_direct']:>8.2f}{r['engine_fraction_of_direct']:>8.2f}"
             f"{r['added_latency_ms_p50']:>14.1f}{r['added_latency_ms_p99']:>14.1f}"
-            f"{c['gateway']:>16.2f}{c['engine']:>8.2f}{c['direct']:>8.2f}"
+            f"{c['gateway']:>16.2f}{c['gateway_httpx']:>8.2f}{c['engine']:>8.2f}{c['direct']:>8.2f}"
         )
     last = rows[list(rows)[-1]]
     result = {
         "gateway_fraction_of_direct": last["gateway_fraction_of_direct"],
+        "tiny_fraction_of_direct": rows["tiny_2.4M"]["gateway_fraction_of_direct"],
         "added_latency_ms_p50": rows["tiny_2.4M"]["added_latency_ms_p50"],
         "added_latency_ms_p99": rows["tiny_2.4M"]["added_latency_ms_p99"],
         "models": rows,

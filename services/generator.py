@@ -500,17 +500,20 @@ class Generator(ForgeActor):
     @concurrent_endpoint
     async def stream(
         self, port: Any, prompt: dict[str, Any], params: Any, request_id: str, adapter: Any = None
-    ) -> tuple[int, int, list[Any]]:
+    ) -> tuple[int, int, list[Any], Any]:
         """Server mode (services/gateway.py): one request as vLLM's own server makes it (a rendered
         EngineInput and SamplingParams). Each RequestOutput vLLM yields is sent to `port`, then
-        None; returns the policy versions the request was admitted and finished under, and each
-        sample's routing record (by index; see `generate`). The first message is "start": a retry
-        on another replica (this one died) starts again with it."""
+        None; returns the policy versions the request was admitted and finished under, each
+        sample's routing record (by index; see `generate`), and None. The first message is
+        "start": a retry on another replica (this one died) starts again with it. With no
+        `port` (a request not streamed), nothing is sent and the last RequestOutput is returned
+        in place of the None: one message less each way per output."""
         from vllm.sampling_params import RequestOutputKind
 
         policy = self.policies[""]
-        admitted, sampled = policy.version, collections.Counter()
-        port.send("start")
+        admitted, sampled, last = policy.version, collections.Counter(), None
+        send = port.send if port is not None else (lambda _: None)
+        send("start")
         try:
             shown = prompt.get("prompt_token_ids")
             outputs = self._outputs(prompt, params, request_id, None, shown, policy, adapter)
@@ -521,13 +524,15 @@ class Generator(ForgeActor):
                 for c in out.outputs:  # tokens so far: DELTA outputs carry only the new ones
                     n = len(c.token_ids)
                     sampled[c.index] = sampled[c.index] + n if params.output_kind == RequestOutputKind.DELTA else n
-                port.send(out)
+                send(out)
+                last = out
         finally:
-            port.send(None)
+            send(None)
             self._aborted.pop(request_id, None)
         prompt_len = len(prompt.get("prompt_token_ids") or [])
         finished = admitted if policy.lora else policy.version
-        return admitted, finished, await self._routed_experts(request_id, prompt_len, sorted(sampled.items()))
+        routing = await self._routed_experts(request_id, prompt_len, sorted(sampled.items()))
+        return admitted, finished, routing, last if port is None else None
 
     @endpoint
     async def abort(self, request_id: str) -> None:

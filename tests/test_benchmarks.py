@@ -61,7 +61,7 @@ def test_generation_quick_writes_json(tmp_path):
         ("trainer", ("bare_torchtitan_step_s", "forge_train_step_s")),
         ("logprobs", ("peak_memory_ratio", "step_time_ratio")),
         ("prefix", ()),
-        pytest.param("gateway", ("gateway_fraction_of_direct", "added_latency_ms_p99"), marks=pytest.mark.slow),
+        pytest.param("gateway", ("tiny_fraction_of_direct", "added_latency_ms_p99"), marks=pytest.mark.slow),
         ("sandbox", ("fraction_of_bare", "bash_fraction_of_bare", "fraction_of_bare_fresh")),
         pytest.param(
             "mismatch", ("moe_kl_without_replay", "moe_kl_with_replay", "qwen3_kl", "llama3_kl"), marks=pytest.mark.slow
