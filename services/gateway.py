@@ -469,13 +469,11 @@ def _checked_request(
     on as is, for vLLM to name what is wrong."""
     try:
         request = json.loads(body)
-        parsed = _request_models()[path].model_validate(request)
+        values = _as_parsed(request, path)
     except ValueError:  # not JSON, or not a valid request (pydantic's ValidationError is one)
         return body, None
     except RecursionError:  # JSON nested deeper than any parser here follows
         return body, _error(400, "the request body is not valid JSON (nested too deeply)", "invalid_request_error")
-    # The fields as parsed (`vars`: reading the deprecated max_tokens attribute would warn).
-    values = {**vars(parsed), **(parsed.model_extra or {})}
     refusal = _refused_option(values, cfg) or _over_limits(values, cfg)
     if refusal is not None:
         return body, refusal
@@ -484,6 +482,26 @@ def _checked_request(
         request["max_tokens"] = default_max_tokens
     request.pop("request_id", None)
     return json.dumps(request).encode(), None
+
+
+def _as_parsed(request: Any, path: str) -> dict[str, Any]:
+    """The values of the fields the limits read, as vLLM's request model parses them. A chat
+    request whose fields are already what the parse gives (no refused option named, counts as
+    JSON integers) is read as sent, without the parse vLLM's route makes again (0.4 ms of the
+    controller's CPU a call, `py-spy` on `forge bench gateway`)."""
+    counts = ("n", "max_tokens", "max_completion_tokens")
+    plain = (
+        path == "/v1/chat/completions"
+        and isinstance(request, dict)
+        and "messages" in request
+        and not request.keys() & UNSUPPORTED.keys()
+        and all(request.get(k) is None or type(request[k]) is int for k in counts)
+    )
+    if plain:
+        return request
+    parsed = _request_models()[path].model_validate(request)
+    # The fields as parsed (`vars`: reading the deprecated max_tokens attribute would warn).
+    return {**vars(parsed), **(parsed.model_extra or {})}
 
 
 def _refused_option(values: dict[str, Any], cfg: GatewayConfig) -> tuple[int, bytes] | None:
@@ -692,8 +710,8 @@ class Gateway:
         """An `openai.AsyncOpenAI` on this gateway whose API key is `api_key` (a session, for an
         agent's episode); close it when done. No retries: a failed call is the episode's to handle."""
         # aiohttp as the transport (the openai client's own option, `DefaultAioHttpClient`): its
-        # HTTP parsing is C, where httpx's is Python; 0.5 ms of the controller's CPU less a call
-        # (`forge bench gateway`, gateway against gateway_httpx).
+        # HTTP parsing is C, where httpx's is Python: up to 0.5 ms of the controller's CPU less a
+        # call (`forge bench gateway`, its gateway side against gateway_httpx).
         http = openai.DefaultAioHttpClient(verify=self._ssl, trust_env=False)  # loopback: no proxy
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, http_client=http)
 

@@ -1003,3 +1003,39 @@ def test_a_stream_aborted_before_it_starts_generates_nothing(loop, served, tiny_
         return got
 
     assert loop.run_until_complete(main()) == ["start"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        {"messages": [{"role": "user", "content": "hi"}]},  # the default max_tokens goes in
+        {"messages": [{"role": "user", "content": "hi"}], "n": 9, "max_tokens": 4},  # past max_n
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6},  # past max_tokens
+        {"messages": [{"role": "user", "content": "hi"}], "n": "9"},  # a count as vLLM's parse reads it
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4.0e6},
+        {"messages": [{"role": "user", "content": "hi"}], "n": True},
+        {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": "true"},
+        {"messages": [{"role": "user", "content": "hi"}], "echo": False, "request_id": "mine"},
+        {"messages": "not a list", "max_tokens": 4},  # vLLM names what is wrong
+        {"prompt": ["a"] * 9},
+        [1, 2],
+    ],
+)
+def test_a_chat_request_read_as_sent_is_checked_as_the_parsed_one(body, monkeypatch):
+    """A chat request whose fields need no parse is read as sent: each body gets what it gets
+    when vLLM's request model parses it (the same limits, refusals and default max_tokens)."""
+    from services import gateway
+    from services.schema import GatewayConfig
+
+    cfg, raw = GatewayConfig(max_n=4, max_tokens=1000), json.dumps(body).encode()
+    read = gateway._checked_request(raw, "/v1/chat/completions", cfg, 64)
+    parse = gateway._request_models()["/v1/chat/completions"].model_validate
+    parsed = []
+    monkeypatch.setattr(gateway, "_as_parsed", lambda request, path: parsed.append(1) or _parsed(parse(request)))
+    assert gateway._checked_request(raw, "/v1/chat/completions", cfg, 64) == read
+    assert parsed  # the comparison is with the parse
+
+
+def _parsed(request: Any) -> dict:
+    return {**vars(request), **(request.model_extra or {})}
