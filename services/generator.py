@@ -507,7 +507,7 @@ class Generator(ForgeActor):
         sample's routing record (by index; see `generate`), and None. The first message is
         "start": a retry on another replica (this one died) starts again with it. With no
         `port` (a request not streamed), nothing is sent and the last RequestOutput is returned
-        in place of the None: one message less each way per output."""
+        in place of the None: no port, and three messages fewer a request."""
         from vllm.sampling_params import RequestOutputKind
 
         policy = self.policies[""]
