@@ -497,10 +497,13 @@ def _as_parsed(request: Any, path: str) -> dict[str, Any]:
         and not request.keys() & UNSUPPORTED.keys()
         and all(request.get(k) is None or type(request[k]) is int for k in counts)
     )
-    if plain:
-        return request
+    return request if plain else _parsed_fields(request, path)
+
+
+def _parsed_fields(request: Any, path: str) -> dict[str, Any]:
+    """The fields of `request` as vLLM's request model for `path` parses them."""
     parsed = _request_models()[path].model_validate(request)
-    # The fields as parsed (`vars`: reading the deprecated max_tokens attribute would warn).
+    # `vars`: reading the deprecated max_tokens attribute would warn.
     return {**vars(parsed), **(parsed.model_extra or {})}
 
 
