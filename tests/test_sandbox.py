@@ -1115,7 +1115,7 @@ NEXT_RUN_ATTACKS = {  # what a run leaves for the next in its slot, and what the
     "tmp's mode": ("chmod 750 /tmp", "stat -c %a /tmp"),
     "tmp's times": (  # a fresh /tmp's are its mount's: within a minute of now, never the told ones
         "touch -d @12345 /tmp",
-        "t=$(stat -c %Y /tmp); [ $(( $(date +%s) - t )) -lt 60 ] && echo recent || echo \"$t\"",
+        't=$(stat -c %Y /tmp); [ $(( $(date +%s) - t )) -lt 60 ] && echo recent || echo "$t"',
     ),
     "tmp's flags": ("chattr +d /tmp", "lsattr -d /tmp"),
     "SysV IPC": ("ipcmk -M 4096 && ipcmk -Q", "ipcs -m -q | grep -c '^0x' || true"),

@@ -3,9 +3,12 @@
 import os
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # 45 s; tests/test_generator.py checks the same ids, text and logprobs through the service
 def test_vllm_loads_tiny_model(tiny_model_dir):
     # The compile cache survives between runs (engine creation is ~4x faster warm).
     os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache/forge/vllm"))
