@@ -1113,7 +1113,7 @@ NEXT_RUN_ATTACKS = {  # what a run leaves for the next in its slot, and what the
         "ls -A /tmp /dev/shm /var/tmp",
     ),
     "tmp's mode": ("chmod 750 /tmp", "stat -c %a /tmp"),
-    "tmp's times": (  # a fresh /tmp's are its mount's: within a minute of now, never the told ones
+    "tmp's times": (  # a fresh /tmp's mtime is its mount's: within a minute of now, never the one set
         "touch -d @12345 /tmp",
         't=$(stat -c %Y /tmp); [ $(( $(date +%s) - t )) -lt 60 ] && echo recent || echo "$t"',
     ),
