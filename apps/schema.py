@@ -381,6 +381,10 @@ class RMConfig(SupervisedConfig):
         super().validate()
         if self.trainer.head != "score":
             raise ConfigError(f"config key 'trainer.head': a reward model has a score head, got {self.trainer.head!r}")
+        if self.trainer.loss.name != "bradley_terry":  # `value` (a critic's) needs returns no pair has
+            raise ConfigError(
+                f"config key 'trainer.loss.name': a reward model trains with bradley_terry, got {self.trainer.loss.name!r}"
+            )
         self.check_rows(packed=False)
 
     @property

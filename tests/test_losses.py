@@ -349,6 +349,25 @@ def test_preference_metrics_and_pairs_across_micro_batches():
     assert total.item() == 4 and sum(parts).item() == pytest.approx(whole.item(), rel=1e-6)
 
 
+def test_ipo_metrics_are_its_own_implicit_rewards():
+    """IPO's implicit rewards are beta x the per-token mean log-ratios its loss trains (TRL's
+    IPO metrics): chosen 0.5 over 2 tokens (0.25), rejected -1.0 over 1. A chosen that wins on
+    its sum but loses on its mean is not counted as ranked right."""
+    from forge.losses import preference_metric_sums
+
+    batch, lp = pair_batch()
+    sums = preference_metric_sums(lp, batch, LossConfig(name="ipo", beta=0.1))
+    assert {k: round(v.item(), 6) for k, v in sums.items()} == {
+        "rewards/chosen": 0.025,
+        "rewards/rejected": -0.1,
+        "rewards/margin": 0.125,
+        "rewards/accuracy": 1.0,
+    }
+    lp[batch.doc_ids == 1] += 1.4  # rejected: 0.4 (one token), above the chosen's mean, below its sum
+    sums = preference_metric_sums(lp, batch, LossConfig(name="ipo", beta=0.1))
+    assert sums["rewards/accuracy"].item() == 0 and sums["rewards/margin"].item() == pytest.approx(-0.015)
+
+
 def test_gae_by_hand_over_tokens_turns_and_a_cut_episode():
     """Episode 0: a prompt token, then 3 of the model's tokens, reward 1 at the last. Episode 1,
     multi-turn: the model's token, 2 environment tokens (skipped: no step, no value), the model's
@@ -415,6 +434,22 @@ def test_gae_runs_on_over_the_samples_of_one_episode():
     # Samples that are not consecutive parts of one episode are episodes of their own.
     assert continued([a, other, b]).tolist() == [False, False, False]
     assert continued([b, a]).tolist() == [False, False] and continued([]).tolist() == []
+
+
+def test_gae_over_a_batch_of_many_long_episodes_is_the_recursion_by_hand():
+    """128 episodes of 1024 tokens (the tokens grouped by episode in one sort, the recursion in
+    Python floats): an episode's advantages are what the recursion gives by hand."""
+    n, length, g, lam = 128, 1024, 0.99, 0.95
+    batch = collate([Episode([1] * length, [0] + [1] * (length - 1), [0.0] * length)] * n, pad_id=0)
+    values = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(0))
+    rewards = torch.rand(n, generator=torch.Generator().manual_seed(1))
+    adv, _ = gae(batch, values, rewards, g, lam)
+    v, running, want = values[5, 1:].double().tolist(), 0.0, []
+    for i in reversed(range(len(v))):
+        nxt = v[i + 1] if i + 1 < len(v) else 0.0
+        running = (float(rewards[5]) if i == len(v) - 1 else 0.0) + g * nxt - v[i] + g * lam * running
+        want.append(running)
+    assert adv[5, 1:].tolist() == pytest.approx(want[::-1], abs=1e-4)
 
 
 def test_a_non_finite_value_costs_its_episode_only():

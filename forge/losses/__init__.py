@@ -164,8 +164,10 @@ def ipo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: Loss
 def preference_metric_sums(logprobs: torch.Tensor, batch: Batch, cfg: LossConfig) -> dict[str, torch.Tensor]:
     """The implicit rewards beta x log(pi / pi_ref) of a preference batch, summed over its
     pairs (the trainer divides by all ranks' pairs): chosen, rejected, their margin, and how
-    often the chosen's is larger (`accuracy`)."""
-    chosen, rejected = (cfg.beta * r.detach() for r in _pair_log_ratios(logprobs, batch))
+    often the chosen's is larger (`accuracy`). The log-ratios are the ones the loss trains:
+    IPO's per-token means (as TRL's IPO metrics), DPO's sums."""
+    ratios = _pair_log_ratios(logprobs, batch, mean=cfg.name == "ipo")
+    chosen, rejected = (cfg.beta * r.detach() for r in ratios)
     return _pair_sums(chosen, rejected)
 
 
