@@ -254,11 +254,13 @@ class Trainer(ForgeActor):
             for key, value in {"loss": loss.detach() * n, **metric_sums(outputs, mb, self.cfg.loss)}.items():
                 sums[key] = sums.get(key, 0) + value
         grad_norm = self._optimizer_step()
+        tokens = mine.loss_mask.sum().double().reshape(1)
+        dist.all_reduce(tokens)  # the step's, every rank's share
         return self.version, {
             **_means(sums, total),
             "grad_norm": float(grad_norm),
             "lr": self.schedulers.schedulers[0].get_last_lr()[0],
-            "trained_tokens": float(mine.loss_mask.sum()),
+            "trained_tokens": float(tokens),
         }
 
     def _head_outputs(self, b: Batch) -> torch.Tensor:

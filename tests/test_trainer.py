@@ -177,6 +177,29 @@ def test_a_step_is_the_whole_batch_however_its_rows_are_split(tiny_model_dir):
             assert abs(whole[key] - split[key]) <= 1e-5 * max(1.0, abs(whole[key])), (loss, key, whole[key], split[key])
 
 
+def test_a_score_step_counts_every_ranks_tokens(tiny_model_dir):
+    """A reward model's step on 2 ranks reports the step's trained tokens, not one rank's share."""
+    from apps.dpo import pair_batch
+
+    g = torch.Generator().manual_seed(2)
+
+    def pair(n: int) -> tuple:
+        ids = torch.randint(6, 100, (n,), generator=g).tolist()
+        return (ids, [0] * 2 + [1] * (n - 2)), (ids[:-1], [0] * 2 + [1] * (n - 3))
+
+    batch = pair_batch([pair(n) for n in (6, 9, 7, 12)], 0, 2)
+
+    async def step(procs: int) -> dict:
+        cfg = TrainerConfig(lr=0.0, head="score", loss=LossConfig(name="bradley_terry"))
+        trainer = await Trainer.options(procs=procs).as_service(str(tiny_model_dir), cfg)
+        try:
+            return (await trainer.train_step.route(batch))[1]
+        finally:
+            await trainer.shutdown()
+
+    assert asyncio.run(step(2))["trained_tokens"] == float(batch.loss_mask.sum())
+
+
 def test_flex_attention_path_matches_sdpa(tiny_model_dir, monkeypatch):
     """Off CPU the model uses torchtitan's FlexAttention, which needs its causal block mask
     passed in (without one it attends to every token). Its forward runs on CPU too: the same
