@@ -60,7 +60,7 @@ def main(path: str, batches: int) -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
         opt.step()
-        if (step + 1) % 25 == 0:
+        if (step + 1) % (25 if step < 300 else 100) == 0:
             with torch.no_grad():
                 v = critic(ids)
             print(
