@@ -9,9 +9,10 @@ An episode is written one of two ways, and both end as the same Episodes:
   the environment pool (services/envs/), run by `run_env_episode` through the same gateway.
 The gateway's recording of the session becomes the episode's training samples (its exact
 tokens, loss mask, logprobs, versions). An agent or environment that raises (SystemExit too),
-returns a reward that is not finite, or runs out of time (then it is abandoned) costs its
-episode only: counted (`agent_errors`, `env_errors`), its message printed, and its group
-trains on the others (`on_failure: mask`) or is dropped (`drop`).
+returns a reward that is not finite, runs out of time (then it is abandoned) or idles past the
+gateway's session timeout (the gateway drops its turns) costs its episode only: counted
+(`agent_errors`, `env_errors`), its message printed, and its group trains on the others
+(`on_failure: mask`) or is dropped (`drop`).
 """
 
 from __future__ import annotations
@@ -88,12 +89,13 @@ class AgenticRollouts:
         except RolloutError:
             raise  # the agent broke its contract: every episode would
         except Exception as e:  # this episode only (a timeout, a BaseException of the agent's): the run goes on
-            error = f"{type(e).__name__}: {e}"
-            record_metric(f"{kind}_errors", 1, Reduce.SUM)
-            report(f"{kind} episode failed", f"{error} (task {_preview(task)})")
+            error = _failed(kind, f"{type(e).__name__}: {e}", task)
         finally:
             await client.close()
-            record = await self.gateway.finish(session)
+            record = await self._finish(session)
+        if record is None and score is not None:
+            score = None
+            error = _failed(kind, _CLOSED, task)
         wall = time.monotonic() - start
         for reduce in (Reduce.MEAN, Reduce.P50, Reduce.P99):
             record_metric(f"episode/wall_s_{reduce.value}", wall, reduce)
@@ -111,6 +113,14 @@ class AgenticRollouts:
         record_metric("tokens/trained", trained, Reduce.SUM)
         record_metric("tokens/masked", sum(len(s.tokens) for s in samples) - trained, Reduce.SUM)
         return EpisodeResult(score, samples)
+
+    async def _finish(self, session: str) -> Any:
+        """The session's record; None when the gateway closed it first (idle past its timeout,
+        its turns dropped): that costs this episode, not its group."""
+        try:
+            return await self.gateway.finish(session)
+        except KeyError:
+            return None
 
     async def _run(self, client: Any, task: dict[str, Any]) -> tuple[Score, EpisodeStats]:
         if self.agent is not None:
@@ -138,6 +148,19 @@ class AgenticRollouts:
         )
         reward = check_reward(step.reward, f"the reward of env {self.cfg.env!r}")  # a NaN fails this episode only
         return Score(reward, components=dict(step.info), correct=step.info.get("correct")), stats
+
+
+_CLOSED = (
+    "the gateway closed the episode's session and dropped its turns: idle past its timeout "
+    "(config key 'agentic.gateway.session_timeout_s')"
+)
+
+
+def _failed(kind: str, error: str, task: dict[str, Any]) -> str:
+    """`error`, counted and shown as a failed episode of `kind` ("agent" or "env")."""
+    record_metric(f"{kind}_errors", 1, Reduce.SUM)
+    report(f"{kind} episode failed", f"{error} (task {_preview(task)})")
+    return error
 
 
 def _preview(task: dict[str, Any]) -> str:

@@ -253,7 +253,8 @@ class _ServiceEngine:
             _refuse_if_full(session, self.gateway.cfg)
         target = session.target if session is not None else self.gen.pinned()
         params = sampling_params.clone()
-        params.logprobs = max(params.logprobs or 0, 0)  # the sampled token's logprob, always recorded
+        if params.logprobs is None:  # the sampled token's logprob, always recorded; asked ones as asked
+            params.logprobs = 0
         delta = params.output_kind == RequestOutputKind.DELTA
         # A request that is not streamed (FINAL_ONLY) is one call whose result carries its output;
         # a streamed one's outputs come through a port as vLLM yields them.
@@ -370,9 +371,13 @@ def _engine_client_class() -> type:
 
 
 def _refuse_if_full(session: _Session, cfg: GatewayConfig) -> None:
-    """A 429 (vLLM's server answers it as one) when the session may start no more generations."""
+    """A 429 (vLLM's server answers it as one) when the session may start no more generations;
+    a 401 once it is finished (a request admitted before `finish` that reaches vLLM after it
+    would sample for a record that no longer takes it)."""
     from vllm.exceptions import GracefulHTTPError
 
+    if session.closed:
+        raise GracefulHTTPError("the session is finished: its key is refused from now", HTTPStatus.UNAUTHORIZED)
     full = session.full(cfg, session.generating)
     if full is not None:
         raise GracefulHTTPError(full, HTTPStatus.TOO_MANY_REQUESTS)
@@ -446,6 +451,8 @@ UNSUPPORTED = {
     "kv_transfer_params": "disaggregated serving is not forge's",
     "ec_transfer_params": "disaggregated serving is not forge's",
     "vllm_xargs": "vLLM extensions are not forge's",
+    # vLLM gathers these logprobs for the whole batch in place of its other requests' top logprobs
+    "logprob_token_ids": "its logprobs would take the place of other requests' top logprobs",
 }
 
 
@@ -466,7 +473,7 @@ def _checked_request(
     own request model parses ("17" and 17.0 are 17 to it), with `default_max_tokens` where it
     would sample to the end of the context, and without a client-chosen `request_id` (ids key
     the generator's requests: the server makes them); else a 400. A body vLLM would refuse goes
-    on as is, for vLLM to name what is wrong."""
+    on as is, for vLLM to name what is wrong (one its validators choke on is a 400 here)."""
     try:
         request = json.loads(body)
         values = _as_parsed(request, path)
@@ -474,6 +481,8 @@ def _checked_request(
         return body, None
     except RecursionError:  # JSON nested deeper than any parser here follows
         return body, _error(400, "the request body is not valid JSON (nested too deeply)", "invalid_request_error")
+    except (TypeError, AttributeError) as e:  # a validator of vLLM's request model given a JSON type it does not expect
+        return body, _error(400, f"the request body is not a valid {path} request: {e}", "invalid_request_error")
     refusal = _refused_option(values, cfg) or _over_limits(values, cfg)
     if refusal is not None:
         return body, refusal
@@ -502,7 +511,12 @@ def _as_parsed(request: Any, path: str) -> dict[str, Any]:
 
 def _parsed_fields(request: Any, path: str) -> dict[str, Any]:
     """The fields of `request` as vLLM's request model for `path` parses them."""
-    parsed = _request_models()[path].model_validate(request)
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        parsed = _request_models()[path].model_validate(request)
+    except VLLMClientError as e:  # a validator's own refusal, which pydantic does not wrap: invalid all the same
+        raise ValueError(str(e)) from None
     # `vars`: reading the deprecated max_tokens attribute would warn.
     return {**vars(parsed), **(parsed.model_extra or {})}
 

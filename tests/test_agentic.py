@@ -435,3 +435,35 @@ def test_an_agent_that_ignores_its_timeout_or_exits_costs_its_episode(agent):
 
     episodes, took = asyncio.run(main())
     assert len(episodes) == 3 and took < 1.0  # the stubborn episode runs on 1.5 s
+
+
+def test_a_session_the_gateway_closed_for_idling_costs_only_its_episode(loop, served, tmp_path):
+    """An agent idle past gateway.session_timeout_s (a long tool call) finds its session closed
+    and its turns dropped by the gateway: that episode fails, counted with a message naming the
+    key, and its group trains on the others instead of the whole group raising."""
+    gw, *_ = served
+    r = rollouts(served, agent="agentic_actors:sure_agent")
+    calls = itertools.count()
+
+    async def agent(client, task):
+        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        if next(calls) == 1:
+            await asyncio.sleep(1.0)
+        return 1.0
+
+    r.agent = agent
+    metrics(loop, tmp_path)
+    saved = gw.cfg.session_timeout_s
+
+    async def main():
+        gw.cfg.session_timeout_s = 0.2
+        gw._reaper.cancel()
+        gw._reaper = asyncio.ensure_future(gw._reap())
+        try:
+            return await r.group(TASK)
+        finally:
+            gw.cfg.session_timeout_s = saved
+
+    episodes = loop.run_until_complete(main())
+    row = metrics(loop, tmp_path)
+    assert len({id(e.score) for e in episodes}) == 3 and row["agent_errors"] == 1

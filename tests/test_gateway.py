@@ -1036,3 +1036,136 @@ def test_a_chat_request_read_as_sent_is_checked_as_the_parsed_one(body, monkeypa
     )
     assert gateway._checked_request(raw, "/v1/chat/completions", cfg, 64) == read
     assert parsed  # the comparison is with the parse
+
+
+def test_a_response_its_client_never_reads_is_cut_at_the_deadline(loop):
+    """A client that sends a whole request and never reads the answer (a long stream) stalls the
+    server's writes: within request_deadline_s of the stall its connection is dropped, so the
+    request ends (its generation aborted, its place in the limits freed) instead of waiting on the
+    client for as long as it keeps the connection open."""
+    import socket
+
+    import uvicorn
+
+    from forge.http_bounds import bounded_http
+
+    ended = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await receive()
+        gone = asyncio.ensure_future(receive())  # http.disconnect once the connection is lost
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        while not gone.done():
+            await send({"type": "http.response.body", "body": b"x" * (1 << 20), "more_body": True})
+        ended.append(time.monotonic())
+
+    async def main():
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http=bounded_http(1.0, 8)))
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.02)
+        reader, writer = await asyncio.open_connection(*sock.getsockname())
+        writer.transport.pause_reading()  # never reads a byte of the answer
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        start = time.monotonic()
+        while not ended and time.monotonic() - start < 6:
+            await asyncio.sleep(0.05)
+        writer.close()
+        server.should_exit = True
+        await task
+        return ended and ended[0] - start
+
+    took = loop.run_until_complete(main())
+    assert took and took < 4, took
+
+
+def test_a_request_that_reaches_vllm_after_finish_generates_nothing(loop, served):
+    """A request admitted before finish whose generation would start after it (its body was still
+    on the way when finish gave up waiting): refused as the session's key is from then on, not
+    sampled to its max_tokens for a record that will never take it."""
+    gw, gen, *_ = served
+
+    async def main():
+        sid = gw.open_session()
+        body = json.dumps({"model": MODEL_NAME, "messages": HI, "max_tokens": 400, "ignore_eos": True}).encode()
+
+        async def slow_body():
+            await asyncio.sleep(1.0)
+            yield body
+
+        async with httpx.AsyncClient(timeout=60) as h:
+            sent = asyncio.ensure_future(
+                h.post(
+                    f"{gw.base_url}/chat/completions",
+                    content=slow_body(),
+                    headers={"Authorization": f"Bearer {sid}", "Content-Type": "application/json"},
+                )
+            )
+            await asyncio.sleep(0.3)  # admitted, its body on the way
+            record = await gw.finish(sid, timeout_s=0.2)
+            r = await sent
+        return r, record
+
+    r, record = loop.run_until_complete(main())
+    assert r.status_code == 401 and "finished" in r.json()["error"]["message"], (r.status_code, r.text[:300])
+    assert record.turns == []
+
+
+def test_logprob_options_are_answered_as_asked_or_refused_by_name(loop, served):
+    """The gateway asks vLLM for the sampled token's logprob when the client asks for none; it
+    does not rewrite what a client asked: top_logprobs=-1 (vLLM's whole vocabulary) is refused past
+    max_logprobs as vLLM's own server refuses it, not answered with one; `logprob_token_ids` is
+    refused naming the field, not with an error about a `logprobs=0` the client never sent."""
+    gw, *_ = served
+
+    async def main():
+        sid = gw.open_session()
+        chat_ = {"model": MODEL_NAME, "messages": HI, "max_tokens": 2, "logprobs": True}
+        got = {
+            "top_logprobs -1": await post(gw, "/chat/completions", {**chat_, "top_logprobs": -1}, sid),
+            "logprobs -1": await post(
+                gw, "/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "logprobs": -1}, sid
+            ),
+            "logprob_token_ids": await post(gw, "/chat/completions", {**chat_, "logprob_token_ids": [5, 6]}, sid),
+        }
+        return got, await gw.finish(sid)
+
+    got, record = loop.run_until_complete(main())
+    for name in ("top_logprobs -1", "logprobs -1"):
+        assert got[name].status_code == 400 and "logprobs" in got[name].text, (name, got[name].text[:300])
+    r = got["logprob_token_ids"]
+    said = r.json()["error"]["message"]
+    assert r.status_code == 400 and "'logprob_token_ids' is not supported" in said and "=0" not in said, said
+    assert record.turns == []
+
+
+def test_a_body_vllms_request_model_refuses_is_a_400_naming_the_field(loop, served):
+    """vLLM's request models refuse some bodies in validators of their own (an empty prompt, a
+    negative top_logprobs) or choke on a wrong JSON type there, errors pydantic does not wrap:
+    the limits' parse of such a body is a JSON 400, not a plain-text 500 (which the openai client
+    retries); vLLM's own refusals name the field."""
+    gw, *_ = served
+    chat_ = {"model": MODEL_NAME, "messages": HI, "n": "2", "max_tokens": 2}  # n "2": the limits parse it
+
+    async def main():
+        sid = gw.open_session()
+        got = {
+            "prompt": await post(gw, "/completions", {"model": MODEL_NAME, "prompt": "", "max_tokens": 2}, sid),
+            "top_logprobs": await post(gw, "/chat/completions", {**chat_, "logprobs": True, "top_logprobs": -5}, sid),
+            "messages": await post(gw, "/chat/completions", {**chat_, "messages": -5}, sid),
+            "structured_outputs": await post(
+                gw, "/completions", {"model": MODEL_NAME, "prompt": "hi", "structured_outputs": "x"}, sid
+            ),
+        }
+        return got, await gw.finish(sid)
+
+    got, record = loop.run_until_complete(main())
+    for name, r in got.items():
+        assert r.status_code == 400 and r.json()["error"]["message"], (name, r.status_code, r.text[:300])
+    for name in ("prompt", "top_logprobs"):
+        assert name in got[name].json()["error"]["message"], got[name].text[:300]
+    assert record.turns == []
