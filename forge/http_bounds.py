@@ -36,6 +36,7 @@ def bounded_http(deadline_s: float, max_connections: int) -> type[HttpToolsProto
             self._arm()
 
         def _arm(self) -> None:
+            _cancel(self.deadline)
             self.deadline = self.loop.call_later(deadline_s, self._expire)
 
         def _expire(self) -> None:
@@ -58,7 +59,11 @@ def bounded_http(deadline_s: float, max_connections: int) -> type[HttpToolsProto
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():  # the next request on this connection: the same bound
+            # The next request on this connection: the same bound, unless it is here whole already
+            # (pipelined: it was sent before this response ended).
+            nxt = self.cycle
+            arrived = nxt is not None and not nxt.response_complete and not nxt.more_body
+            if not self.transport.is_closing() and not arrived:
                 self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:

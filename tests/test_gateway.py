@@ -1169,3 +1169,48 @@ def test_a_body_vllms_request_model_refuses_is_a_400_naming_the_field(loop, serv
     for name in ("prompt", "top_logprobs"):
         assert name in got[name].json()["error"]["message"], got[name].text[:300]
     assert record.turns == []
+
+
+def test_a_pipelined_request_that_arrived_whole_is_not_cut_while_it_is_answered(loop):
+    """Two requests sent in one write (HTTP/1.1 pipelining): the second has arrived whole when the
+    first's response ends, so request_deadline_s does not run on while it is answered; a second
+    that takes longer than the deadline still gets its answer."""
+    import socket
+
+    import uvicorn
+
+    from forge.http_bounds import bounded_http
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await receive()
+        if scope["path"] == "/slow":
+            await asyncio.sleep(1.5)  # longer than the deadline
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def main():
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http=bounded_http(0.5, 8)))
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.02)
+        reader, writer = await asyncio.open_connection(*sock.getsockname())
+        writer.write(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\nGET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = b""
+        try:
+            while got.count(b"ok") < 2:
+                chunk = await asyncio.wait_for(reader.read(4096), 5)
+                if not chunk:
+                    break
+                got += chunk
+        finally:
+            writer.close()
+            server.should_exit = True
+            await task
+        return got
+
+    got = loop.run_until_complete(main())
+    assert got.count(b"HTTP/1.1 200") == 2, got
