@@ -25,7 +25,7 @@ from tqdm import tqdm
 from apps.schema import GRPOConfig as Config
 from apps.sft import warm_start
 from forge.buffer import ReplayBuffer
-from forge.config import import_object
+from forge.config import ConfigError, import_object
 from forge.console import report
 from forge.losses.advantages import explained_variance, finite_episodes, gae, teacher_advantages, whiten
 from forge.metrics import Reduce, metrics_scope, record_metric
@@ -41,11 +41,23 @@ from services.roles import Roles, Shared
 
 async def run(cfg: Config, shared: Shared | None = None) -> dict[str, float]:
     last = cfg.resume_point()
+    check_resume(cfg, last)
     roles = await Roles.start(cfg, warm_start, shared)
     try:
         return await train(cfg, roles, resume_from=last)
     finally:
         await asyncio.shield(roles.shutdown())
+
+
+def check_resume(cfg: Config, last: Path | None) -> None:
+    """Before any role starts: a PPO run resumes its critic beside its policy, so the checkpoint
+    `last` must hold one (another algorithm's has none: the critic's load would fail only once
+    every service runs)."""
+    if last is not None and cfg.algorithm == "ppo" and not (last / "critic").is_dir():
+        raise ConfigError(
+            f"config key 'algorithm': ppo resumes its critic from the checkpoint, and {last} holds none "
+            "(a run of another algorithm); resume it with its own, or start a ppo run from its model (model.path)"
+        )
 
 
 async def run_together(cfgs: list[Config]) -> list[dict[str, float]]:
@@ -159,7 +171,8 @@ async def step(cfg: Config, s: Roles, run: Run, loops: RolloutLoops, buffer: Any
     t1 = time.perf_counter()
     batch = collate(episodes, pad_id=0, rows_multiple_of=batch_rows(cfg), share_prefix=cfg.trainer.share_prefix)
     if s.ref is not None:
-        batch.ref_logprobs = await s.ref.logprobs.route(batch)
+        # A NaN there would make the KL term's gradient NaN in every weight: its group goes instead.
+        batch.ref_logprobs = drop_nonfinite(batch, episodes, await s.ref.logprobs.route(batch), "reference logprobs")
     if s.critic is not None:
         await critic_advantages(cfg, s, batch, episodes)
     if s.teachers:
@@ -204,9 +217,9 @@ async def critic_advantages(cfg: Config, s: Roles, batch: Batch, episodes: list)
 
 def drop_nonfinite(batch: Batch, episodes: list, advantages: torch.Tensor, what: str) -> torch.Tensor:
     """`advantages` without the groups of the episodes where they are not finite (the `what`,
-    a critic's or a teacher's, NaN or inf on one of their loss tokens): those groups leave the
-    batch (loss mask 0, advantage 0), counted (`groups_nonfinite`) and reported, as a rollout's
-    group whose advantages are not finite; the rest of the batch trains."""
+    a critic's, a teacher's or the reference's, NaN or inf on one of their loss tokens): those
+    groups leave the batch (loss mask 0, advantage 0), counted (`groups_nonfinite`) and reported,
+    as a rollout's group whose advantages are not finite; the rest of the batch trains."""
     finite = finite_episodes(batch, advantages)
     if bool(finite.all()):
         return advantages
@@ -250,9 +263,12 @@ async def distill(cfg: Config, s: Roles, batch: Batch, episodes: list) -> None:
     weights = [torch.where(own, w[on_token], 0.0) for w in per_episode]
     advantages, reverse_kl = teacher_advantages(batch, list(teacher_logprobs), weights, cfg.distill.coef)
     advantages = drop_nonfinite(batch, episodes, advantages, "teacher logprobs")
-    reverse_kl = torch.where(batch.loss_mask > 0, reverse_kl, 0.0)
+    # The mean over the tokens a teacher scores: another source's have no reverse KL (not 0 of one).
+    scored = (batch.loss_mask > 0) & (sum(weights) > 0)
+    reverse_kl = torch.where(scored, reverse_kl, 0.0)
     batch.advantages = advantages if cfg.algorithm == "distill" else batch.advantages + advantages
-    record_metric("distill/reverse_kl", float(reverse_kl.sum() / batch.loss_mask.sum().clamp(min=1)))
+    if bool(scored.any()):
+        record_metric("distill/reverse_kl", float(reverse_kl.sum() / scored.sum()))
 
 
 def record_batch(episodes: list, trained_on: int, metrics: dict[str, float], per_source: bool = False) -> None:

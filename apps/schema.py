@@ -185,7 +185,7 @@ class GRPOConfig(RunConfig):
                 raise ConfigError(
                     f"config key 'distill.teachers[{i}].tasks': {unknown} not among the run's data sources {sources}"
                 )
-        if self.ppo.critic_warmup >= self.steps:
+        if self.algorithm == "ppo" and self.ppo.critic_warmup >= self.steps:  # no critic, no warm-up
             raise ConfigError(
                 f"config key 'ppo.critic_warmup': {self.ppo.critic_warmup} steps of critic alone leave none of "
                 f"the run's {self.steps} for the policy"

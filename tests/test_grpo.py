@@ -128,7 +128,6 @@ def test_grpo_steps_then_resume(tmp_path):
         ("rollout=forge.rollout", "config key 'rollout': expected 'package.module:name'"),
         ("task=gsm9k", "config key 'task': unknown task 'gsm9k'"),
         ("algorithm=ppo9", "config key 'algorithm': 'ppo9' is not one of grpo, ppo, distill"),
-        ("ppo.critic_warmup=300", "config key 'ppo.critic_warmup': 300 steps of critic alone"),
         ("ppo.lam=1.5", "config key 'ppo.lam' must be in [0, 1], got 1.5"),
         ("ppo.critic.head=lm", "config keys 'ppo.critic.head' and 'ppo.critic.loss.name': a score head trains"),
         ("ppo.critic.loss.name=bradley_terry", "'ppo.critic.loss.name': a critic is a score head trained with"),
@@ -145,6 +144,13 @@ def test_bad_config_fails_before_spawning(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(CONFIG, [override], Config)
     assert message in str(e.value)
+
+
+def test_the_critics_warmup_must_leave_the_policy_steps_only_with_a_critic():
+    """PPO's warm-up of `steps` or more leaves the policy none; without a critic (grpo) it is unused."""
+    with pytest.raises(ConfigError, match="config key 'ppo.critic_warmup': 300 steps of critic alone"):
+        load_config(CONFIG, ["algorithm=ppo", "ppo.critic_warmup=300"], Config)
+    assert load_config(CONFIG, ["algorithm=grpo", "ppo.critic_warmup=300"], Config).ppo.critic_warmup == 300
 
 
 def test_gpu_gsm8k_config_is_valid(tmp_path, tiny_model_dir):
@@ -548,6 +554,103 @@ def test_a_group_with_a_teacher_logprob_that_is_not_finite_leaves_the_batch_not_
     torch.testing.assert_close(batch.advantages[2:, 1:], torch.tensor([[0.3, 0.5]] * 2))  # teacher - student
     assert row["groups_nonfinite"] == 1 and row["distill/reverse_kl"] == pytest.approx(-0.4)
     assert a_step_survives(batch)
+
+
+def test_the_reverse_kl_metric_is_the_mean_over_the_tokens_a_teacher_scores(tmp_path):
+    """A teacher of one data source (`tasks: [a]`) beside another source no teacher scores:
+    `distill/reverse_kl` is the teacher's distance on the tokens it scores, not diluted by the
+    other source's tokens (no teacher, no reverse KL: they are not 0 nats from one)."""
+    from types import SimpleNamespace
+
+    from apps.grpo import distill
+    from services.schema import DistillConfig, TeacherConfig
+
+    eps, batch = four_episodes_in_two_groups()
+    for e in eps:
+        e.task = "a" if e.group == 0 else "b"
+    teacher = torch.full(batch.input_ids.shape, -0.2)
+
+    async def route(_):
+        return teacher
+
+    cfg = SimpleNamespace(algorithm="grpo", distill=DistillConfig([TeacherConfig("t", tasks=["a"])], coef=1.0))
+    s = SimpleNamespace(teachers=[SimpleNamespace(logprobs=SimpleNamespace(route=route))])
+    row = advantages_of(tmp_path, distill, cfg, s, batch, eps)
+    assert row["distill/reverse_kl"] == pytest.approx(-0.4)  # (-0.5 + 0.2 - 0.7 + 0.2) / 2, source a's
+    assert batch.advantages[2:].abs().max() == 0  # source b: no teacher, no advantage from one
+
+
+def test_resuming_a_run_of_another_algorithm_as_ppo_is_refused_before_spawning(tmp_path, monkeypatch):
+    """A GRPO run's checkpoint holds no critic: resumed with algorithm=ppo, the run stops naming
+    the config key before any service starts (not once all run, at the critic's load)."""
+    import asyncio
+
+    import apps.grpo as grpo
+
+    part = checkpoint.partial_dir(tmp_path / "e2e", 2)
+    (part / "trainer").mkdir(parents=True)
+    checkpoint.save_run_state(part, {"step": 2, "version": 2, "app": "grpo"})
+    cfg = load_config(CONFIG, small(tmp_path, steps=5, algorithm="ppo", **{"ppo.critic_warmup": 1}), Config)
+    cfg.resume = str(tmp_path / "e2e")
+
+    async def spawned(*args, **kwargs):
+        raise AssertionError("the roles started")
+
+    monkeypatch.setattr(grpo.Roles, "start", spawned)
+    with pytest.raises(ConfigError, match=r"config key 'algorithm': ppo resumes its critic .* holds none"):
+        asyncio.run(grpo.run(cfg))
+
+
+def test_a_group_with_a_reference_logprob_that_is_not_finite_leaves_the_batch_not_the_step(tmp_path):
+    """The KL term's reference: a NaN on one episode's model token (the reference model's
+    numerics) costs that episode's group, counted, as a teacher's or a critic's does; its
+    -inf on a prompt token (never read) costs nothing. The policy's step on the rest has a
+    finite gradient (not a NaN in every weight)."""
+    from types import SimpleNamespace
+
+    from apps.grpo import step
+    from forge.losses import LOSSES, importance_weight
+    from forge.schema import LossConfig
+
+    eps, _ = four_episodes_in_two_groups()
+    trained = []
+
+    async def returns(value):
+        return value
+
+    async def ref_logprobs(batch):
+        ref = torch.full(batch.input_ids.shape, -0.6)
+        ref[:, 0] = float("-inf")
+        ref[3, 2] = float("nan")
+        return ref
+
+    async def train_step(batch):
+        trained.append(batch)
+        return 1, {}
+
+    async def training(calls):
+        return await calls
+
+    cfg = load_config(CONFIG, small(tmp_path, **{"trainer.loss.kl_coef": 0.1}), Config)
+    s = SimpleNamespace(
+        ref=SimpleNamespace(logprobs=SimpleNamespace(route=ref_logprobs)),
+        critic=None,
+        teachers=[],
+        trainer=SimpleNamespace(train_step=SimpleNamespace(route=train_step)),
+        weights=SimpleNamespace(push=lambda: returns(1)),
+    )
+    run = SimpleNamespace(version=0, step=0, training=training, end_step=returns)
+    loops = SimpleNamespace(batch=lambda version, policy_steps: returns(eps))
+    buffer = SimpleNamespace(notify_version=SimpleNamespace(call_one=returns))
+    row = advantages_of(tmp_path, step, cfg, s, run, loops, buffer)
+    batch = trained[0]
+    assert (batch.loss_mask > 0).tolist() == [[False, True, True]] * 2 + [[False, False, False]] * 2
+    assert row["groups_nonfinite"] == 1
+    theta = torch.zeros((), requires_grad=True)
+    lp = batch.gen_logprobs + theta
+    loss_cfg = LossConfig(name="grpo", kl_coef=0.1)
+    LOSSES["grpo"](lp, batch, importance_weight(lp, batch, loss_cfg), loss_cfg).backward()
+    assert theta.grad.isfinite() and theta.grad != 0
 
 
 def test_a_teacher_or_critic_must_have_the_policys_tokenizer_whatever_files_hold_it(tmp_path, tiny_model_dir):

@@ -287,6 +287,19 @@ def test_a_single_teacher_of_any_positive_weight_is_that_teacher(weight):
         torch.testing.assert_close(teacher_advantages(batch, [t], [w], coef=1.0)[0], expected)
 
 
+def test_teacher_weights_of_any_size_mix_in_proportion():
+    """Weights are proportions at any size a config accepts (finite, > 0): one teacher of weight
+    1e308 is that teacher, two of 1e308 each are their even mix; none of them overflows the mix
+    into an inf or a NaN that would drop every group."""
+    batch = collate([Episode([1, 5, 6], [0, 1, 1], [0.0, -0.5, -1.0])], pad_id=0)
+    a, b = torch.tensor([[0.0, -2.0, -3.0]]), torch.tensor([[0.0, -1.0, -4.0]])
+    one, _ = teacher_advantages(batch, [a], [1.0], coef=1.0)
+    torch.testing.assert_close(teacher_advantages(batch, [a], [1e308], coef=1.0)[0], one)
+    even, _ = teacher_advantages(batch, [a, b], [1.0, 1.0], coef=1.0)
+    torch.testing.assert_close(teacher_advantages(batch, [a, b], [1e308, 1e308], coef=1.0)[0], even)
+    torch.testing.assert_close(teacher_advantages(batch, [a, b], [1e308, 1e-300], coef=1.0)[0], one)
+
+
 # A preference pair: chosen (2 completion tokens), rejected (1), one row, with the reference's logprobs.
 PAIR = [
     Episode(tokens=[1, 5, 6], loss_mask=[0, 1, 1], gen_logprobs=[0.0] * 3),
@@ -498,3 +511,18 @@ def test_explained_variance_by_hand():
     assert explained_variance(returns + 0.3, returns, mask) == pytest.approx(1.0)  # a constant offset: no variance
     assert explained_variance(1 - returns, returns, mask) == pytest.approx(1 - 1.0 / 0.25)
     assert math.isnan(explained_variance(returns, torch.ones_like(returns), mask))
+
+
+def test_whitening_and_explained_variance_hold_any_reward_a_run_accepts():
+    """A reward up to float32's largest is accepted (forge.types.MAX_REWARD): an episode's
+    reward of 1e20 makes GAE's advantages 1e20, whose squares overflow float32. The batch's
+    whitened advantages are still those of any scale (whitening is scale-free), not 0 for every
+    token, and the explained variance of a constant guess is 0, not NaN."""
+    batch = collate([Episode([1, 5], [0, 1], [0.0] * 2)] * 4, pad_id=0)
+    values = torch.zeros(batch.input_ids.shape)
+    for scale in (1.0, 1e20):
+        adv, ret = gae(batch, values, torch.tensor([1.0, 0.0, 0.0, 0.0]) * scale)
+        own = batch.loss_mask > 0
+        w = whiten(adv, own)
+        assert w[:, 1].tolist() == pytest.approx([3**0.5, -(3**-0.5), -(3**-0.5), -(3**-0.5)], rel=1e-5)
+        assert explained_variance(values, ret, own) == pytest.approx(0.0, abs=1e-6)

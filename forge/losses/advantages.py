@@ -45,6 +45,10 @@ def teacher_advantages(
     like = batch.gen_logprobs
     # In float64: any weight a config accepts (> 0) stays > 0 and mixes in its proportion.
     weights = [torch.as_tensor(w, dtype=torch.float64).expand_as(like) for w in weights]
+    # Over the largest at each token, each in [0, 1]: weight x logprob and their sum stay finite
+    # however large the weights (1e308 x a logprob of -2 is -inf).
+    top = torch.stack(weights).amax(0)
+    weights = [w / torch.where(top > 0, top, 1.0) for w in weights]
     total = sum(weights)
     mixed = sum(torch.where(w > 0, w * lp.double(), 0.0) for w, lp in zip(weights, teacher_logprobs))
     teacher = (mixed / torch.where(total > 0, total, 1.0)).to(like.dtype)
@@ -139,16 +143,19 @@ def _masked_var(x: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> tuple[torc
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """`x` with mean 0 and std 1 over the `mask`ed entries (PPO's per-batch advantage
     whitening), 0 elsewhere."""
-    m = mask.to(x.dtype)
-    mean, var = _masked_var(x, m, m.sum().clamp(min=1))
-    return torch.where(m > 0, (x - mean) * torch.rsqrt(var + eps), 0.0)
+    # float64: the squares of advantages of any reward a run accepts (up to float32's largest)
+    # overflow float32, and a variance of inf would whiten the whole batch to 0.
+    m, x64 = mask.to(torch.float64), x.double()
+    mean, var = _masked_var(x64, m, m.sum().clamp(min=1))
+    return torch.where(m > 0, (x64 - mean) * torch.rsqrt(var + eps), 0.0).to(x.dtype)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over the `mask`ed entries: 1 when the values
     predict the returns, 0 for a constant guess, negative when they mislead (nan: returns
     without variance)."""
-    m = mask.to(values.dtype)
+    # float64, as `whiten`: squares of float32 returns may overflow it
+    m, values, returns = mask.to(torch.float64), values.double(), returns.double()
     n = m.sum().clamp(min=1)
     spread = _masked_var(returns, m, n)[1]
     return float(1 - _masked_var(returns - values, m, n)[1] / spread) if spread > 0 else float("nan")
