@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import random
 import re
 import secrets
@@ -123,9 +124,69 @@ def _iso(t: float | None) -> str | None:
 
 def _count(text: str, name: str) -> int:
     """A query parameter that counts (a page's `limit`, `offset`): an integer >= 0."""
-    if not text.isdigit():
-        raise UserError(f"{name}: {text!r}; an integer >= 0")
+    if not (text.isascii() and text.isdigit() and len(text) <= 18):  # what int() reads, below 2**63
+        raise UserError(f"{name}: {text[:40]!r}; an integer >= 0")
     return int(text)
+
+
+def _json_safe(value: Any) -> Any:
+    """`value` with each non-finite float as its name ("NaN", "Infinity"): JSON has no such
+    numbers, and the SDK's pydantic types read these strings back as the floats."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+async def _save_into(where: Path, write: Callable[[Path], Awaitable[Any]]) -> None:
+    """`write` a checkpoint into a fresh directory beside `where`, then put it in `where`'s place:
+    a save that fails leaves nothing behind, and the checkpoint it was to overwrite stays whole."""
+    part = where.with_name(f".{where.name}.part")  # no checkpoint name starts with "."
+    shutil.rmtree(part, ignore_errors=True)
+    part.mkdir(parents=True)
+    try:
+        await write(part)
+    except BaseException:
+        shutil.rmtree(part, ignore_errors=True)
+        raise
+    shutil.rmtree(where, ignore_errors=True)
+    part.rename(where)
+
+
+# What AdamW takes of each of the SDK's AdamParams (a negative grad_clip_norm would scale the
+# gradients by a negative factor: the step would climb the loss).
+ADAM_RANGES: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "learning_rate": (">= 0", lambda v: v >= 0),
+    "beta1": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "beta2": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "eps": ("> 0", lambda v: v > 0),
+    "weight_decay": (">= 0", lambda v: v >= 0),
+    "grad_clip_norm": (">= 0 (0: none)", lambda v: v >= 0),
+}
+
+
+def _adam_params(adam: types.AdamParams) -> dict[str, float]:
+    """`adam` as the trainer's dict; a value out of its range is a UserError naming it."""
+    params = adam.model_dump()
+    for name, value in params.items():
+        want, ok = ADAM_RANGES.get(name, ("", lambda v: True))
+        if not (math.isfinite(value) and ok(value)):
+            raise UserError(f"adam_params.{name}: {value}; a finite number {want}".rstrip())
+    return params
+
+
+def _size(where: Path) -> int:
+    """The bytes of a checkpoint's files (those its expiry deletes meanwhile count 0)."""
+    total = 0
+    for f in where.rglob("*"):
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except OSError:
+            pass
+    return total
 
 
 def _category(e: BaseException) -> str:
@@ -152,6 +213,8 @@ class TinkerFront:
         self.root = Path(run_dir).resolve() / "tinker"
         self.vocab, self.max_len, self.max_tokens = vocab_size, max_model_len, max_tokens
         self.limits = Limits(cfg.max_datums, cfg.max_tokens, cfg.max_seq_len)
+        # A JSON body's bytes: its fields, and a prompt of max_model_len tokens (16 bytes a token: "123456, ")
+        self.json_bytes = min(cfg.max_request_bytes, (64 << 10) + 16 * max_model_len)
         self.sessions: dict[str, Session] = {}
         self.futures: dict[str, Pending] = {}
         self.keys: dict[tuple[Any, ...], str] = {}  # a request's logical key -> its future (retries)
@@ -193,18 +256,27 @@ class TinkerFront:
             "training_runs/{run_id}/checkpoints": self.list_run_checkpoints,
             "checkpoints": self.list_checkpoints,
         }
-        routes = [Route(f"{API}/{p}", self._wrap(h), methods=["POST"]) for p, h in post.items()]
+        # JSON bodies are parsed in the event loop (the SDK's types): at most a prompt's worth. The
+        # protobuf forward_backward, and telemetry (read, never parsed), take max_request_bytes.
+        big = {"forward_backward", "telemetry"}
+        routes = [
+            Route(f"{API}/{p}", self._wrap(h, None if p in big else self.json_bytes), methods=["POST"])
+            for p, h in post.items()
+        ]
         routes += [Route(f"{API}/{p}", self._wrap(h), methods=["GET"]) for p, h in get.items()]
         routes.append(Route(f"{API}/sessions/{{session_id}}/finish", self._wrap(self.finish), methods=["POST"]))
         return Starlette(routes=routes)
 
     def _wrap(
-        self, handler: Callable[[Request, str, bytes], Awaitable[Any]]
+        self, handler: Callable[[Request, str, bytes], Awaitable[Any]], limit: int | None = None
     ) -> Callable[[Request], Awaitable[Response]]:
+        """`handler` as an endpoint: the caller's key checked, a POST's body read (at most `limit`
+        bytes; None: max_request_bytes), its errors as HTTP answers."""
+
         async def endpoint(request: Request) -> Response:
             try:
                 owner = self._owner(request)
-                body = await self._body(request) if request.method == "POST" else b""
+                body = await self._body(request, limit) if request.method == "POST" else b""
                 out = await handler(request, owner, body)
             except Refused as e:
                 return JSONResponse({"detail": str(e)}, status_code=e.status)
@@ -216,7 +288,7 @@ class TinkerFront:
                 return JSONResponse({"detail": f"{type(e).__name__}: {e}"}, status_code=500)
             if isinstance(out, Response):
                 return out
-            return JSONResponse(out)
+            return JSONResponse(_json_safe(out))  # a diverged step's grad norm is still its answer
 
         return endpoint
 
@@ -232,18 +304,22 @@ class TinkerFront:
                 return hashlib.sha256(key.encode()).hexdigest()[:32]
         raise Refused(401, "missing or unknown X-API-Key")
 
-    async def _body(self, request: Request) -> bytes:
-        """The request's body, at most `max_request_bytes` (read no further), not compressed."""
+    async def _body(self, request: Request, limit: int | None = None) -> bytes:
+        """The request's body, at most `limit` bytes (default `max_request_bytes`; read no further),
+        not compressed."""
         if request.headers.get("content-encoding", "identity") != "identity":
             raise Refused(415, "compressed bodies are not taken (client/config proto_compress_fwdbwd is false)")
-        limit = self.cfg.max_request_bytes
+        if limit is None:
+            limit, why = self.cfg.max_request_bytes, "tinker.max_request_bytes"
+        else:
+            why = f"a JSON request holds at most a prompt of max_model_len ({self.max_len}) tokens"
         if int(request.headers.get("content-length") or 0) > limit:
-            raise Refused(413, f"request body over {limit} bytes (tinker.max_request_bytes)")
+            raise Refused(413, f"request body over {limit} bytes ({why})")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise Refused(413, f"request body over {limit} bytes (tinker.max_request_bytes)")
+                raise Refused(413, f"request body over {limit} bytes ({why})")
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -479,6 +555,8 @@ class TinkerFront:
             raise UserError(f"optimizer_config: {req.optimizer_config.type!r} is not supported (forge: adamw)")
         if not 0 < lora.rank <= self.cfg.max_lora_rank:
             raise UserError(f"lora_config.rank: {lora.rank}; this server takes 1 to {self.cfg.max_lora_rank}")
+        if lora.seed is not None and not -(2**63) <= lora.seed < 2**64:  # what a torch generator takes
+            raise UserError(f"lora_config.seed: {lora.seed}; a 64-bit integer")
         modules = modules_of(lora.train_mlp, lora.train_attn, lora.train_unembed)
         if not modules:
             raise UserError("lora_config: train_mlp, train_attn and train_unembed are all false")
@@ -585,10 +663,7 @@ class TinkerFront:
         adam = req.optim_params
         if not isinstance(adam, types.AdamParams):
             raise UserError(f"optim_step: optimizer {getattr(adam, 'type', '?')!r} is not supported (forge: adamw)")
-        params = adam.model_dump()
-        bad = {k: v for k, v in params.items() if not (v == v and abs(v) != float("inf"))}
-        if bad or adam.learning_rate < 0 or not (0 <= adam.beta1 < 1 and 0 <= adam.beta2 < 1) or adam.eps <= 0:
-            raise UserError(f"adam_params: {params} (finite; learning_rate >= 0, betas in [0, 1), eps > 0)")
+        params = _adam_params(adam)
 
         async def run() -> dict[str, Any]:
             metrics = await self.trainer.optim_step.route(model.id, params)
@@ -615,15 +690,23 @@ class TinkerFront:
         now = time.time()
         meta = {"owner": owner, "kind": kind, "rank": model.rank, "modules": sorted(model.modules), "time": now}
         meta["expires"] = now + ttl_s if ttl_s else None
-        (where / META).write_text(json.dumps({**meta, "base_model": self.base_model}))
+        part = where / f"{META}.part"  # whole or absent: a server killed mid-write leaves no cut one
+        part.write_text(json.dumps({**meta, "base_model": self.base_model}))
+        part.replace(where / META)
+
+    @staticmethod
+    def _read_meta(meta_file: Path) -> dict[str, Any] | None:
+        """A checkpoint's metadata; None if unreadable (cut short, or deleted as it was read)."""
+        try:
+            meta = json.loads(meta_file.read_text())
+        except (OSError, ValueError):
+            return None
+        return meta if isinstance(meta, dict) else None
 
     def _expire(self) -> None:
         """Delete the checkpoints whose ttl_seconds have passed."""
         for meta_file in self.root.glob(f"*/*/*/{META}"):
-            try:
-                expires = json.loads(meta_file.read_text()).get("expires")
-            except (OSError, ValueError):
-                continue
+            expires = (self._read_meta(meta_file) or {}).get("expires")
             if expires is not None and expires < time.time():
                 shutil.rmtree(meta_file.parent, ignore_errors=True)
 
@@ -635,9 +718,7 @@ class TinkerFront:
 
         async def run() -> dict[str, Any]:
             self._checkpoint(model, "weights", req.path, req.overwrite)  # again: an earlier request may have made it
-            shutil.rmtree(where, ignore_errors=True)
-            where.mkdir(parents=True)
-            await self.trainer.save_tenant.route(model.id, str(where))
+            await _save_into(where, lambda part: self.trainer.save_tenant.route(model.id, str(part)))
             self._write_meta(where, model, owner, "weights", ttl)
             return {"path": path, "type": "save_weights"}
 
@@ -662,26 +743,28 @@ class TinkerFront:
 
         async def save() -> dict[str, Any]:
             tensors, lora = await self.trainer.tenant_adapter.route(model.id)
-            shutil.rmtree(where, ignore_errors=True)
-            await asyncio.to_thread(write_adapter, where, tensors, lora, str(self.model_dir))
+            await _save_into(
+                where, lambda part: asyncio.to_thread(write_adapter, part, tensors, lora, str(self.model_dir))
+            )
             self._write_meta(where, model, owner, "sampler_weights", ttl)
             return {"path": path, "type": "save_weights_for_sampler"}
 
         return self._ordered(model, req.seq_id, save)
 
-    def _resolve(self, path: str, owner: str, kind: str) -> tuple[Path, dict[str, Any]]:
-        """The directory of `owner`'s checkpoint `path` (a tinker:// path of `kind`) and its metadata."""
+    def _resolve(self, path: str, owner: str, kind: str, to_load: bool = True) -> tuple[Path, dict[str, Any]]:
+        """The directory of `owner`'s checkpoint `path` (a tinker:// path of `kind`) and its
+        metadata; `to_load`: it must be of the base model served here."""
         found = PATH.fullmatch(path or "")
         if found is None or found.group(2) != kind:
             raise UserError(f"path {path!r}: expected tinker://MODEL_ID/{kind}/NAME")
         where = self.root / found.group(1) / kind / found.group(3)
-        try:
-            meta = json.loads((where / META).read_text())
-        except (OSError, ValueError):
-            meta = None
+        meta = self._read_meta(where / META)
         expired = meta is not None and meta.get("expires") is not None and meta["expires"] < time.time()
         if meta is None or meta.get("owner") != owner or expired:
             raise UserError(f"no checkpoint {path!r}")
+        base = meta.setdefault("base_model", self.base_model)
+        if to_load and base != self.base_model:  # the run directory outlived a server of another model
+            raise UserError(f"checkpoint {path!r} is of base_model {base!r}; this server serves {self.base_model!r}")
         return where, meta
 
     async def load_weights(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
@@ -717,13 +800,16 @@ class TinkerFront:
         return {**self._submit(session, key, create_and_load), "model_id": model.id}
 
     async def weights_info(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
-        given = json.loads(body or b"{}")
+        try:
+            given = json.loads(body or b"{}")
+        except ValueError:  # not JSON, or not UTF-8
+            given = None
         if not isinstance(given, dict) or not isinstance(given.get("tinker_path"), str):
             raise UserError('weights_info: the body is {"tinker_path": "tinker://..."}')
         path = given["tinker_path"]
         kind = "sampler_weights" if "/sampler_weights/" in str(path) else "weights"
-        _, meta = self._resolve(str(path), owner, kind)
-        return {"base_model": self.base_model, "is_lora": True, "lora_rank": meta["rank"]}
+        _, meta = self._resolve(str(path), owner, kind, to_load=False)
+        return {"base_model": meta["base_model"], "is_lora": True, "lora_rank": meta["rank"]}
 
     # ---- sampling --------------------------------------------------------------------
 
@@ -811,8 +897,8 @@ class TinkerFront:
     def _checkpoints(self, owner: str, run_id: str | None = None) -> list[dict[str, Any]]:
         out = []
         for meta_file in sorted(self.root.glob(f"{run_id or '*'}/*/*/{META}")):
-            meta = json.loads(meta_file.read_text())
-            if meta.get("owner") != owner:
+            meta = self._read_meta(meta_file)
+            if meta is None or meta.get("owner") != owner:  # another's, or one no listing can show
                 continue
             where = meta_file.parent
             kind, model_id = where.parent.name, where.parent.parent.name
@@ -822,7 +908,7 @@ class TinkerFront:
                     "checkpoint_type": KINDS[kind],
                     "time": _iso(meta["time"]),
                     "tinker_path": f"tinker://{model_id}/{kind}/{where.name}",
-                    "size_bytes": sum(f.stat().st_size for f in where.rglob("*") if f.is_file()),
+                    "size_bytes": _size(where),
                     "public": False,
                     "expires_at": _iso(meta.get("expires")),
                 }

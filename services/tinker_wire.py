@@ -153,6 +153,16 @@ def decode_forward_backward(body: bytes, vocab: int, limits: Limits) -> ForwardB
     for key, value in msg.loss_fn_config_v2.items():  # the SDK writes numbers to both maps
         given[key] = value.number if value.WhichOneof("value") == "number" else value.text
     config = loss_config(msg.loss_fn, given)  # a ValueError names an unknown loss or key
+    for key, value in config.items():  # a NaN or infinite threshold makes the loss, and the adapter, NaN
+        if not math.isfinite(value):
+            raise UserError(f"ForwardBackwardRequest.loss_fn_config.{key}: {value}; a finite number")
+    # Each chunk is walked in Python: millions of empty ones would hold the server's event loop for
+    # seconds. A chunk carries a token or more, so the request's token limit bounds them too.
+    chunks = sum(len(d.model_input) for d in msg.data)
+    if chunks > limits.max_tokens:
+        raise UserError(
+            f"ForwardBackwardRequest.data: {chunks} model_input chunks; at most {limits.max_tokens} (tinker.max_tokens)"
+        )
     rows = [_datum(d, i, msg.loss_fn, vocab, limits.max_seq_len) for i, d in enumerate(msg.data)]
     total = sum(len(tokens) for tokens, _ in rows)
     if total > limits.max_tokens:

@@ -4,6 +4,7 @@ requests race, or a client sends what no SDK would. Its HTTP server listens on 1
 (tests/test_tinker.py runs the real services under the SDK.)"""
 
 import asyncio
+import json
 import socket
 import time
 
@@ -268,6 +269,10 @@ def test_datums_of_mixed_lengths_are_padded_by_length_class(loop, front):
         ("post", "/weights_info", b'{"tinker_path": 5}', "tinker_path"),
         ("get", "/checkpoints?limit=x", None, "limit"),
         ("get", "/checkpoints?offset=-5", None, "offset"),
+        ("post", "/weights_info", b"{", "tinker_path"),
+        ("post", "/weights_info", b"\xff", "tinker_path"),
+        ("get", "/checkpoints?limit=%C2%B2", None, "limit"),  # '²': a digit to str.isdigit, not to int()
+        ("get", "/checkpoints?offset=" + "9" * 5000, None, "offset"),
     ],
 )
 def test_malformed_fields_are_400s_naming_them(loop, front, method, path, body, named):
@@ -382,3 +387,248 @@ def test_connections_that_never_send_a_whole_request_are_closed(loop, front):
     over, before, after, served = loop.run_until_complete(scenario())
     assert over and before == 0 and after == 12 and served == 200, (over, before, after, served)
     assert time.monotonic() - t < 10
+
+
+def test_a_non_finite_grad_norm_reaches_the_sdk(loop, front):
+    """A diverged step (its gradient norm inf or NaN) is still a result: retrieve_future answers
+    it, and the SDK's parser (orjson, then OptimStepResponse) reads the same number back, not a
+    500 the SDK would retry until it gives up."""
+    import orjson
+    from tinker import types
+
+    f, trainer, _ = serve(loop, front)
+
+    async def scenario():
+        async with client(f) as c:
+            _, made = await new_model(c, f)
+            out = []
+            for seq, norm in ((1, float("inf")), (2, float("nan"))):
+                trainer.call = _returning(Stand.call.__get__(trainer), "optim_step", {"grad_norm": norm})
+                body = {"model_id": made["model_id"], "seq_id": seq, "adam_params": {"learning_rate": 0.1}}
+                rid = (await c.post("/optim_step", json=body)).json()["request_id"]
+                out.append(await c.post("/retrieve_future", json={"request_id": rid}))
+            return out
+
+    inf, nan = loop.run_until_complete(scenario())
+    for r in (inf, nan):
+        assert r.status_code == 200, r.text
+    got = [
+        types.OptimStepResponse.model_validate(orjson.loads(r.content)).metrics["grad_norm:mean"] for r in (inf, nan)
+    ]
+    assert got[0] == float("inf") and got[1] != got[1], got
+
+
+def _returning(call, name, value, calls=None):
+    """`call` (a Stand's), but `name` returns `value` (its calls' args appended to `calls`)."""
+
+    async def patched(what, *args):
+        if what != name:
+            return await call(what, *args)
+        if calls is not None:
+            calls.append(args)
+        return value
+
+    return patched
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_loss_fn_config_is_a_400_naming_it(loop, front, value):
+    """A ppo clip threshold of NaN or an infinity would make the loss (and every gradient of the
+    adapter) NaN: refused, naming the key, before it reaches the trainer."""
+    f, trainer, _ = serve(loop, front)
+
+    async def scenario():
+        async with client(f) as c:
+            _, made = await new_model(c, f)
+            msg = pb.ForwardBackwardRequest(model_id=made["model_id"], seq_id=1, loss_fn="ppo")
+            d = msg.data.add()
+            d.model_input.add().encoded_text.tokens = np.full(3, 1, "<i4").tobytes()
+            d.loss_fn_inputs["target_tokens"].CopyFrom(
+                pb.Tensor(dense=np.full(3, 5, "<i8").tobytes(), dtype=pb.DTYPE_INT64, shape=[3])
+            )
+            for name in ("logprobs", "advantages"):
+                d.loss_fn_inputs[name].CopyFrom(
+                    pb.Tensor(dense=np.zeros(3, "<f4").tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[3])
+                )
+            msg.loss_fn_config["clip_low_threshold"] = value
+            return await c.post("/forward_backward", content=msg.SerializeToString(), headers=PROTO)
+
+    r = loop.run_until_complete(scenario())
+    assert r.status_code == 400 and "clip_low_threshold" in r.json()["detail"], r.text
+    assert trainer.batches == []
+
+
+def test_a_checkpoint_of_another_base_model_is_named_and_not_loaded(loop, front):
+    """The run directory outlives the server: one restarted on another base model finds the old
+    checkpoints. weights_info names each one's own base model (what the SDK creates the training
+    client from), and loading one onto this model is refused, naming both, instead of an
+    adapter trained for another model silently loaded onto this one."""
+    old, *_ = serve(loop, front)
+
+    async def save():
+        async with client(old) as c:
+            _, made = await new_model(c, old)
+            out = []
+            for seq, (path, kind) in enumerate((("w", "save_weights"), ("s", "save_weights_for_sampler")), 1):
+                h = await c.post(f"/{kind}", json={"model_id": made["model_id"], "path": path, "seq_id": seq})
+                out.append((await wait(c, h.json()["request_id"]))["path"])
+            return out
+
+    weights, sampler = loop.run_until_complete(save())
+    new, trainer, gen = serve(loop, front, base_model="another-model")
+
+    async def load():
+        async with client(new) as c:
+            sid = await session(c)
+            info = await c.post("/weights_info", json={"tinker_path": weights})
+            body = {"session_id": sid, "model_seq_id": 0, "path": weights, "optimizer": False}
+            loaded = await c.post("/load_weights", json=body)
+            body = {"session_id": sid, "sampling_session_seq_id": 0, "model_path": sampler}
+            return info, loaded, await c.post("/create_sampling_session", json=body)
+
+    info, loaded, sampling = loop.run_until_complete(load())
+    assert info.status_code == 200 and info.json()["base_model"] == old.base_model, info.text
+    for r in (loaded, sampling):
+        assert r.status_code == 400 and "another-model" in r.json()["detail"], r.text
+        assert old.base_model in r.json()["detail"], r.text
+    assert trainer.tenants == set() and gen.policies == set()
+
+
+def test_an_unreadable_checkpoint_leaves_the_listings_of_the_rest(loop, front):
+    """A checkpoint's metadata cut short (the server killed while it wrote it) or gone while the
+    listing reads it (its ttl passed): the listing still answers with every other checkpoint."""
+    f, *_ = serve(loop, front)
+
+    async def scenario():
+        async with client(f) as c:
+            _, made = await new_model(c, f)
+            h = await c.post("/save_weights", json={"model_id": made["model_id"], "path": "ok", "seq_id": 1})
+            path = (await wait(c, h.json()["request_id"]))["path"]
+            broken = f.root / "sess-x:train:0" / "weights" / "cut"
+            broken.mkdir(parents=True)
+            (broken / "forge_tinker.json").write_text('{"owner": "lo')
+            return path, await c.get("/checkpoints"), await c.get(f"/training_runs/{made['model_id']}/checkpoints")
+
+    path, listed, run = loop.run_until_complete(scenario())
+    assert listed.status_code == 200, listed.text
+    assert [c["tinker_path"] for c in listed.json()["checkpoints"]] == [path]
+    assert run.status_code == 200 and len(run.json()["checkpoints"]) == 1, run.text
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_lora_seed_no_generator_takes_is_a_400_naming_it(loop, front, seed):
+    """lora_config.seed seeds a torch generator (a 64-bit integer): one beyond that is refused,
+    naming the field, as a sample's seed is; no tenant is made."""
+    f, trainer, _ = serve(loop, front)
+
+    async def scenario():
+        async with client(f) as c:
+            sid = await session(c)
+            body = {"session_id": sid, "model_seq_id": 0, "base_model": f.base_model}
+            return await c.post("/create_model", json={**body, "lora_config": {"rank": 4, "seed": seed}})
+
+    r = loop.run_until_complete(scenario())
+    assert r.status_code == 400 and "lora_config.seed" in r.json()["detail"], r.text
+    assert f.models == {} and trainer.tenants == set()
+
+
+def test_a_datum_of_millions_of_empty_chunks_is_refused_at_once(loop, front):
+    """16 MB of empty model_input chunks (four million) in one datum: refused before they are
+    walked one by one, which held the event loop, every client's requests with it, for seconds."""
+    f, trainer, _ = serve(loop, front)
+    msg = pb.ForwardBackwardRequest.FromString(fwdbwd("m", 1, [3]))
+    empty = pb.Datum()
+    empty.model_input.add().encoded_text.SetInParent()
+    msg.data[0].MergeFromString(empty.SerializeToString() * 4_000_000)  # appended to its chunks
+    body = msg.SerializeToString()
+
+    async def scenario():
+        async with client(f) as c:
+            _, made = await new_model(c, f)
+            msg.model_id = made["model_id"]
+            sent = asyncio.ensure_future(c.post("/forward_backward", content=msg.SerializeToString(), headers=PROTO))
+            waited = 0.0
+            async with client(f) as other:  # another client's requests meanwhile
+                while not sent.done():
+                    t = time.monotonic()
+                    await other.get("/healthz", headers={"connection": "close"})
+                    waited = max(waited, time.monotonic() - t)
+            return await sent, waited
+
+    r, waited = loop.run_until_complete(scenario())
+    assert len(body) < 16 << 20 and r.status_code == 400 and "model_input" in r.json()["detail"], (r.text, waited)
+    assert "chunks" in r.json()["detail"] and waited < 1.0, (r.text, waited)
+    assert trainer.batches == []
+
+
+def test_a_json_body_larger_than_any_prompt_is_refused_unparsed(loop, front):
+    """A sample request of 12 MB (six million prompt tokens; a prompt holds at most max_model_len,
+    64 here): a 413 before the SDK's types parse it, which held the event loop, every client's
+    requests with it, for seconds. A forward_backward (protobuf) still takes max_request_bytes."""
+    f, *_ = serve(loop, front)
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1] * 6_000_000}]}
+    params = {"sampling_session_id": "x", "num_samples": 1, "sampling_params": {"max_tokens": 3}}
+    body = json.dumps({**params, "prompt": prompt}).encode()
+
+    async def scenario():
+        async with client(f) as c:
+            sent = asyncio.ensure_future(c.post("/asample", content=body))
+            waited = 0.0
+            async with client(f) as other:  # another client's requests meanwhile
+                while not sent.done():
+                    t = time.monotonic()
+                    await other.get("/healthz", headers={"connection": "close"})
+                    waited = max(waited, time.monotonic() - t)
+            big = await c.post("/forward_backward", content=fwdbwd("m", 1, [64] * 1000), headers=PROTO)
+            return await sent, waited, big
+
+    r, waited, big = loop.run_until_complete(scenario())
+    assert r.status_code == 413 and "bytes" in r.json()["detail"] and waited < 1.0, (r.text, waited)
+    assert big.status_code == 400 and "no model" in big.json()["detail"], big.text  # read and decoded
+
+
+def test_a_save_that_fails_leaves_no_half_checkpoint_and_loses_none(loop, front):
+    """The trainer fails to write a checkpoint (a full disk): the request fails, nothing of it stays
+    on disk to hold its name (the same save, tried again, is made), and a checkpoint it was to
+    overwrite is still there, whole."""
+    f, trainer, _ = serve(loop, front)
+
+    async def save(c, model_id: str, seq: int, name: str, overwrite: bool = False):
+        body = {"model_id": model_id, "path": name, "seq_id": seq, "overwrite": overwrite}
+        r = (await c.post("/save_weights", json=body)).json()
+        return await wait(c, r["request_id"]) if "request_id" in r else r
+
+    async def scenario():
+        async with client(f) as c:
+            _, made = await new_model(c, f)
+            kept = (await save(c, made["model_id"], 1, "kept"))["path"]
+            trainer.fail["save_tenant"] = OSError("No space left on device")
+            failed = [await save(c, made["model_id"], 2, "ckpt"), await save(c, made["model_id"], 3, "kept", True)]
+            left = sorted(p.name for p in (f.root / made["model_id"] / "weights").iterdir())
+            del trainer.fail["save_tenant"]
+            info = await c.post("/weights_info", json={"tinker_path": kept})
+            return failed, left, info, await save(c, made["model_id"], 4, "ckpt")
+
+    failed, left, info, again = loop.run_until_complete(scenario())
+    assert all("No space left" in r["error"] for r in failed) and left == ["kept"], (failed, left)
+    assert info.status_code == 200, info.text
+    assert again.get("path", "").endswith("/weights/ckpt"), again
+
+
+@pytest.mark.parametrize("field, value", [("grad_clip_norm", -1.0), ("weight_decay", -0.1)])
+def test_a_negative_clip_norm_or_weight_decay_is_a_400_naming_it(loop, front, field, value):
+    """A negative grad_clip_norm scales the gradients by a negative factor (the step climbs the
+    loss) and a negative weight_decay grows the weights: refused, naming the field, not stepped."""
+    f, trainer, _ = serve(loop, front)
+    steps = []
+    trainer.call = _returning(Stand.call.__get__(trainer), "optim_step", {"grad_norm": 1.0}, steps)
+
+    async def scenario():
+        async with client(f) as c:
+            _, made = await new_model(c, f)
+            adam = {"learning_rate": 0.1, field: value}
+            return await c.post("/optim_step", json={"model_id": made["model_id"], "seq_id": 1, "adam_params": adam})
+
+    r = loop.run_until_complete(scenario())
+    assert r.status_code == 400 and f"adam_params.{field}" in r.json()["detail"], r.text
+    assert steps == []
