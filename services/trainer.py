@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import shutil
 from pathlib import Path
@@ -52,6 +53,7 @@ from services.schema import DECAYS, TrainerConfig
 from services.tenants import Tenants
 from services.titan import SCORE_HEAD, gradients_summed, reshard, target_logprobs
 
+log = logging.getLogger("forge")
 TENANT_META = "tenant.json"  # a tenant checkpoint's LoRA rank, alpha and modules
 PAIR_LOSSES = PREFERENCE_LOSSES | {"bradley_terry"}  # episodes 2k and 2k+1 are pair k
 HF_FILES = (
@@ -221,7 +223,7 @@ class Trainer(ForgeActor):
 
     def _optimizer_step(self) -> torch.Tensor:
         """Clip the gradients, step the optimizer and the LR schedule: the next version. Returns
-        the gradients' norm before clipping."""
+        the gradients' norm before clipping; a step whose norm is not finite changes no weight."""
         from torchtitan.distributed import utils as dist_utils
 
         grad_norm = dist_utils.clip_grad_norm_(
@@ -230,7 +232,7 @@ class Trainer(ForgeActor):
             foreach=True,
             ep_enabled=self.cfg.expert_parallel > 1,  # expert grads live on their own mesh
         )
-        self.optimizers.step()
+        _step_if_finite(self.optimizers, grad_norm)
         self.schedulers.step()
         self.step += 1
         self.version += 1
@@ -394,9 +396,8 @@ class Trainer(ForgeActor):
                 )
         params = list(self.tenants.params.values())
         norm = dist_utils.clip_grad_norm_(params, max_norm=adam["grad_clip_norm"] or math.inf, foreach=True)
-        tenant.optimizer.step()
+        tenant.steps += int(_step_if_finite(tenant.optimizer, norm))
         tenant.optimizer.zero_grad()
-        tenant.steps += 1
         return {"grad_norm": float(norm), "steps": tenant.steps}
 
     @endpoint
@@ -682,6 +683,16 @@ def _pairs_whole(b: Batch) -> None:
     if held.numel() != b.num_episodes:
         empty = sorted(set(range(b.num_episodes)) - set(held.tolist()))
         raise ValueError(f"train_step: episodes {empty[:8]} of the batch's pairs have no tokens")
+
+
+def _step_if_finite(optimizers: Any, grad_norm: torch.Tensor) -> bool:
+    """Step `optimizers` unless the gradients' norm (every rank's: all agree) is NaN or inf: a
+    step on such gradients would make every weight it touches, and Adam's moments, NaN for good."""
+    if bool(torch.isfinite(torch.as_tensor(grad_norm))):
+        optimizers.step()
+        return True
+    log.warning("forge: trainer: the gradients' norm is %s; this step changes no weight", float(grad_norm))
+    return False
 
 
 def _means(sums: dict[str, torch.Tensor], units: torch.Tensor) -> dict[str, float]:

@@ -200,6 +200,32 @@ def test_a_score_step_counts_every_ranks_tokens(tiny_model_dir):
     assert asyncio.run(step(2))["trained_tokens"] == float(batch.loss_mask.sum())
 
 
+def test_a_step_whose_gradient_is_not_finite_changes_no_weight(tiny_model_dir):
+    """A NaN in the loss (here an advantage's) makes every gradient NaN: that step is skipped,
+    its grad_norm says so, and the weights and the optimizer's state stay as they were (an
+    applied NaN step would make every weight, and every later step, NaN)."""
+    bad = fixed_batch()
+    bad.advantages[1] = float("nan")
+
+    async def main():
+        trainer = await Trainer.options().as_service(str(tiny_model_dir), TrainerConfig(lr=1e-2))
+        try:
+            batch = on_policy(fixed_batch(), await trainer.logprobs.route(fixed_batch()))
+            before = await trainer.logprobs.route(batch)
+            bad.gen_logprobs = batch.gen_logprobs
+            version, skipped = await trainer.train_step.route(bad)
+            kept = await trainer.logprobs.route(batch)
+            await trainer.train_step.route(batch)
+            return version, skipped, before, kept, await trainer.logprobs.route(batch)
+        finally:
+            await trainer.shutdown()
+
+    version, skipped, before, kept, after = asyncio.run(main())
+    assert version == 1 and not torch.isfinite(torch.tensor(skipped["grad_norm"]))
+    assert torch.equal(kept, before)
+    assert after.isfinite().all() and not torch.equal(after, before)
+
+
 def test_flex_attention_path_matches_sdpa(tiny_model_dir, monkeypatch):
     """Off CPU the model uses torchtitan's FlexAttention, which needs its causal block mask
     passed in (without one it attends to every token). Its forward runs on CPU too: the same
