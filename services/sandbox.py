@@ -8,7 +8,8 @@ resource-limited processes, many at once.
 Each run gets:
 - its own user id: one per worker slot, held through a lock file, so RLIMIT_NPROC counts only
   that slot's processes (root, which runs everything on these machines, ignores the limit);
-- rlimits: address space (`memory_limit_MB`), CPU seconds, processes, file size, open files;
+- rlimits: address space (`memory_limit_MB`, and what its threads reserve where a cgroup
+  bounds it), CPU seconds, processes, file size, open files;
 - a cgroup per slot: its memory, its processes and its CPU (`cpu_cores`) as a whole;
 - a seccomp filter (services/sandbox_seccomp.py): an allow-list of what programs and their tools
   use; no namespaces, keyrings, ptrace, mounts, bpf, perf, modules or io_uring;
@@ -73,6 +74,8 @@ log = logging.getLogger("forge")
 LANGUAGES = {"python": "main.py", "bash": "main.sh"}
 # What a program prints when the address-space limit stops an allocation (Python, libc, C++).
 _OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
+# What a thread reserves of its process's address space: its stack (8 MB) and a malloc arena (64 MB).
+_THREAD_RESERVE_MB = 72
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
@@ -544,7 +547,7 @@ class SandboxPool:
             "cwd": "/tmp" if self.namespaces else str(work),
             "uid": uid if self.root else None,
             "rlimits": {
-                "RLIMIT_AS": req.memory_mb << 20,
+                "RLIMIT_AS": self._address_space(req.memory_mb) << 20,
                 "RLIMIT_CPU": math.ceil(req.timeout) + 1,  # a backstop: the wall-time timeout comes first
                 "RLIMIT_NPROC": c.max_processes,
                 "RLIMIT_NOFILE": c.max_open_files,
@@ -554,6 +557,13 @@ class SandboxPool:
             "python": req.language == "python" and not self.cfg.fresh_interpreter,
             "env": {**_ENV, "HOME": "/tmp" if self.namespaces else str(work), "TMPDIR": "/tmp"},
         }
+
+    def _address_space(self, memory_mb: int) -> int:
+        """A run's processes' address-space limit, in MB. Where its cgroup bounds the memory the
+        run uses, this leaves room for what each thread reserves and never touches (its stack, a
+        malloc arena: 72 MB), or a program of a few threads could not start them; without one, it
+        is the run's only memory bound."""
+        return memory_mb + self.cfg.max_processes * _THREAD_RESERVE_MB if self.cgroups is not None else memory_mb
 
     async def _wait(self, run: _Started, stdout: int, stderr: int, req: _Request, uid: int) -> tuple:
         """Read both outputs (capped), wait for the exit or kill at the timeout."""

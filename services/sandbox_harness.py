@@ -8,8 +8,9 @@ program cannot read or signal its way into undetected (not dumpable: no /proc/PI
 ptrace for the same uid), and never see the program's objects: each name a test uses that the
 program defines is asked of the child, a function as a stub whose calls the child makes, a value
 as plain data (None, bool, int, float, str, bytes, list, tuple, set, frozenset, dict of these, by
-their exact types), a module only as the standard library's module of the name the test uses
-(checked here: the program's side says what it likes). So a test compares plain data here: a
+their exact types; a subclass's value as its base's), an exception as the builtin one it is, a
+module only as the standard library's module of the name the test uses (checked here: the
+program's side says what it likes). So a test compares plain data here: a
 program cannot print or write its own counts (it holds neither REPORT_FD nor TESTS_FD), read the
 expected values (they never leave this process), return an object that equals anything, or have
 this process import a module of its choosing. A test that needs the program's own objects (a
@@ -24,9 +25,24 @@ import os
 import struct
 import sys
 import traceback
+import types
 
 PR_SET_DUMPABLE = 4
 PLAIN = (type(None), bool, int, float, str, bytes)
+CONTAINERS = (list, tuple, set, frozenset, dict)
+# A subclass of a plain type (a Counter, a namedtuple, an IntEnum) crosses as its base's data,
+# read by the base's own methods: no method of the program's class decides what is compared.
+AS_BASE = {
+    int: int.__int__,
+    float: float.__float__,
+    str: str.__str__,
+    bytes: lambda x: bytes(memoryview(x)),
+    **{t: lambda x, t=t: t(t.__iter__(x)) for t in (list, tuple, set, frozenset)},
+    dict: lambda x: dict(dict.items(x)),
+}
+# What ends an iteration, not an error: the program's would end a test's `map(f, xs)` as empty.
+ITERATION_ENDS = (StopIteration, StopAsyncIteration)
+BIG_INT_BITS = 10_000  # past ~3000 digits an int crosses as hex: JSON's decimal stops at 4300
 MAX_MESSAGE = 64 << 20  # the largest answer the grader reads: beyond it the program is wrong
 
 
@@ -35,19 +51,30 @@ class NotPlain(TypeError):
 
 
 def encode(x, depth=0):
-    """`x` as JSON-able data, by exact type (no subclass can carry its own __eq__ across)."""
+    """`x` as JSON-able data, by exact type (no subclass can carry its own __eq__ across: one
+    of a plain type crosses as its base's value)."""
     if depth > 100:
         raise NotPlain("nested more than 100 deep")
     t = type(x)
+    if t not in PLAIN and t not in CONTAINERS:
+        x, t = as_base(x)
     if t is bytes:
         return {"b": x.hex()}
+    if t is int and x.bit_length() > BIG_INT_BITS:
+        return {"i": hex(x)}
     if t in PLAIN:
         return x if t is not float else {"f": repr(x)}  # repr keeps nan and inf exact
     if t in (list, tuple, set, frozenset):
         return {t.__name__: [encode(v, depth + 1) for v in x]}
-    if t is dict:
-        return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in x.items()]}
-    raise NotPlain(f"a {t.__module__}.{t.__qualname__}, not plain data")
+    return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in x.items()]}
+
+
+def as_base(x):
+    """`x`, of a subclass of a plain type, as that type's own value; and the type."""
+    for base, copy in AS_BASE.items():
+        if issubclass(type(x), base):
+            return copy(x), base
+    raise NotPlain(f"a {type(x).__module__}.{type(x).__qualname__}, not plain data")
 
 
 def decode(x):
@@ -56,6 +83,8 @@ def decode(x):
     [(tag, v)] = x.items()
     if tag == "b":
         return bytes.fromhex(v)
+    if tag == "i":
+        return int(v, 16)
     if tag == "f":
         return float(v)
     if tag == "dict":
@@ -95,7 +124,11 @@ def read_exactly(fd, n):
 
 def serve(main, asks, answers):
     """The child: run the program, then answer the grader's questions about its names."""
-    ns = {"__name__": "__main__", "__file__": main}
+    # its own __main__ module, as when it runs alone: what it pickles by name is looked up there
+    module = types.ModuleType("__main__")
+    module.__file__, module.__builtins__ = main, builtins
+    sys.modules["__main__"] = module
+    ns = module.__dict__
     sys.argv = [main]
     with open(main) as f:
         exec(compile(f.read(), main, "exec"), ns)
@@ -103,7 +136,7 @@ def serve(main, asks, answers):
         try:
             send(answers, {"ok": answer(ns, ask)})
         except BaseException as e:  # noqa: BLE001 - the test sees the program's exception
-            send(answers, {"error": f"{type(e).__name__}: {e}"[:2000]})
+            send(answers, {"error": f"{type(e).__name__}: {e}"[:2000], "type": type(e).__name__})
 
 
 def answer(ns, ask):
@@ -126,6 +159,23 @@ class ProgramError(Exception):
     """What the program raised (or why its answer was refused), as the test sees it."""
 
 
+def program_error(reply):
+    """The program's exception as a test catches it: a ProgramError that is also the builtin
+    exception it names (or the nearest base of it that one can be made of), so a test expecting a
+    ValueError gets one. Never one that is no Exception (SystemExit would end the grader), nor one
+    that ends an iteration."""
+    message = str(reply["error"])
+    kind = getattr(builtins, str(reply.get("type")), None)
+    if not (isinstance(kind, type) and issubclass(kind, Exception)) or issubclass(kind, ITERATION_ENDS):
+        return ProgramError(message)
+    for base in kind.__mro__:
+        try:
+            return type("ProgramError", (ProgramError, base), {"__str__": BaseException.__str__})(message)
+        except TypeError:  # a layout or constructor it cannot share (UnicodeDecodeError's)
+            continue
+    return ProgramError(message)
+
+
 class Program:
     def __init__(self, asks, answers):
         self.asks, self.answers = asks, answers
@@ -145,7 +195,7 @@ class Program:
                 "the program's process ended" if reply is None else "the program's answer is not an object"
             )
         if "error" in reply:
-            raise ProgramError(str(reply["error"]))
+            raise program_error(reply)
         return reply["ok"]
 
     def stub(self, name):

@@ -115,6 +115,94 @@ def test_plain_data_crosses_to_the_tests(loop, sandbox):
     assert (r.tests_passed, r.tests_total) == (4, 5) and "test 3 failed: ProgramError: ValueError: 1" in r.stderr
 
 
+def test_the_standard_librarys_kinds_of_plain_data_cross_as_their_data(loop, sandbox):
+    """A right program returning a Counter, an OrderedDict, a defaultdict, a namedtuple, an
+    IntEnum (MBPP's own solutions do) or an int of more than 4300 digits passes the tests its
+    own process passes: each crosses as its plain data."""
+    code = (
+        "import collections, enum, math\nP = collections.namedtuple('P', 'x y')\n"
+        "class Color(enum.IntEnum):\n    RED = 1\n"
+        "def counts(s):\n    return collections.Counter(s)\n"
+        "def grouped():\n    d = collections.defaultdict(list)\n    d[1].append(2)\n    return d\n"
+        "def ordered():\n    return collections.OrderedDict(a=1)\n"
+        "def point():\n    return P(1, 2)\n"
+        "def red():\n    return Color.RED\n"
+        "def fact(n):\n    return math.factorial(n)\n"
+    )
+    tests = [
+        "assert counts('aab') == {'a': 2, 'b': 1}",
+        "assert grouped() == {1: [2]} and ordered() == {'a': 1}",
+        "assert point() == (1, 2) and red() == 1",
+        "import math\nassert fact(3000) == math.factorial(3000) and fact(5) == 120",
+    ]
+    r = run(loop, sandbox, code, tests=tests)
+    assert (r.status, r.tests_passed, r.tests_total) == ("ok", 4, 4), r.stderr
+
+
+def test_a_test_catches_the_builtin_exception_the_program_raises(loop, sandbox):
+    """A test that expects a ValueError (or a KeyError, a UnicodeDecodeError as a ValueError)
+    catches it as from the program's own process; one the program ends itself with (SystemExit)
+    never ends the grader, and an exception of another kind is not caught."""
+    code = (
+        "def f(x):\n    if x < 0:\n        raise ValueError('negative')\n    return {}[x]\n"
+        "def g():\n    b'\\xff'.decode()\n"
+        "def h():\n    raise SystemExit(0)\n"
+    )
+    expect = "try:\n    {call}\nexcept {kind} as e:\n    assert {check}\nelse:\n    raise AssertionError"
+    tests = [
+        expect.format(call="h()", kind="Exception", check="True"),
+        expect.format(call="f(-1)", kind="ValueError", check="'negative' in str(e)"),
+        expect.format(call="f(1)", kind="KeyError", check="True"),
+        expect.format(call="g()", kind="ValueError", check="'codec' in str(e)"),
+        expect.format(call="f(-1)", kind="KeyError", check="True"),  # a ValueError is no KeyError
+    ]
+    r = run(loop, sandbox, code, tests=tests)
+    assert (r.tests_passed, r.tests_total) == (4, 5), r.stderr
+    assert "test 4 failed: ProgramError: ValueError: negative" in r.stderr, r.stderr
+
+
+def test_a_program_cannot_end_a_tests_iteration_by_raising_stop_iteration(loop, sandbox):
+    """A StopIteration (or StopAsyncIteration) the program raises is no end of an iteration in
+    a test: in `all(map(f, xs))` it would end the map at once and `all` of nothing is True, a
+    pass for a function that answers nothing. It reaches the test as a ProgramError only."""
+    code = "def f(x):\n    raise StopIteration\ndef g(x):\n    raise StopAsyncIteration\n"
+    tests = ["assert all(map(f, [1, 2]))", "assert list(map(f, [1])) == []", "assert all(map(g, [1]))"]
+    r = run(loop, sandbox, code, tests=tests)
+    assert (r.tests_passed, r.tests_total) == (0, 3), r.stderr
+
+
+def test_a_program_under_tests_is_the_main_module_as_when_run_alone(loop, sandbox):
+    """Under tests the program is still `__main__` (sys.modules): what it pickles by reference
+    (a multiprocessing pool's function, its own class) is found there, as when it runs alone."""
+    code = (
+        "import multiprocessing, pickle, sys\n"
+        "class Box:\n    def __init__(self, v):\n        self.v = v\n"
+        "def square(x):\n    return x * x\n"
+        "def squares(n):\n    with multiprocessing.Pool(2) as p:\n        return p.map(square, range(n))\n"
+        "def unboxed(v):\n    return pickle.loads(pickle.dumps(Box(v))).v\n"
+        "def main_is_me():\n    return sys.modules['__main__'].square is square\n"
+    )
+    tests = ["assert squares(4) == [0, 1, 4, 9]", "assert unboxed(3) == 3", "assert main_is_me()"]
+    alone = run(loop, sandbox, code + "print(squares(4), unboxed(3), main_is_me())")
+    assert (alone.status, alone.stdout) == ("ok", "[0, 1, 4, 9] 3 True\n"), alone.stderr
+    r = run(loop, sandbox, code, tests=tests)
+    assert (r.status, r.tests_passed, r.tests_total) == ("ok", 3, 3), r.stderr
+
+
+def test_a_program_with_many_threads_runs_within_its_memory_limit(loop, sandbox):
+    """Each thread reserves address space it never touches (its stack, a malloc arena): 48
+    threads of a few kB of data each run under the default memory_limit_MB, which bounds the
+    memory the run uses (its cgroup), not what it reserves."""
+    code = (
+        "import concurrent.futures\n"
+        "def work(i):\n    return len([bytearray(1000) for _ in range(100)])\n"
+        "with concurrent.futures.ThreadPoolExecutor(max_workers=48) as ex:\n"
+        "    print(sum(ex.map(work, range(480))))\n"
+    )
+    r = run(loop, sandbox, code, run_timeout=30)
+    assert (r.status, r.stdout) == ("ok", "48000\n"), r.stderr[-500:]
+
+
 # A program that games its grade: each passed every test on the old harness (the tests ran in the
 # program's process, which held the report fd 3, and the tests' file was readable to the run).
 GRADE_ATTACKS = {
@@ -364,6 +452,25 @@ def test_code_tests_reward_runs_the_completion_against_the_row(loop):
     assert score(all_pass, MBPP_ROW, mbpp) == {"reward": 0.0, "correct": False}
     with pytest.raises(ValueError, match="no 'tests', 'test_list' or 'expected_output' column"):
         loop.run_until_complete(reward(RewardInput({"prompt": "p", "answer": "a"}, right)))
+
+
+def test_printing_the_expected_output_passes_only_a_program_that_ends_cleanly(loop):
+    """A program that prints the expected output, then crashes, is killed or outlives its
+    timeout is a wrong answer (as a judge has it), not a right one."""
+    from forge.tasks import generate
+    from forge.types import RewardInput
+    from services.rewards.code_tests import CodeTests
+    from services.schema import CodeTestsConfig
+
+    reward = CodeTests(CodeTestsConfig(sandbox=SandboxConfig(workers=2, uid_base=62100, run_timeout=2.0)))
+    row = generate("pyrev", 1)[0].row()
+    right = row["answer"] + "\nimport os, sys, time\nsys.stdout.flush()\n"
+    endings = {"ends": "", "crashes": "raise ValueError", "is killed": "os.abort()", "hangs": "time.sleep(60)"}
+    scores = {
+        name: loop.run_until_complete(reward(RewardInput(row, right + end)))["reward"] for name, end in endings.items()
+    }
+    assert scores == {"ends": 1.0, "crashes": 0.0, "is killed": 0.0, "hangs": 0.0}
+    assert sandbox_pids() == []
 
 
 def test_a_sandbox_that_crashes_makes_the_reward_unavailable(loop):

@@ -51,7 +51,10 @@ class CodeTests:
             r = await (await self._pool()).run(code, stdin=row.get("stdin") or "", tests=tests)
         except SandboxError as e:
             raise RewardUnavailable("sandbox", str(e)) from e
-        printed = expected is not None and r.stdout.strip() == str(expected).strip()
+        # What it printed counts only if it then ended cleanly: output followed by a crash, a kill
+        # or a timeout is a wrong answer. With tests, "error" may be a failed test's, not its own.
+        ended = r.status == "ok" or (bool(tests) and r.status == "error")
+        printed = expected is not None and ended and r.stdout.strip() == str(expected).strip()
         passed, total = r.tests_passed + printed, len(tests) + (expected is not None)
         return {"reward": float(passed == total) if self.cfg.all_pass else passed / total, "correct": passed == total}
 
