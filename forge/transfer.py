@@ -39,6 +39,10 @@ _TIMEOUT_S = 60.0  # a reader's longest wait for a server's next bytes, by defau
 # other readers, for ever. A link this slow already takes minutes per GB; real ones run 100x faster.
 _MIN_RATE = 2 << 20  # bytes per second
 _LOCK_POLL_S = 0.02  # between tries of a busy writer lock: small beside a fetch
+# The server's longest wait for a reader to take its next bytes; a send as a whole is cut off as a
+# reader's receive is (this wait plus the size at _MIN_RATE), so a reader that takes a trickle
+# within each wait (a peer that saw a request's key) frees its worker then.
+_SEND_WAIT_S = 60.0
 log = logging.getLogger("forge")
 
 
@@ -128,10 +132,12 @@ class FileServer:
         if not all(_servable(n) for n in (name, base or name)):
             conn.sendall(_SIZE.pack(-1))
             return
-        conn.settimeout(60.0)  # a reader with the key that stalls does not hold a worker forever
+        conn.settimeout(_SEND_WAIT_S)  # a reader with the key that stalls does not hold a worker forever
         if base:
             payload = self._delta(base, name)
-            conn.sendall(_SIZE.pack(-1 if payload is None else len(payload)) + (payload or b""))
+            answer = _SIZE.pack(-1 if payload is None else len(payload)) + (payload or b"")
+            conn.settimeout(_SEND_WAIT_S + len(answer) / _MIN_RATE)  # sendall's timeout bounds the whole
+            conn.sendall(answer)
             return
         try:
             fd = os.open(self.directory / name, os.O_RDONLY | os.O_NOFOLLOW)
@@ -139,8 +145,9 @@ class FileServer:
             conn.sendall(_SIZE.pack(-1))
             return
         with open(fd, "rb") as f:
-            conn.sendall(_SIZE.pack(os.fstat(f.fileno()).st_size))
-            conn.sendfile(f)  # os.sendfile, waiting on the socket's timeout
+            size = os.fstat(f.fileno()).st_size
+            conn.sendall(_SIZE.pack(size))
+            _sendfile(conn, f.fileno(), size, _deadline(_SEND_WAIT_S, size))
 
     def _delta(self, base: str, target: str) -> bytes | None:
         """The delta from file `base` to file `target`, made once for every host that asks
@@ -179,6 +186,29 @@ def _where(addr: tuple[str, int]) -> str:
     return f"weights server {addr[0]}:{addr[1]}"
 
 
+def _named(e: OSError, what: str) -> OSError:
+    """`e` as the same kind of error, saying what failed (a bare "timed out" names nothing)."""
+    return type(e)(e.errno, f"{what}: {e.strerror}") if e.errno else type(e)(f"{what}: {e}")
+
+
+def _sendfile(conn: socket.socket, fd: int, size: int, deadline: float) -> None:
+    """`size` bytes of file `fd` to `conn` (non-blocking: it has a timeout), each wait at most
+    _SEND_WAIT_S, all by `deadline`; TimeoutError if not. A file that shrank ends it early: the
+    reader finds the answer short."""
+    sent = 0
+    while sent < size:
+        left = deadline - time.monotonic()
+        if left <= 0 or not _ready(conn, select.POLLOUT, min(_SEND_WAIT_S, left)):
+            raise TimeoutError(f"a weights reader took {sent} of {size} bytes by the send's deadline")
+        try:
+            n = os.sendfile(conn.fileno(), fd, sent, size - sent)
+        except BlockingIOError:
+            continue
+        if n == 0:
+            return
+        sent += n
+
+
 def _host_ip(family: int) -> str:
     """This host's address for readers of other hosts: the first non-loopback one its name
     resolves to (a machine alone: loopback)."""
@@ -213,10 +243,16 @@ def _ask(addr: tuple[str, int], request: str, key: str, timeout_s: float) -> tup
             f"weights server address {addr[0]!r} is not an IP address: readers go only where the writer pinned"
         ) from None
     where = _where(addr)
-    s = socket.create_connection(tuple(addr), timeout=timeout_s)
     try:
-        s.sendall(f"{wire_key(key)} {request}\n".encode())
-        header = s.recv(_SIZE.size, socket.MSG_WAITALL)
+        s = socket.create_connection(tuple(addr), timeout=timeout_s)
+    except OSError as e:
+        raise _named(e, f"{where} could not be reached for {request}") from None
+    try:
+        try:
+            s.sendall(f"{wire_key(key)} {request}\n".encode())
+            header = s.recv(_SIZE.size, socket.MSG_WAITALL)
+        except OSError as e:
+            raise _named(e, f"{where} did not answer for {request}") from None
         if len(header) < _SIZE.size:
             raise ConnectionError(f"{where} closed before answering for {request}")
         (offered,) = _SIZE.unpack(header)
@@ -405,8 +441,13 @@ def _splice_in(s: socket.socket, pipe: int, most: int, deadline: float) -> int |
 
 def _readable(s: socket.socket, wait_s: float) -> bool:
     """Whether `s` has bytes to read within `wait_s`."""
+    return _ready(s, select.POLLIN, wait_s)
+
+
+def _ready(s: socket.socket, event: int, wait_s: float) -> bool:
+    """Whether `s` is ready for `event` (POLLIN, POLLOUT) within `wait_s`."""
     waiting = select.poll()  # not select.select: a generator's process holds fds past its 1024
-    waiting.register(s, select.POLLIN)
+    waiting.register(s, event)
     return bool(waiting.poll(1000 * wait_s))
 
 

@@ -501,3 +501,57 @@ def test_another_user_can_neither_block_nor_own_my_shm_root(shared_base, tmp_pat
         assert shm.user_root() == d.parent
     finally:
         shm.remove_run_dir()
+
+
+def test_a_reader_with_the_key_that_reads_slowly_holds_a_worker_only_until_the_transfer_deadline(tmp_path, monkeypatch):
+    """A peer that saw a request's key on the wire (or a reader on a choked link) reads just
+    fast enough that each of the server's waits ends in time: the send had no bound in all and
+    held a worker for as long as the file took at that pace, the next reader none. A send now
+    has a deadline at the least average rate readers hold servers to, and the next reader is
+    served."""
+    monkeypatch.setattr(transfer, "_SEND_WAIT_S", 5.0, raising=False)
+    monkeypatch.setattr(transfer, "_MIN_RATE", 16 << 20)  # 32 MB: 2 s at the least rate, 50 s at this reader's
+    weights, name = tmp_path / "served", "policy-abc-v1.safetensors"
+    weights.mkdir()
+    shm.write_safetensors({"w": torch.zeros(8 << 20)}, weights / name)
+    server, stop = FileServer(weights, key="k", workers=1), threading.Event()
+
+    def slow() -> None:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            s.connect(server.addr)
+            s.sendall(f"{wire_key('k')} {name}\n".encode())
+            while not stop.wait(0.1):  # 640 KB/s: each of the server's waits well within its timeout
+                with contextlib.suppress(OSError):
+                    if s.recv(1 << 16):
+                        continue
+                return
+
+    reader = threading.Thread(target=slow, daemon=True)
+    reader.start()
+    time.sleep(0.5)  # it holds the one worker
+    try:
+        got = fetch_file(server.addr, name, tmp_path / "got", "k", timeout_s=12)
+        assert got == os.path.getsize(weights / name)
+    finally:
+        stop.set()
+        reader.join()
+        server.close()
+
+
+@pytest.mark.parametrize("server", ["refuses", "never answers"])
+def test_a_server_that_refuses_or_never_answers_is_named_in_the_readers_error(tmp_path, server):
+    """A reader whose server is gone (connection refused) or never answers said only
+    "[Errno 111] Connection refused" or "timed out": which server, and for which file, was
+    lost on the way to the generator's log. Its error names both, as the same kind of error."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    addr = listener.getsockname()
+    if server == "refuses":
+        listener.close()  # nothing listens there now; "never answers": the kernel accepts, nobody reads
+    error = ConnectionRefusedError if server == "refuses" else TimeoutError
+    try:
+        with pytest.raises(error, match=rf"weights server 127\.0\.0\.1:{addr[1]} .*policy-abc-v1\.safetensors"):
+            fetch_file(addr, "policy-abc-v1.safetensors", tmp_path / "copy", "k", timeout_s=0.5)
+        assert not list(tmp_path.iterdir())
+    finally:
+        listener.close()
