@@ -1038,17 +1038,30 @@ def test_a_chat_request_read_as_sent_is_checked_as_the_parsed_one(body, monkeypa
     assert parsed  # the comparison is with the parse
 
 
-def test_a_response_its_client_never_reads_is_cut_at_the_deadline(loop):
-    """A client that sends a whole request and never reads the answer (a long stream) stalls the
-    server's writes: within request_deadline_s of the stall its connection is dropped, so the
-    request ends (its generation aborted, its place in the limits freed) instead of waiting on the
-    client for as long as it keeps the connection open."""
+async def bounded_server(app: Any, deadline_s: float) -> tuple[Any, asyncio.Future, tuple]:
+    """uvicorn serving the ASGI `app` on loopback with forge's HTTP bounds: the server, its task
+    and its address."""
     import socket
 
     import uvicorn
 
     from forge.http_bounds import bounded_http
 
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", http=bounded_http(deadline_s, 8))
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.02)
+    return server, task, sock.getsockname()
+
+
+def test_a_response_its_client_never_reads_is_cut_at_the_deadline(loop):
+    """A client that sends a whole request and never reads the answer (a long stream) stalls the
+    server's writes: within request_deadline_s of the stall its connection is dropped, so the
+    request ends (its generation aborted, its place in the limits freed) instead of waiting on the
+    client for as long as it keeps the connection open."""
     ended = []
 
     async def app(scope, receive, send):
@@ -1062,13 +1075,8 @@ def test_a_response_its_client_never_reads_is_cut_at_the_deadline(loop):
         ended.append(time.monotonic())
 
     async def main():
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http=bounded_http(1.0, 8)))
-        task = asyncio.ensure_future(server.serve(sockets=[sock]))
-        while not server.started:
-            await asyncio.sleep(0.02)
-        reader, writer = await asyncio.open_connection(*sock.getsockname())
+        server, task, address = await bounded_server(app, 1.0)
+        reader, writer = await asyncio.open_connection(*address)
         writer.transport.pause_reading()  # never reads a byte of the answer
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         start = time.monotonic()
@@ -1175,11 +1183,6 @@ def test_a_pipelined_request_that_arrived_whole_is_not_cut_while_it_is_answered(
     """Two requests sent in one write (HTTP/1.1 pipelining): the second has arrived whole when the
     first's response ends, so request_deadline_s does not run on while it is answered; a second
     that takes longer than the deadline still gets its answer."""
-    import socket
-
-    import uvicorn
-
-    from forge.http_bounds import bounded_http
 
     async def app(scope, receive, send):
         if scope["type"] != "http":
@@ -1191,13 +1194,8 @@ def test_a_pipelined_request_that_arrived_whole_is_not_cut_while_it_is_answered(
         await send({"type": "http.response.body", "body": b"ok"})
 
     async def main():
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http=bounded_http(0.5, 8)))
-        task = asyncio.ensure_future(server.serve(sockets=[sock]))
-        while not server.started:
-            await asyncio.sleep(0.02)
-        reader, writer = await asyncio.open_connection(*sock.getsockname())
+        server, task, address = await bounded_server(app, 0.5)
+        reader, writer = await asyncio.open_connection(*address)
         writer.write(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\nGET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
         got = b""
         try:
