@@ -9,14 +9,17 @@ run's seed), its samples tagged with the source's name (`Sample.task`, then `Epi
 rewards, metrics and evals are kept per source. New weights come from `set_weights` or from
 `dataset.mix_file`, re-read between steps when it changes; each change is a console line, and
 every step records the weights in force (`mix/weight/NAME`). A checkpoint holds the draw count,
-the weights, the watched file's stamp (mtime, size, inode) and each source's position: a resumed run draws the same
+the weights, the watched file's stamp (mtime, size, inode; or the error its stat gave) and each source's position: a resumed run draws the same
 next prompts under the same weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import random
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,38 @@ from forge.schema import DatasetConfig, MixSource, under, weight_problem
 from forge.tasks import Sample
 
 _RUNNING: dict[str, Mixture] = {}  # run name -> its mixture, while the run trains (`running`)
+WEIGHTS_FILE_LIMIT = 64 << 10  # bytes: a weights file is a few lines; a larger one is not read
+
+
+class NotWeights(ValueError):
+    """A watched path that is no weights file to read (a FIFO, a device, an oversized file)."""
+
+
+def read_small(path: Path, limit: int = WEIGHTS_FILE_LIMIT) -> str:
+    """The text of regular file `path`, of at most `limit` bytes. Opened without blocking (a
+    FIFO would wait for a writer) and read no further than the limit (/dev/zero never ends)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotWeights("not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise NotWeights(f"larger than {limit} bytes")
+    return data.decode()
+
+
+def draw_problem(weights: Mapping[str, Any]) -> str | None:
+    """What the draws (random.choices) would fail on in weights each valid alone: an integer
+    beyond a float's range, or a sum that is not finite."""
+    for name, w in weights.items():
+        try:
+            float(w)
+        except OverflowError:
+            return f"the weight of {name!r} must be a number >= 0 that a float holds, got {str(w)[:20]}..."
+    if not math.isfinite(sum(float(w) for w in weights.values())):
+        got = ", ".join(f"{n}={float(w):g}" for n, w in weights.items())
+        return f"the weights must sum to a finite number, got {got}"
+    return None
 
 
 def source_stream(source: MixSource, seed: int, key: str = "dataset.mix") -> IndexedPrompts:
@@ -127,6 +162,8 @@ class Mixture(BaseNode[Sample]):
         console line and the old weights stay. Returns whether they were taken."""
         now = ", ".join(f"{n}={w:g}" for n, w in self.weights.items())
         problem = weight_problem(weights, self.names, self.weights)
+        if problem is None:  # each weight is valid: their floats and sum must be too
+            problem = draw_problem({**self.weights, **weights})
         if problem:
             self.say(f"forge: mix weights from {origin} refused: {problem}; the run keeps {now}")
             return False
@@ -141,7 +178,12 @@ class Mixture(BaseNode[Sample]):
             return
         try:
             st = self.watch.stat()
-        except OSError:
+        except FileNotFoundError:
+            return  # not written yet
+        except OSError as e:  # a symlink loop, a folder it may not enter: said once, not each step
+            if self.stamp != ["error", e.errno]:
+                self.stamp = ["error", e.errno]
+                self.say(f"forge: mix weights from {self.watch} refused: unreadable ({e.strerror}); the run keeps them")
             return
         # the size too: `echo ... > file` empties it first, and a coarse clock may give the
         # emptied file and the written one the same mtime
@@ -150,11 +192,11 @@ class Mixture(BaseNode[Sample]):
             return
         self.stamp = stamp
         try:  # as config files are read (PyYAML alone reads 1e-3 as a string), JSON too
-            weights = OmegaConf.to_container(OmegaConf.create(self.watch.read_text()))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException) as e:
-            self.say(
-                f"forge: mix weights from {self.watch} refused: unreadable ({type(e).__name__}); the run keeps them"
-            )
+            weights = OmegaConf.to_container(OmegaConf.create(read_small(self.watch)))
+        except (OSError, ValueError, RecursionError, yaml.YAMLError, OmegaConfBaseException) as e:
+            # ValueError: not UTF-8, NotWeights, an integer of more digits than Python converts
+            why = str(e) if isinstance(e, NotWeights) else type(e).__name__
+            self.say(f"forge: mix weights from {self.watch} refused: unreadable ({why}); the run keeps them")
             return
         self.set_weights(weights if weights is not None else {}, str(self.watch))
 

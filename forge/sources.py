@@ -6,7 +6,9 @@ forge.data.prompt_source makes prompt streams of both."""
 
 from __future__ import annotations
 
+import csv
 import difflib
+import json
 import logging
 import random
 from dataclasses import fields
@@ -59,12 +61,48 @@ def read_file(path: str, key: str) -> datasets.Dataset:
     kind = FORMATS[Path(path).suffix]
     if Path(path).stat().st_size == 0:
         raise ConfigError(f"config key '{key}.path': {path} is empty")
+    options = _csv_options(path) if kind == "csv" else {}
     try:
-        return datasets.load_dataset(kind, data_files=path, split="train")
+        return datasets.load_dataset(kind, data_files=path, split="train", **options)
     except Exception as e:  # a bad file raises what its format's reader does: StopIteration, KeyError, ArrowInvalid...
+        where = bad_line(path) if Path(path).suffix == ".jsonl" else ""
         raise ConfigError(
             f"config key '{key}.path': {path}: cannot read it as {kind} ({type(e).__name__}: {_first_line(e)[:200]})"
+            f"{where}"
         ) from None
+
+
+def bad_line(path: str) -> str:
+    """Where JSON lines file `path` first breaks, for its error (the reader names only an offset
+    in a block of its own): "; line N: why", or "" when every line is a JSON object."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                row = json.loads(raw) if raw.strip() else None
+            except UnicodeDecodeError as e:
+                return f"; line {n}: not UTF-8 (byte {e.start})"
+            except json.JSONDecodeError as e:
+                return f"; line {n}, column {e.colno}: {e.msg}"
+            except RecursionError:
+                return f"; line {n}: nested too deep"
+            if not raw.strip():
+                return f"; line {n} is blank"
+            if not isinstance(row, dict):
+                return f"; line {n}: a {type(row).__name__}, not an object of columns"
+    return ""
+
+
+def _csv_options(path: str) -> dict[str, Any]:
+    """A CSV's cells as the text written: pandas would read an answer "02134" as 2134, a column of
+    integers with one empty cell as floats ("3" as "3.0"), and "NA" or "null" as no value. Only an
+    empty cell is none. A header whose names repeat or are empty (pandas renames those) keeps the
+    inferred types."""
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:  # -sig: as pandas, past a BOM
+        header = next(csv.reader(f), [])
+    if not all(header) or len(set(header)) != len(header):
+        return {}
+    text = datasets.Features({name: datasets.Value("string") for name in header})
+    return {"features": text, "keep_default_na": False, "na_values": [""]}
 
 
 def _hub_rows(cfg: DatasetConfig, key: str) -> datasets.Dataset:

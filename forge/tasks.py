@@ -285,6 +285,7 @@ def chat_tokens(
     ids: list[int] = []
     labels: list[int] = []
     rendered = ""
+    whole = tokenizer.apply_chat_template(messages, tokenize=False)
 
     def add(text: str, train: bool, own: bool = False) -> None:
         piece = tokenizer(text, add_special_tokens=False, split_special_tokens=own and plain)["input_ids"]
@@ -295,15 +296,24 @@ def chat_tokens(
         if m["role"] != "assistant" or k < first:
             continue
         prompt = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
-        full = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
-        turn = full[len(prompt) :]
+        turn = _turn(tokenizer, messages, k, prompt, whole, end_of_turn)
         end = turn.rindex(end_of_turn)  # the template's end of the turn; what follows it is the template's too
         add(prompt[len(rendered) :], False)
         add(turn[:end], True, own=True)
         add(turn[end : end + len(end_of_turn)], True)
         add(turn[end + len(end_of_turn) :], False)
-        rendered = full
+        rendered = prompt + turn
     return ids, labels
+
+
+def _turn(tokenizer, messages: list[dict[str, str]], k: int, prompt: str, whole: str, end_of_turn: str) -> str:
+    """Assistant turn k's text after its generation prompt `prompt`, as the template renders the
+    whole conversation (`whole`). A template may render a turn otherwise once a user turn
+    follows it (Qwen3's drops its reasoning): then it is `whole`'s, through its end of turn."""
+    full = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+    if whole.startswith(full) or not whole.startswith(prompt):
+        return full[len(prompt) :]
+    return whole[len(prompt) : whole.index(end_of_turn, len(prompt)) + len(end_of_turn)]
 
 
 def get_task(name: str) -> Task:

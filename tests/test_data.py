@@ -92,6 +92,38 @@ def test_a_file_datasets_cannot_read_is_a_config_error_naming_the_key_and_file(t
         FilePrompts(DatasetConfig(path=str(path)), key="eval.dataset")
 
 
+def test_a_csv_files_cells_are_read_as_written(tmp_path):
+    """A CSV cell is its text: "02134" keeps its zero, an integer column with an empty cell does
+    not read "3" as "3.0", and "NA" (sodium) is text; only an empty cell has no value."""
+    path = tmp_path / "q.csv"
+    path.write_text("question,answer\nzip of Boston?,02134\nhalf of 6?,3\nsymbol of sodium?,NA\nno answer?,\n")
+    node = FilePrompts(DatasetConfig(path=str(path), template="{question}"))
+    node.reset()
+    got = dict((s.prompt, s.answer) for s in (next(node) for _ in range(4)))
+    assert got == {"zip of Boston?": "02134", "half of 6?": "3", "symbol of sodium?": "NA", "no answer?": ""}
+
+
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        (b"\n", "line 4 is blank"),
+        (b'{"question": "x", answer: 3}\n', "line 4, column 19: Expecting property name"),
+        (b'{"question": "\xff\xfe", "answer": "3"}\n', "line 4: not UTF-8"),
+        (b'{"question": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "line 4: nested too deep"),
+        (b'["x", "3"]\n', "line 4: a list, not an object of columns"),
+    ],
+)
+def test_a_json_lines_error_names_the_line(tmp_path, line, why):
+    """A bad line among many: the error names the file and the line (and column), not only
+    an offset in a block of the reader's."""
+    good = b'{"question": "1+1=", "answer": "2"}\n'
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(good * 3 + line + good)
+    with pytest.raises(ConfigError, match=f"config key 'dataset.path': {path}: cannot read it as json") as e:
+        FilePrompts(DatasetConfig(path=str(path)))
+    assert why in str(e.value)
+
+
 def test_chat_format_prompts(tmp_path):
     """`forge make-dataset --system` writes chat prompts (a system turn, the task as the user's);
     `dataset.messages_key` reads them as messages, in place of `template`; a column of plain

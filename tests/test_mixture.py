@@ -125,6 +125,57 @@ def test_the_watched_file_is_read_as_config_files_are_and_re_read_once_written(t
     assert node.weights == {"reverse": 1e-05, "sort": 5.0}, lines
 
 
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("{reverse: 1e308, sort: 1e308}", "the weights must sum to a finite number"),
+        ("{sort: 1" + "0" * 400 + "}", "the weight of 'sort' must be a number >= 0"),
+        ("{sort: 1" + "0" * 5000 + "}", "unreadable (ValueError)"),  # more digits than Python converts
+        # nested past the parser's stack
+        ("".join("  " * i + "a:\n" for i in range(200)), "unreadable (RecursionError)"),
+    ],
+)
+def test_weights_that_would_break_the_draws_are_refused_and_the_run_draws_on(tmp_path, text, problem):
+    """Weights each finite whose sum is not (random.choices refuses to draw), an integer too
+    large for a float or for Python to read, a nesting deeper than the parser's stack: each is
+    refused with a line, and the next draws use the old weights."""
+    lines, path = [], tmp_path / "mix.yaml"
+    node = mixture({"reverse": 3.0, "sort": 1.0}, watch=path, say=lines.append)
+    node.reset()
+    path.write_text(text)
+    node.between_steps()
+    assert len(lines) == 1 and problem in lines[0] and "refused" in lines[0], lines
+    assert node.weights == {"reverse": 3.0, "sort": 1.0}
+    assert len([next(node) for _ in range(20)]) == 20
+
+
+def test_a_weights_file_that_is_no_regular_file_costs_a_line_not_the_run(tmp_path):
+    """A FIFO (reading it would wait for a writer), a device (/dev/zero never ends), a symlink
+    loop, an oversized file: each is refused with one console line, and the run keeps its weights."""
+    lines, path = [], tmp_path / "mix.yaml"
+    node = mixture({"reverse": 3.0, "sort": 1.0}, watch=path, say=lines.append)
+    os.mkfifo(path)
+    node.between_steps()  # must not block waiting for a writer
+    assert len(lines) == 1 and f"mix weights from {path} refused" in lines[0], lines
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    node.between_steps()
+    assert len(lines) == 2 and "refused" in lines[1], lines
+    path.unlink()
+    path.symlink_to(path)  # a loop: stat fails with ELOOP
+    node.between_steps()
+    node.between_steps()  # the same problem again: no second line
+    assert len(lines) == 3 and "refused" in lines[2], lines
+    path.unlink()
+    path.write_text("sort: 2\n" + "#" * (2 << 20))  # a weights file is a few lines, not megabytes
+    node.between_steps()
+    assert len(lines) == 4 and "refused" in lines[3], lines
+    assert node.weights == {"reverse": 3.0, "sort": 1.0}
+    path.write_text("sort: 2\n")
+    node.between_steps()
+    assert node.weights == {"reverse": 3.0, "sort": 2.0}, lines
+
+
 def test_a_checkpoint_round_trip_gives_the_same_next_prompts_and_weights(tmp_path):
     path = tmp_path / "mix.yaml"
     path.write_text("sort: 2\n")

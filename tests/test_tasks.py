@@ -151,3 +151,22 @@ def test_guess_answers_and_the_best_play():
         len(c) <= 2 * g.max_turns and c[-1]["role"] == "assistant" for c in noisy
     )
     assert all(set(m["content"]) <= set(g.ALPHABET) for c in noisy for m in c[1::2])
+
+
+def test_chat_tokens_render_a_conversation_as_its_chat_template_does(tiny_model_dir):
+    """A template that drops an earlier assistant turn's reasoning once a user turn follows
+    (Qwen3's, the tiny model's): the tokens are the template's rendering of the whole
+    conversation, and each assistant turn trains as it appears there, its end-of-turn token too."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [
+        {"role": "user", "content": "rev abc="},
+        {"role": "assistant", "content": "<think>reverse it</think>cba"},
+        {"role": "user", "content": "rev xyz="},
+        {"role": "assistant", "content": "<think>again</think>zyx"},
+    ]
+    ids, labels = tasks.chat_tokens(tok, messages, tasks.end_of_turn(tok))
+    assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False)
+    trained = [i for i, label in zip(ids, labels) if label != -100]
+    assert tok.decode(trained) == "cba<|im_end|><think>again</think>zyx<|im_end|>"
