@@ -24,7 +24,8 @@ def latest(run_dir: str | Path) -> Path | None:
 
 def by_step(dirs: Any) -> list[Path]:
     """Checkpoint directories, oldest step first (by number: step_1000000 is after step_999999)."""
-    return sorted(dirs, key=lambda d: int(d.name.removeprefix("step_")) if d.name[5:].isdigit() else -1)
+    # isdecimal, not isdigit: "²" is a digit that int() refuses
+    return sorted(dirs, key=lambda d: int(d.name.removeprefix("step_")) if d.name[5:].isdecimal() else -1)
 
 
 def set_aside(run_dir: str | Path) -> Path | None:
@@ -34,7 +35,10 @@ def set_aside(run_dir: str | Path) -> Path | None:
     found = Path(run_dir) / "checkpoints"
     if not any(found.glob("step_*")):
         return None
-    target = Path(run_dir) / f"checkpoints-earlier-{1 + len(list(Path(run_dir).glob('checkpoints-earlier-*')))}"
+    # Past the highest N, not the count: a user may have deleted an earlier one, and a rename
+    # onto a taken name fails (or replaces it, if empty).
+    taken = [p.name.removeprefix("checkpoints-earlier-") for p in Path(run_dir).glob("checkpoints-earlier-*")]
+    target = Path(run_dir) / f"checkpoints-earlier-{1 + max((int(n) for n in taken if n.isdecimal()), default=0)}"
     found.rename(target)
     return target
 
@@ -54,22 +58,54 @@ def save_run_state(path: Path, state: dict[str, Any], keep: int = 2) -> Path:
     newest `keep` checkpoints and any partial ones. Returns the checkpoint's directory."""
     import torch  # here, not at the top: the CLI imports this module, and `forge --help` stays fast
 
-    torch.save(state, path / "run_state.pt")
+    try:
+        torch.save(state, path / "run_state.pt")
+    except Exception as e:  # a full disk: torch's message names no file
+        shutil.rmtree(path, ignore_errors=True)  # the room it took, back; the checkpoints before stay
+        raise OSError(f"checkpoint {path}: writing run_state.pt failed ({type(e).__name__}: {e})") from e
     final = step_dir(path.parent.parent, state["step"])
     if path != final:
-        shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a rewind
+        replaced = _unname(final)  # the same step saved again (a rewind, a Ctrl-C just after it)
         path.rename(final)
-    for old in by_step(final.parent.glob("step_*"))[:-keep] + list(final.parent.glob(".step_*.partial")):
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+    for old in by_step(final.parent.glob("step_*"))[:-keep]:
+        shutil.rmtree(_unname(old) or old, ignore_errors=True)
+    for old in final.parent.glob(".step_*.partial"):
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def _unname(ckpt: Path) -> Path | None:
+    """Move checkpoint `ckpt` to a partial name before it is deleted: a crash while deleting
+    it leaves no `step_*` directory that holds its run_state.pt but not all of the rest.
+    Returns where it went (None: there was none)."""
+    if not ckpt.is_dir() or ckpt.is_symlink():
+        return None
+    hidden = ckpt.parent / f".{ckpt.name}.old.partial"
+    if hidden.exists():  # left by an earlier crash
+        shutil.rmtree(hidden, ignore_errors=True)
+    ckpt.rename(hidden)
+    return hidden
+
+
 def load_run_state(path: Path) -> dict[str, Any]:
+    """The run state of checkpoint `path`; a ConfigError naming it if it is not one (cut short
+    by a crash or a full disk, crafted, or not a plain file)."""
     import torch  # on first use (see save_run_state)
 
     check_owned(path)
-    # A pickle (the parts' states are Python objects): loading one runs what it says, hence check_owned.
-    return torch.load(path / "run_state.pt", weights_only=False)
+    file = Path(path) / "run_state.pt"
+    if not stat.S_ISREG(file.lstat().st_mode):  # a pipe would block the open forever
+        raise ConfigError(f"checkpoint {path}: {file} is not a regular file")
+    try:
+        # A pickle (the parts' states are Python objects): loading one runs what it says, hence check_owned.
+        state = torch.load(file, weights_only=False)
+    except Exception as e:
+        raise ConfigError(f"checkpoint {path}: {file} cannot be read ({type(e).__name__}: {e})") from e
+    if not isinstance(state, dict) or type(state.get("step")) is not int or state["step"] < 0:
+        raise ConfigError(f"checkpoint {path}: {file} is not a run state (a dict with an int 'step' >= 0)")
+    return state
 
 
 def check_owned(path: Path) -> None:

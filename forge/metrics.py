@@ -22,6 +22,7 @@ import contextvars
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -224,9 +225,13 @@ class MetricWriter:
         if keep_until is not None and jsonl.exists():
             kept = [json.dumps(row) for row in _rows(jsonl) if row["step"] <= keep_until]
         if "jsonl" in self.backends:
-            self._jsonl = jsonl.open("w")
-            self._jsonl.writelines(line + "\n" for line in kept)
-            self._jsonl.flush()
+            # The kept rows go to a new file that replaces the old once whole: truncating the old
+            # first would lose every row to a crash or a full disk meanwhile.
+            tmp = jsonl.with_name(f".{jsonl.name}.tmp")
+            with tmp.open("w") as f:
+                f.writelines(line + "\n" for line in kept)
+            os.replace(tmp, jsonl)
+            self._jsonl = jsonl.open("a")
         if "tensorboard" in self.backends:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -29,7 +29,7 @@ from forge import checkpoint
 from forge.checkpoint import RunStopped
 from forge.config import ConfigError, to_yaml
 from forge.curves import plot_run
-from forge.metrics import MetricWriter, discard_pending
+from forge.metrics import MetricWriter, discard_pending, read_rows
 from forge.rollout import RolloutError, RolloutsStopped
 from forge.service import ServiceError
 from forge.summary import failures, summary
@@ -94,6 +94,7 @@ class Run:
         self.version = 0
         self.finished = False
         self.row: dict[str, float] = {}
+        self.written = self.step  # the last step with a metrics row (a resume keeps its checkpoint's)
         self.writer = MetricWriter(self.dir, cfg.metrics, resume_step=self.step if resume_from else None)
         self.trainer: Any = None
         self.weights: Any = None
@@ -119,6 +120,9 @@ class Run:
         self.writer.start_clock()
         if self.cfg.eval.before_train and self.resume_from is None:
             await self.evals.run(self.step, await self._eval_version())
+        elif self.resume_from is not None and self.step and self._due(self.cfg.eval.every):
+            if self._evaluated(self.step) is False:  # its eval was cut short by the stop: these are its weights
+                self.evals.start(self.step, await self._eval_version())
         self.bar = tqdm(total=self.cfg.steps, initial=self.step, desc=self.app, unit="step")
 
     async def rewind(self, ckpt: Path, trainer_restored: bool = False) -> dict[str, Any]:
@@ -149,6 +153,7 @@ class Run:
         self.trainer.set_restore_point(str(ckpt / "trainer"))
         if trainer_restored:
             self.writer.rewind(self.step)
+            self.written = self.step
         return saved
 
     async def save(self) -> None:
@@ -183,12 +188,21 @@ class Run:
             self.step += 1
             self.version = await self.trainer.policy_version.route()
 
+    async def _write_counted(self) -> None:
+        """Before an interrupt's checkpoint: the row of the step it saves, if that step has none
+        (counted by `_count_training`, or its flush interrupted). The resumed run goes on after
+        the checkpoint's step, so a row not written now never is."""
+        if self.written < self.step:
+            self.row = await self.writer.flush(self.step)
+            self.written = self.step
+
     async def end_step(self, version: int | None = None) -> dict[str, float]:
         """The step is done (training policy `version`, when the app publishes each step): its
         metrics row, the bar, and the checkpoint and eval due. Returns the row."""
         self.step, self._training = self.step + 1, None
         self.version = self.version if version is None else version
         self.row = await self.writer.flush(self.step)
+        self.written = self.step
         if time.monotonic() - self._plotted > PLOT_EVERY_S:
             self._plot()
         self.bar.n = self.step
@@ -211,7 +225,7 @@ class Run:
         if self.cfg.checkpoint_every and not self._due(self.cfg.checkpoint_every):
             await self.save()
         await self.evals.wait()
-        if self.cfg.eval.every and not self._due(self.cfg.eval.every):
+        if self.cfg.eval.every and not self._due(self.cfg.eval.every) and not self._evaluated(self.step):
             await self.evals.run(self.step, await self._eval_version())  # the final policy, always
         await self.trainer.export_hf.route(str(self.dir / "model"))
         self.finished = True
@@ -226,6 +240,7 @@ class Run:
         try:
             if isinstance(error, (KeyboardInterrupt, asyncio.CancelledError)):
                 await asyncio.shield(self._count_training())
+                await asyncio.shield(self._write_counted())
                 print(f"\n{self.app}: interrupted at step {self.step}; saving a checkpoint", flush=True)
                 await asyncio.shield(self.save())
                 return True
@@ -240,6 +255,13 @@ class Run:
             self._plot()
             if self.finished and "jsonl" in self.cfg.metrics:  # the summary reads metrics.jsonl (not a warm start's)
                 print(summary(self.dir, tuple(key for key, _ in self.show.values())), flush=True)
+
+    def _evaluated(self, step: int) -> bool | None:
+        """Whether metrics.jsonl holds an eval row of `step` (a resumed run's checkpoint step may
+        have one); None: no metrics.jsonl is written to tell."""
+        if "jsonl" not in self.cfg.metrics:
+            return None
+        return any(row["step"] == step and any(k.startswith("eval/") for k in row) for row in read_rows(self.dir))
 
     def _due(self, every: int) -> bool:
         return bool(every) and self.step % every == 0

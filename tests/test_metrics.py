@@ -154,3 +154,42 @@ def test_new_run_starts_empty_and_resume_drops_later_rows(tmp_path):
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     MetricWriter(tmp_path, ["jsonl"]).close()  # the same run name started afresh
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_resume_that_cannot_write_keeps_the_metrics_it_had(tmp_path, monkeypatch):
+    """A resume rewrites metrics.jsonl without the rows after its checkpoint; a full disk
+    meanwhile must not leave it emptied (every row of the run lost)."""
+    import pathlib
+
+    w = MetricWriter(tmp_path, ["jsonl"])
+    for step in (1, 2, 3):
+        w.write(step, {"loss": float(step)})
+    w.close()
+    real_open = pathlib.Path.open
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def writelines(self, lines):
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def full_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return Full(f) if "w" in mode or "a" in mode else f
+
+    monkeypatch.setattr(pathlib.Path, "open", full_open)
+    with pytest.raises(OSError, match="No space left"):
+        MetricWriter(tmp_path, ["jsonl"], resume_step=2)
+    monkeypatch.setattr(pathlib.Path, "open", real_open)
+    rows = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[:2] == [1, 2]

@@ -5,10 +5,12 @@ import asyncio
 import importlib
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 from forge import checkpoint, cli
 from forge.checkpoint import RunStopped
@@ -120,9 +122,30 @@ def config(tmp_path, **eval_keys):
     return Config(tmp_path / "run", eval=EvalKeys(**eval_keys))
 
 
-async def train(cfg, stop_at=None, fail_at=None, resume_from=None):
+class RowEvals(FakeEvals):
+    """Evals that write their row at the step they evaluated, as services/evals.py does; those
+    of the steps in `cut` never end (the run stops before they do)."""
+
+    def __init__(self, writer, cut=()):
+        super().__init__()
+        self.writer, self.cut = writer, cut
+
+    async def run(self, step, version):
+        await super().run(step, version)
+        if step not in self.cut:
+            self.writer.write(step, {"eval/accuracy": 0.5})
+
+    def start(self, step, version):
+        self.evaluated.append((step, version))
+        if step not in self.cut:
+            self.writer.write(step, {"eval/accuracy": 0.5})
+
+
+async def train(cfg, stop_at=None, fail_at=None, resume_from=None, cut=None):
     trainer, evals, data = FakeTrainer(), FakeEvals(), Counter()
     run = Run("test", cfg, resume_from)
+    if cut is not None:
+        evals = RowEvals(run.writer, cut)
     await run.start(trainer, FakeWeights(trainer), evals, data=data)
     async with run:
         while run.step < cfg.steps:
@@ -154,6 +177,30 @@ def test_checkpoints_resume_and_the_end_of_a_run(tmp_path):
     assert data.n == 70 and trainer.version == 7 and evals.evaluated[0] == (6, 6)  # from step 4, not before it
     rows = [json.loads(line)["step"] for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows == [1, 2, 3, 4, 5, 6, 7]  # step 5's first row dropped, written again
+
+
+def _eval_rows(run_dir):
+    return [r["step"] for r in read_rows(run_dir) if "eval/accuracy" in r]
+
+
+def test_resuming_a_finished_run_evaluates_its_last_step_once(tmp_path):
+    cfg = config(tmp_path, every=3)
+    asyncio.run(train(cfg, cut=()))
+    assert _eval_rows(cfg.run_dir) == [3, 5]
+    _, _, evals, _ = asyncio.run(train(cfg, resume_from=checkpoint.latest(cfg.run_dir), cut=()))
+    assert evals.evaluated == [] and _eval_rows(cfg.run_dir) == [3, 5]
+
+
+def test_an_eval_the_stop_cut_short_runs_when_its_checkpoint_resumes(tmp_path):
+    """Step 2's checkpoint saved, its eval begun beside the loop; the run stops before the eval
+    ends. Resumed from step 2 (the same weights), the eval of step 2 runs: else it never does."""
+    cfg = config(tmp_path, every=2)
+    cfg.steps = 4
+    with pytest.raises(RunStopped):
+        asyncio.run(train(cfg, fail_at=3, cut=(2,)))
+    assert _eval_rows(cfg.run_dir) == []
+    asyncio.run(train(cfg, resume_from=checkpoint.latest(cfg.run_dir), cut=()))
+    assert _eval_rows(cfg.run_dir) == [2, 4]
 
 
 def test_a_finished_run_prints_its_summary(tmp_path, capsys):
@@ -230,6 +277,20 @@ def test_a_new_run_sets_an_earlier_runs_checkpoints_aside(tmp_path, capsys):
     assert not (cfg.run_dir / "checkpoints-earlier-2").exists()
 
 
+def test_setting_aside_takes_a_free_name_when_an_earlier_one_was_deleted(tmp_path):
+    """A user who deleted checkpoints-earlier-1 to free disk, keeping -2: the next new run under
+    that name moves the checkpoints to a name not taken, and -2 stays as it was."""
+    run_dir = tmp_path / "run"
+    for n in (1, 2, 3):
+        checkpoint.save_run_state(checkpoint.partial_dir(run_dir, n), {"step": n})
+        checkpoint.set_aside(run_dir)
+    shutil.rmtree(run_dir / "checkpoints-earlier-1")
+    checkpoint.save_run_state(checkpoint.partial_dir(run_dir, 4), {"step": 4})
+    moved = checkpoint.set_aside(run_dir)
+    assert moved.name == "checkpoints-earlier-4" and [p.name for p in moved.iterdir()] == ["step_000004"]
+    assert [p.name for p in (run_dir / "checkpoints-earlier-2").iterdir()] == ["step_000002"]
+
+
 class ActorTrainer(FakeTrainer):
     """A trainer in another process: a step it was sent runs to its end whatever the caller
     does, and its calls are served in order (a save waits for the step before it)."""
@@ -293,12 +354,69 @@ def test_ctrl_c_while_the_trainer_takes_a_step_counts_that_step(tmp_path, capsys
     assert run.step == 6 and second.steps_taken == 2  # 4 + 2: the 6 steps asked for
 
 
+def test_ctrl_c_while_the_trainer_takes_a_step_writes_that_steps_metrics_row(tmp_path):
+    """The step the interrupt counts and saves has its metrics row: the resumed run goes on
+    after it, so a row not written then is never written."""
+    cfg = Config(tmp_path / "run", steps=6, checkpoint_every=0)
+    asyncio.run(sft_like(cfg, ActorTrainer(), interrupt_at=3))
+    assert [r["step"] for r in read_rows(cfg.run_dir)] == [1, 2, 3, 4]
+    asyncio.run(sft_like(cfg, ActorTrainer(), resume_from=checkpoint.latest(cfg.run_dir)))
+    assert [r["step"] for r in read_rows(cfg.run_dir)] == [1, 2, 3, 4, 5, 6]
+
+
 def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
     for step in (999_999, 1_000_000):
         path = checkpoint.partial_dir(tmp_path, step)
         checkpoint.save_run_state(path, {"step": step}, keep=1)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1000000"]
     assert checkpoint.latest(tmp_path).name == "step_1000000"
+
+
+def test_a_step_saved_again_and_cut_short_leaves_a_complete_checkpoint(tmp_path, monkeypatch):
+    """Step 4 saved again (a Ctrl-C just after its checkpoint, a rewind) replaces the one there.
+    A crash while the old one is deleted (a second Ctrl-C, a kill) must not leave a directory
+    named as complete whose trainer state is half gone: the newest complete checkpoint is whole."""
+    for step in (2, 4):
+        path = checkpoint.partial_dir(tmp_path, step)
+        _write(path / "trainer", {"version": step})
+        checkpoint.save_run_state(path, {"step": step})
+    path = checkpoint.partial_dir(tmp_path, 4)
+    _write(path / "trainer", {"version": 40})
+    real = shutil.rmtree
+
+    def cut_short(victim, *args, **kwargs):  # deletes the trainer's state first, then the crash
+        real(Path(victim) / "trainer", ignore_errors=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_run_state(path, {"step": 4})
+    monkeypatch.setattr(shutil, "rmtree", real)
+    last = checkpoint.latest(tmp_path)
+    assert (last / "trainer" / "state.json").exists(), f"{last} is named complete but its trainer state is gone"
+    assert json.load(open(last / "trainer" / "state.json")) == {"version": 40}  # the new one, whole
+
+
+def test_a_disk_that_fills_during_a_save_keeps_the_checkpoint_before_and_names_the_one_cut(tmp_path, monkeypatch):
+    checkpoint.save_run_state(checkpoint.partial_dir(tmp_path, 2), {"step": 2})
+    path = checkpoint.partial_dir(tmp_path, 4)
+
+    def full(state, f):  # torch's own words for a full disk name no file
+        Path(f).write_bytes(b"PK\x03\x04")
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match=rf"checkpoint {path}: .*run_state.pt.*unexpected pos"):
+        checkpoint.save_run_state(path, {"step": 4})
+    assert checkpoint.latest(tmp_path).name == "step_000002" and not path.exists()  # its room given back
+    assert checkpoint.load_run_state(checkpoint.latest(tmp_path)) == {"step": 2}
+
+
+def test_a_stray_step_name_that_is_no_number_is_no_checkpoint(tmp_path):
+    """`step_²` is a digit to str.isdigit but no int: it must not stop `latest` or the pruning."""
+    (tmp_path / "checkpoints" / "step_²").mkdir(parents=True)
+    checkpoint.save_run_state(checkpoint.partial_dir(tmp_path, 3), {"step": 3}, keep=2)
+    assert checkpoint.latest(tmp_path).name == "step_000003"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
@@ -316,6 +434,38 @@ def test_a_checkpoint_another_user_could_write_is_not_loaded(tmp_path):
         checkpoint.load_run_state(last)
     os.chmod(last / "run_state.pt", 0o664)  # group-writable (a user's private group): loaded
     assert checkpoint.load_run_state(last)["step"] == 5
+
+
+def _spoil(run_state: Path, how: str) -> None:
+    if how == "truncated":
+        run_state.write_bytes(run_state.read_bytes()[:40])
+    elif how == "empty":
+        run_state.write_bytes(b"")
+    elif how == "not a run state":
+        torch.save([1, 2], run_state)
+    elif how == "a step that is no number":
+        torch.save({"step": "5", "app": "test"}, run_state)
+    elif how == "a directory":
+        run_state.unlink()
+        run_state.mkdir()
+    else:  # a pipe: reading it would wait for a writer forever
+        run_state.unlink()
+        os.mkfifo(run_state)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "how", ["truncated", "empty", "not a run state", "a step that is no number", "a directory", "a pipe"]
+)
+def test_a_spoiled_run_state_is_an_error_naming_it(tmp_path, how):
+    """A run_state.pt cut short (a crash, a full disk), crafted or not a file: resuming from it
+    stops with an error that names it, never an error without a path, a wrong step, or a hang."""
+    cfg = config(tmp_path)
+    asyncio.run(train(cfg))
+    last = checkpoint.latest(cfg.run_dir)
+    _spoil(last / "run_state.pt", how)
+    with pytest.raises(ConfigError, match=rf"checkpoint {last}: .*run_state.pt"):
+        Run("test", cfg, last)
 
 
 def test_resuming_takes_its_own_directory_and_refuses_another_apps_or_runs_checkpoint(tmp_path, monkeypatch):
