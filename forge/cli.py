@@ -62,6 +62,10 @@ def run(config: str | None, overrides: list[str], app: str | None = None, resume
         app, cfg = app_config(config, overrides, app)
     except ConfigError as e:
         fail(str(e))
+    try:  # here, where a runs_dir that is a file or not writable is one line, not a traceback
+        (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"config key 'runs_dir': cannot make the run's directory {cfg.run_dir}: {e.strerror or e}")
     logs.capture(cfg.run_dir / "logs")
     try:
         return importlib.import_module(f"apps.{app}").main(cfg)
@@ -75,12 +79,16 @@ def literal(values: dict[str, str]) -> dict[str, str]:
     return {key: re.sub(r"(\\*)\$\{", r"\1\1\\${", value) for key, value in values.items()}
 
 
-def evaluate(config: str, overrides: list[str], model: str, out: str | None) -> dict[str, float]:
+def evaluate(config: str, overrides: list[Override], model: str, out: str | None) -> dict[str, float]:
     """`forge eval`: the config's eval (apps/evaluate.py) of `model`; the config is checked first."""
     try:
         _, cfg = app_config(config, overrides)
         if not hasattr(cfg, "eval"):
             raise ConfigError(f"config key 'app': the {cfg.app} app has no eval section")
+        if not cfg.eval.enabled:
+            # Checked as an eval that runs: a dataset's run is evaluated on its held-out rows
+            # (eval.dataset), not on the toy `task` an eval-less config falls back to.
+            _, cfg = app_config(config, [*overrides, {"eval.before_train": True}])
     except ConfigError as e:
         fail(str(e))
     return importlib.import_module("apps.evaluate").main(cfg, config, model, out)
@@ -111,11 +119,14 @@ COMMANDS = {
 
 
 def write_curves(a: argparse.Namespace) -> None:
+    window = a.table[1] if a.table else "1"
+    if not window.isdigit() or int(window) < 1:  # checked here: a ValueError below is the runs'
+        fail(f"--table WINDOW: a number of values >= 1, got {window!r}")
     curves = importlib.import_module("forge.curves")  # its matplotlib and torch only for this command
     keys = a.keys or curves.KEYS
     try:
         if a.out.endswith(".json"):
-            table = {"key": a.table[0], "window": int(a.table[1])} if a.table else {}
+            table = {"key": a.table[0], "window": int(window)} if a.table else {}
             curves.save(a.out, a.runs, keys, title=a.title, command=a.command, table=table)
         elif a.out.endswith(".png"):
             curves.plot(curves.load(a.runs, keys), a.out, a.title, keys)

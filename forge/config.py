@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.nodes import StringNode
 
 T = TypeVar("T")
 
@@ -62,7 +63,9 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> DictConfig:
         return cfg
     if path.resolve() in _seen:
         raise ConfigError(f"{path}: config key 'base' makes a cycle ({' -> '.join(map(str, _seen))})")
-    return OmegaConf.merge(read_yaml(path.parent / str(base), (*_seen, path.resolve())), cfg)
+    if not (path.parent / str(base)).is_file():  # named with the file whose `base` it is
+        raise ConfigError(f"config key 'base' ({path}): config file not found: {path.parent / str(base)}")
+    return merge(read_yaml(path.parent / str(base), (*_seen, path.resolve())), cfg, str(path))
 
 
 def read_key(cfg: DictConfig, key: str, source: str, pop: bool = False) -> Any:
@@ -84,6 +87,8 @@ def parse_overrides(overrides: Sequence[Override]) -> list[DictConfig]:
     for o in overrides:
         if isinstance(o, str) and ("=" not in o or o.startswith("=")):
             raise ConfigError(f"command-line override {o!r} is not of the form key=value (e.g. trainer.lr=1e-4)")
+        if isinstance(o, str):
+            _yaml_value(o)
     layers = []
     try:
         for literal, run in itertools.groupby(overrides, lambda o: not isinstance(o, str)):
@@ -100,6 +105,16 @@ def parse_overrides(overrides: Sequence[Override]) -> list[DictConfig]:
     return layers
 
 
+def _yaml_value(override: str) -> Any:
+    """The value of "key=value" read as YAML; a value that is not YAML is a ConfigError naming the key."""
+    key = override.partition("=")[0]
+    try:
+        return OmegaConf.select(OmegaConf.from_dotlist([override]), key)
+    except yaml.YAMLError as e:
+        what = getattr(e, "problem", None) or _first_line(e)
+        raise ConfigError(f"config key '{key}' (command line): its value is not YAML ({what})") from None
+
+
 def load_config(
     path: str | Path | None, overrides: Sequence[Override] = (), schema: type[T] | None = None
 ) -> T | DictConfig:
@@ -112,14 +127,12 @@ def load_config(
     layers: list[tuple[str, DictConfig]] = []
     if path is not None:
         layers.append((str(path), read_yaml(path)))
-    layers += [("command line", layer) for layer in parse_overrides(overrides)]
     merged = OmegaConf.structured(schema) if schema is not None else OmegaConf.create({})
+    overrides = [_as_text(merged, o) for o in overrides]
+    layers += [("command line", layer) for layer in parse_overrides(overrides)]
     for source, layer in layers:
         _refuse_moved(layer, source, getattr(schema, "MOVED", {}), merged)
-        try:
-            merged = OmegaConf.merge(merged, layer)
-        except OmegaConfBaseException as e:
-            raise _explain(e, source) from None
+        merged = merge(merged, layer, source)
     where = " + ".join(s for s, _ in layers) or "defaults"
     try:
         if schema is None:
@@ -137,6 +150,53 @@ def load_config(
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"{where}: {_first_line(e)}") from None
     return obj
+
+
+def merge(cfg: DictConfig, layer: DictConfig, source: str) -> DictConfig:
+    """`layer` (read from `source`) on top of `cfg`; a key it cannot take is a ConfigError naming it."""
+    try:
+        return OmegaConf.merge(cfg, layer)
+    except OmegaConfBaseException as e:
+        raise _explain(e, source) from None
+    except TypeError:  # OmegaConf's plain error for a mapping merged into a list, or a list into one
+        key = _mismatch(cfg, layer) or "?"
+        given = OmegaConf.select(layer, key, default=None) if key != "?" else None
+        want = "a list (e.g. KEY=[...])" if isinstance(given, DictConfig) else "a mapping (e.g. KEY={...})"
+        raise ConfigError(f"config key '{key}' ({source}) takes {want.replace('KEY', key)}") from None
+
+
+def _as_text(schema: DictConfig, override: Override) -> Override:
+    """A "key=value" override of a text key whose value YAML reads as something else (a number, a
+    boolean, a mapping), or not at all, as its text: run_name=010 names the run 010, not YAML's
+    octal 8, and dataset.template={question} is that template, not a mapping."""
+    if not isinstance(override, str) or "=" not in override:
+        return override
+    key, _, text = override.partition("=")
+    try:
+        parent, _, name = key.rpartition(".")
+        section = OmegaConf.select(schema, parent) if parent else schema
+        node = section._get_node(name) if isinstance(section, DictConfig) else None
+    except OmegaConfBaseException:
+        return override  # an unknown or malformed key: parse_overrides and the merge name it
+    if not isinstance(node, StringNode):
+        return override
+    try:
+        value = _yaml_value(override)
+    except (ConfigError, OmegaConfBaseException):
+        return {key: text}  # not YAML (a template "{question} is"): text is what a text key takes
+    return override if value is None or isinstance(value, str) else {key: text}
+
+
+def _mismatch(old: Any, new: Any, path: str = "") -> str | None:
+    """The dotted key where `new` puts a mapping on a list of `old`, or a list on a mapping."""
+    if isinstance(old, DictConfig) and isinstance(new, DictConfig):
+        for key in new:
+            found = _mismatch(old._get_node(key) if key in old else None, new._get_node(key), f"{path}.{key}")
+            if found:
+                return found
+        return None
+    pair = {type(old), type(new)}
+    return path.lstrip(".") if DictConfig in pair and ListConfig in pair else None
 
 
 def _refuse_moved(layer: DictConfig, source: str, moved: dict[str, tuple[str, str]], schema: DictConfig) -> None:

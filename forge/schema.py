@@ -65,6 +65,13 @@ class RunConfig:
         """The keys every run has (an app's `validate` calls it first)."""
         check_range("steps", self.steps, ">= 1")
         check_range("checkpoint_every", self.checkpoint_every, ">= 0")
+        # One directory's name: a path (../x, /x, a/b) or . would put the run's files, and the
+        # clearing of an earlier run's metrics, outside runs_dir or in runs_dir itself.
+        if self.run_name in ("", ".", "..") or "/" in self.run_name:
+            raise ConfigError(
+                f"config key 'run_name': {self.run_name!r} is not a directory's name (the run's directory "
+                "under runs_dir; no '/' or '..')"
+            )
         unknown = sorted(set(self.metrics) - set(BACKENDS))
         if unknown:  # here, not when the writer opens: that is after every service has started
             raise ConfigError(f"config key 'metrics': unknown backend(s) {unknown}; known: {', '.join(BACKENDS)}")

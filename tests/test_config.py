@@ -383,3 +383,89 @@ def test_check_range(rule, good, bad):
     for value in bad:
         with pytest.raises(ConfigError, match=rf"config key 'x' must be .*got {value}"):
             check_range("x", value, rule)
+
+
+@pytest.mark.parametrize("name", ["../escape", "../../tmp/x", "/tmp/abs", ".", "..", "a/b"])
+def test_a_run_name_is_one_directory_inside_runs_dir(name):
+    """runs_dir/run_name is where a run writes (and clears its earlier metrics): a name that is
+    a path would put it outside runs_dir, or make runs_dir itself the run's directory."""
+    refused(GRPO, [{"run_name": name}], "run_name")
+
+
+@pytest.mark.parametrize(
+    "text, override, key",
+    [
+        ("app: grpo\nmetrics: {a: 1}\n", None, "metrics"),  # a mapping for a list
+        ("app: grpo\n", "eval.k.0=3", "eval.k"),
+        ("app: grpo\n", "eval.k[0]=3", "eval.k"),
+        ("app: grpo\n", "dataset.mix.0.task=add", "dataset.mix"),
+    ],
+)
+def test_a_mapping_where_a_list_goes_is_one_line_naming_the_key(tmp_path, text, override, key):
+    refused(str(write(tmp_path, text)), [override] if override else [], key)
+
+
+@pytest.mark.parametrize("config", [GRPO, SFT])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_an_eval_s_max_tokens_is_at_least_one(config, value):
+    """vLLM refuses max_tokens < 1: every eval prompt would fail, counted in eval/errors."""
+    refused(config, [f"eval.max_tokens={value}"], "eval.max_tokens")
+
+
+@pytest.mark.parametrize("value", ["007", "010", "0x1F", "1_000", "yes", "1e3"])
+def test_a_text_key_on_the_command_line_keeps_its_text(value):
+    """run_name=010 names the run 010: not YAML's octal 8 (nor `yes` True, 1e3 1000.0), a
+    directory that `forge run --resume runs/010` would not find."""
+    from forge.cli import app_config
+
+    _, cfg = app_config(GRPO, [f"run_name={value}", "steps=3"])
+    assert cfg.run_name == value
+    _, cfg = app_config(GRPO, ["run_name=${app}_x", "steps=3"])  # an interpolation is one still
+    assert cfg.run_name == "grpo_x" and cfg.steps == 3
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    cmd = [sys.executable, "-m", "forge.cli", "run", GRPO, f"runs_dir={tmp_path / 'file'}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("forge: error: config key 'runs_dir'"), out.stderr
+
+
+def test_a_missing_base_is_named_with_the_file_that_names_it(tmp_path):
+    p = write(tmp_path, "base: gone.yaml\nname: a\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, schema=Schema)
+    assert "config key 'base'" in one_line(e) and "c.yaml" in str(e.value) and "gone.yaml" in str(e.value)
+
+
+def test_a_mapping_on_a_base_s_list_is_one_line_naming_the_key(tmp_path):
+    (tmp_path / "base.yaml").write_text("app: grpo\nmetrics: [jsonl]\n")
+    (tmp_path / "c.yaml").write_text("base: base.yaml\nmetrics: {a: 1}\n")
+    assert "c.yaml" in refused(str(tmp_path / "c.yaml"), [], "metrics")
+
+
+@pytest.mark.parametrize("window", ["abc", "0", "-2"])
+def test_forge_curves_names_a_bad_table_window(tmp_path, capsys, window):
+    """Not 'RUN_DIR: invalid literal for int()', which blames the run directories."""
+    from forge import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["curves", str(tmp_path), "--out", str(tmp_path / "c.json"), "--table", "reward_mean", window])
+    assert capsys.readouterr().err.strip().startswith("forge: error: --table WINDOW")
+
+
+@pytest.mark.parametrize("override, key", [("trainer.betas=[0.9", "trainer.betas"), ("eval.k=[1, 2", "eval.k")])
+def test_an_override_that_is_not_yaml_is_one_line_naming_its_key(override, key):
+    refused(GRPO, [override], key)
+
+
+@pytest.mark.parametrize("value", ["{question}", "{question} is", "[x]: {question}"])
+def test_a_template_on_the_command_line_is_its_text(tmp_path, value):
+    """A text key's value is the text given, braces and all, not YAML's mapping (or a parse error)."""
+    from forge.cli import app_config
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "q", "answer": "a"}\n')
+    _, cfg = app_config(GRPO, [f"dataset.path={rows}", f"dataset.template={value}"])
+    assert cfg.dataset.template == value

@@ -147,3 +147,23 @@ def test_forge_eval_checks_where_its_result_goes_before_it_evaluates(tmp_path, t
     with pytest.raises(SystemExit):
         evaluate.main(None, "c.yaml", str(tiny_model_dir), str(tmp_path / "new" / "full.json"))
     assert '"eval/accuracy": 0.5' in capsys.readouterr().out
+
+
+def test_forge_eval_of_a_dataset_run_evaluates_held_out_rows_not_the_toy_task(tmp_path, monkeypatch, capsys):
+    """A run on a dataset file with no eval during training (eval.every 0): `forge eval` of it
+    asks for the held-out rows (eval.dataset.path) instead of evaluating the toy `task`'s prompts."""
+    from forge import cli
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"say {i}", "answer": str(i)}) + "\n" for i in range(5)))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"base: {Path('configs/grpo_tiny.yaml').resolve()}\ndataset:\n  path: {rows}\n")
+    ran = []
+    fake = type(sys)("apps.evaluate")
+    fake.main = lambda cfg, *args: ran.append(held_out(cfg.eval, cfg.task)) or {}
+    monkeypatch.setitem(sys.modules, "apps.evaluate", fake)
+    with pytest.raises(SystemExit):
+        cli.evaluate(str(config), [], "model", None)
+    assert not ran and "config key 'eval.dataset.path'" in capsys.readouterr().err
+    cli.evaluate(str(config), [f"eval.dataset.path={rows}", "eval.prompts=0"], "model", None)
+    assert sorted(s.prompt for s in ran[0]) == [f"say {i}" for i in range(5)]
