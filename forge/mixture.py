@@ -133,10 +133,14 @@ class Mixture(BaseNode[Sample]):
         super().reset(initial_state)
         state = initial_state or {}
         self.draws = state.get("draws", 0)
-        self.weights = dict(state.get("weights", self.initial))
+        # The config's sources now: one added since the checkpoint starts at its beginning and its
+        # config weight; one removed is dropped.
+        held = state.get("weights", {})
+        self.weights = {name: held.get(name, weight) for name, weight in self.initial.items()}
         self.stamp = state.get("file_stamp")
+        saved = state.get("sources", {})
         for name, stream in self.streams.items():
-            stream.reset(state["sources"][name] if state else None)
+            stream.reset(saved.get(name))
 
     def next(self) -> Sample:
         rng = random.Random(f"{self.seed}:mix:{self.draws}")

@@ -355,3 +355,28 @@ def test_a_saved_config_loads_again_as_the_same_mixture(tmp_path):
     (tmp_path / "config.yaml").write_text(to_yaml(cfg))
     again = load_config(tmp_path / "config.yaml", [], Config)
     assert again.dataset.mix == cfg.dataset.mix and again.dataset.mix_file == cfg.dataset.mix_file
+
+
+def test_a_resume_with_a_source_added_or_removed_goes_on():
+    """A run resumed with a source added to `dataset.mix` draws it from its start at its config's
+    weight, the others from where they were under the weights in force; a source removed is
+    dropped (not a KeyError at the first draw)."""
+    old = mixture({"reverse": 1.0, "sort": 1.0})
+    drawn = [next(old) for _ in range(20)]
+    old.set_weights({"sort": 3.0})
+    drawn += [next(old) for _ in range(20)]
+    state = old.get_state()
+    new = mixture({"reverse": 1.0, "sort": 1.0, "add": 2.0})
+    new.reset(state)
+    assert new.weights == {"reverse": 1.0, "sort": 3.0, "add": 2.0}
+    after = [next(new) for _ in range(400)]
+    fresh = TaskPrompts("add", 0)
+    assert [s.prompt for s in after if s.task == "add"][:5] == [next(fresh).prompt for _ in range(5)]
+    last_sort = [s.prompt for s in drawn if s.task == "sort"]
+    alone = TaskPrompts("sort", 0)
+    assert [next(alone).prompt for _ in range(len(last_sort) + 1)][-1] == next(
+        s for s in after if s.task == "sort"
+    ).prompt
+    fewer = mixture({"reverse": 1.0})
+    fewer.reset(state)
+    assert fewer.weights == {"reverse": 1.0} and next(fewer).task == "reverse"
