@@ -202,8 +202,6 @@ class GRPOConfig(RunConfig):
             )
 
     def _validate_eval(self) -> None:
-        if self.eval.max_tokens is not None:  # vLLM refuses < 1: each eval prompt would fail
-            check_ranges(self.eval, "eval.", ">= 1", ("max_tokens",))
         if self.dataset.mix:
             return self._validate_eval_mix()
         if self.eval.enabled and self.dataset.kind == "file" and not self.eval.dataset.enabled:
@@ -303,8 +301,6 @@ class SupervisedConfig(RunConfig):
             raise ConfigError(f"config key 'task': unknown task {self.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
         self.model.check_tiny_task()
         check_ranges(self, "", ">= 1", ("batch_size", "trainer_procs"))
-        if self.eval.max_tokens is not None:  # vLLM refuses < 1: each eval prompt would fail
-            check_ranges(self.eval, "eval.", ">= 1", ("max_tokens",))
         lr_schedule(self, "trainer", self.steps, "steps")
         if self.eval.enabled:
             if self.data.path and not self.eval.dataset.path:

@@ -16,7 +16,6 @@ next prompts under the same weights.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import random
 import stat
@@ -55,20 +54,6 @@ def read_small(path: Path, limit: int = WEIGHTS_FILE_LIMIT) -> str:
     if len(data) > limit:
         raise NotWeights(f"larger than {limit} bytes")
     return data.decode()
-
-
-def draw_problem(weights: Mapping[str, Any]) -> str | None:
-    """What the draws (random.choices) would fail on in weights each valid alone: an integer
-    beyond a float's range, or a sum that is not finite."""
-    for name, w in weights.items():
-        try:
-            float(w)
-        except OverflowError:
-            return f"the weight of {name!r} must be a number >= 0 that a float holds, got {str(w)[:20]}..."
-    if not math.isfinite(sum(float(w) for w in weights.values())):
-        got = ", ".join(f"{n}={float(w):g}" for n, w in weights.items())
-        return f"the weights must sum to a finite number, got {got}"
-    return None
 
 
 def source_stream(source: MixSource, seed: int, key: str = "dataset.mix") -> IndexedPrompts:
@@ -166,8 +151,6 @@ class Mixture(BaseNode[Sample]):
         console line and the old weights stay. Returns whether they were taken."""
         now = ", ".join(f"{n}={w:g}" for n, w in self.weights.items())
         problem = weight_problem(weights, self.names, self.weights)
-        if problem is None:  # each weight is valid: their floats and sum must be too
-            problem = draw_problem({**self.weights, **weights})
         if problem:
             self.say(f"forge: mix weights from {origin} refused: {problem}; the run keeps {now}")
             return False

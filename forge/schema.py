@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -320,6 +321,20 @@ def weight_problem(
             return f"the weight of {name!r} must be a number >= 0, got {w!r}"
     if not any({**(old or {}), **weights}.values()):
         return "every weight is 0; at least one source needs weight > 0"
+    return _draw_problem({**(old or {}), **weights})
+
+
+def _draw_problem(weights: Mapping[str, Any]) -> str | None:
+    """What the draws (random.choices) would fail on in weights each valid alone: an integer
+    beyond a float's range, or a sum that is not finite."""
+    for name, w in weights.items():
+        try:
+            float(w)
+        except OverflowError:
+            return f"the weight of {name!r} must be a number >= 0 that a float holds, got {str(w)[:20]}..."
+    if not math.isfinite(sum(float(w) for w in weights.values())):
+        got = ", ".join(f"{n}={float(w):g}" for n, w in weights.items())
+        return f"the weights must sum to a finite number, got {got}"
     return None
 
 

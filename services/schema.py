@@ -562,6 +562,8 @@ class EvalConfig:
     def validate(self) -> None:
         check_ranges(self, "eval.", ">= 0", ("every", "prompts", "temperature"))
         check_ranges(self, "eval.", ">= 1", ("n", "max_concurrent"))
+        if self.max_tokens is not None:  # vLLM refuses < 1: each eval prompt would fail
+            check_range("eval.max_tokens", self.max_tokens, ">= 1")
         check_range("eval.max_hold_s", self.max_hold_s, "> 0")
         if self.n > 1 and self.temperature == 0:
             raise ConfigError(

@@ -509,7 +509,7 @@ def test_a_reader_with_the_key_that_reads_slowly_holds_a_worker_only_until_the_t
     held a worker for as long as the file took at that pace, the next reader none. A send now
     has a deadline at the least average rate readers hold servers to, and the next reader is
     served."""
-    monkeypatch.setattr(transfer, "_SEND_WAIT_S", 5.0, raising=False)
+    monkeypatch.setattr(transfer, "_SEND_WAIT_S", 5.0)
     monkeypatch.setattr(transfer, "_MIN_RATE", 16 << 20)  # 32 MB: 2 s at the least rate, 50 s at this reader's
     weights, name = tmp_path / "served", "policy-abc-v1.safetensors"
     weights.mkdir()
