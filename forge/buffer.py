@@ -108,6 +108,8 @@ class ReplayBuffer(ForgeActor):
         async with self.changed:
             self.version = version
             self.admitted.clear()
+            # Groups held (a checkpoint's) are the batch's already: on-policy, admit only the rest.
+            self.admitted[version] = sum(self._fresh(g, version) for g in self.groups)
             self.start += 1
             self.changed.notify_all()
             return self.start

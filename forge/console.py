@@ -21,11 +21,18 @@ def _shape(message: str) -> str:
     return re.sub(r"'[^']*(?:'|$)|\"[^\"]*(?:\"|$)|\d+(\.\d+)?", "_", message)[:120]  # a literal cut short too
 
 
-def report(what: str, message: str) -> bool:
-    """Print `forge: WHAT: MESSAGE` the first time a failure of this shape happens; True if printed."""
+def first(what: str, message: str) -> bool:
+    """Whether this is the first failure of `what` with a message of this shape."""
     key = (what, _shape(message))
     if key in _seen:
         return False
     _seen.add(key)
+    return True
+
+
+def report(what: str, message: str) -> bool:
+    """Print `forge: WHAT: MESSAGE` the first time a failure of this shape happens; True if printed."""
+    if not first(what, message):
+        return False
     tqdm.write(f"forge: {what}: {message} (the first like it; the rest are counted)")
     return True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import math
 import os
 import statistics
 import textwrap
@@ -45,7 +46,8 @@ def series(run_dir: str | Path, keys: Sequence[str] = KEYS) -> Series:
     rows = [r for r in read_rows(run_dir) if "step" in r]
     out: Series = {"step": [r["step"] for r in rows], "wall_s": _wall_s(rows, run_dir)}
     for key in keys:
-        values = [r.get(key) for r in rows]
+        # A NaN or inf (a diverged step) is no point: it would spread through a curve's means.
+        values = [r[key] if key in r and math.isfinite(r[key]) else None for r in rows]
         if any(v is not None for v in values):
             out[key] = [None if v is None else round(v, 4) for v in values]
     return out
@@ -142,18 +144,22 @@ def summary(s: Series, key: str = "reward_mean", window: int = WINDOW) -> dict[s
     `key` over its last values (LAST steps, or the later half of a key logged now and then, as
     evals are) and the median seconds per step."""
     steps, ys = _points(s, "step", key)
+    walls, _ = _points(s, "wall_s", key)  # each point's own row's: an eval's is written after its step's
     # per step when logged at (nearly) every step: an eval's rows (one per eval, at step 0 too) lack it
     unit = "step" if len(set(steps)) >= len(set(s["step"]) - {0}) - 1 else "eval"
-    wall = dict(zip(s["step"], s["wall_s"]))
     means = _moving_mean(ys, window)
-    row: dict[str, Any] = {"steps": int(s["step"][-1]), f"first 3 {unit}s": statistics.fmean(ys[:3])}
+    row: dict[str, Any] = {"steps": int(max(s["step"])), f"first 3 {unit}s": statistics.fmean(ys[:3])}
     for t in THRESHOLDS:
-        at = next((int(x) for i, (x, m) in enumerate(zip(steps, means)) if i + 1 >= window and m >= t), None)
+        at = next((i for i, m in enumerate(means) if i + 1 >= window and m >= t), None)
         name = f"{window}-{unit} mean >= {t}" if window > 1 else f"first {unit} >= {t}"
-        row[name] = f"step {at} ({wall[at]:.0f} s)" if at else "not reached"
+        row[name] = "not reached" if at is None else f"step {int(steps[at])} ({walls[at]:.0f} s)"
     last = LAST if unit == "step" else max(1, len(ys) // 2)
     row[f"last {last} {unit}s"] = statistics.fmean(ys[-last:])
-    gaps = [b - a for a, b in zip(s["wall_s"], s["wall_s"][1:])]
+    started: dict[float, float] = {}  # each step's first row: its training row, not an eval of it written later
+    for step, wall in zip(s["step"], s["wall_s"]):
+        started.setdefault(step, wall)
+    firsts = list(started.values())
+    gaps = [b - a for a, b in zip(firsts, firsts[1:])]
     row["median s / step"] = statistics.median(gaps) if gaps else float("nan")
     return row
 

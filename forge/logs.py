@@ -6,12 +6,12 @@ console holds forge's own lines (the progress bar, forge's messages, errors, the
 
 A process forge spawns (forge.actor.spawn_procs) sends its stdout and stderr (vLLM, Monarch, torch,
 triton, tracebacks) to `ROLE-PID.log`, ROLE its process title without `forge:` (what `ps` shows) and
-PID its pid; its "forge" logger's warnings still reach the console, through a pipe the capturing
-process relays (between the progress bar's redraws). The process that calls `capture` sends
-what is written to its file descriptors 1 and 2 (Rust, C++, child processes) and its libraries'
-logging and warnings to `main-PID.log`; Python's sys.stdout and sys.stderr stay on the console.
-Without `capture` (a REPL), procs write to $FORGE_LOGS or runs/logs. `forge -v` (FORGE_LOGS=console)
-leaves everything on the console.
+PID its pid; its "forge" logger's warnings go there and to the console (the first of each kind),
+through a pipe the capturing process relays (between the progress bar's redraws). The process
+that calls `capture` sends what is written to its file descriptors 1 and 2 (Rust, C++, child
+processes) and its libraries' logging and warnings to `main-PID.log`; Python's sys.stdout and
+sys.stderr stay on the console. Without `capture` (a REPL), procs write to $FORGE_LOGS or
+runs/logs. `forge -v` (FORGE_LOGS=console) leaves everything on the console.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+
+from forge import console
 
 ENV = "FORGE_LOGS"  # the directory, inherited by every process forge starts; "console": none
 DEFAULT = "runs/logs"
@@ -76,11 +78,20 @@ class _Plain(logging.Formatter):
         return text
 
 
-def _to_console(logger: logging.Logger, stream) -> None:
+def _to_console(logger: logging.Logger, stream) -> logging.Handler:
     handler = logging.StreamHandler(stream)
     handler.setFormatter(_Plain("%(message)s"))
     handler.setLevel(logging.WARNING)
     logger.addHandler(handler)
+    return handler
+
+
+class _FirstOfEachKind(logging.Filter):
+    """The first record of each kind (`console.first`): a warning per sample (a reward failing
+    on each) is one console line, not thousands."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return console.first(record.name, record.getMessage())
 
 
 def advise(key: str, message: str) -> None:
@@ -107,11 +118,15 @@ def _relayed(to: Destination) -> int | None:
 
 def process_to_file(to: Destination, role: str) -> None:
     """In a spawned process, first thing: fds 1 and 2 to `DIRECTORY/ROLE-PID.log`; the "forge"
-    logger's warnings to the console as well."""
+    logger's warnings there and to the console, the first of each kind."""
     console_fd = _relayed(to)
-    console = os.fdopen(os.dup(2) if console_fd is None else console_fd, "w", buffering=1)
+    stream = os.fdopen(os.dup(2) if console_fd is None else console_fd, "w", buffering=1)
     _redirect(to.directory, role)
-    _to_console(logging.getLogger("forge"), console)
+    forge = logging.getLogger("forge")
+    _to_console(forge, stream).addFilter(_FirstOfEachKind())
+    to_file = logging.StreamHandler(sys.stderr)  # every one, in the log file
+    to_file.setFormatter(logging.Formatter(_FORMAT))
+    forge.addHandler(to_file)
 
 
 def _console_stream(stream, fd: int):

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from monarch.actor import Actor, endpoint, returns_future
+from tqdm import tqdm
 
 from forge.schema import BACKENDS, DEFAULT_BACKENDS
 
@@ -269,7 +270,8 @@ class MetricWriter:
         if self._wandb:
             self._wandb.log(row, step=step)
         if "console" in self.backends:
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            # Between the progress bar's redraws: printed over it, the row would go on the bar's line.
+            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         return row
 
     def close(self) -> None:

@@ -21,6 +21,8 @@ FAILURES = (
     "rollout_errors",
     "groups_masked",
     "groups_dropped",
+    "groups_nonfinite",
+    "service/respawn_failures",
 )
 
 
@@ -31,7 +33,7 @@ def _duration(seconds: float) -> str:
 
 def _trend(rows: list[dict[str, float]], key: str) -> str | None:
     """`key` over the first and the last steps (a tenth of the run each, 1-10 steps)."""
-    values = [r[key] for r in rows if key in r and not math.isnan(r[key])]
+    values = [r[key] for r in rows if key in r and math.isfinite(r[key])]
     if not values:
         return None
     n = min(10, max(1, len(values) // 10))
@@ -63,7 +65,8 @@ def summary(run_dir: str | Path, keys: tuple[str, ...]) -> str:
     where its checkpoint, model and plots are, with the commands that serve and evaluate it."""
     run_dir = Path(run_dir)
     rows = [r for r in read_rows(run_dir) if "step" in r]
-    steps, wall = (rows[-1]["step"], rows[-1]["wall_s"]) if rows else (0, 0.0)
+    # The last row may be an earlier step's (an eval beside the loop ends after later steps).
+    steps, wall = (max(r["step"] for r in rows), max(r["wall_s"] for r in rows)) if rows else (0, 0.0)
     lines = [f"{run_dir.name}: {steps:g} steps in {_duration(wall)}"]
     lines += [line for line in (*(_trend(rows, k) for k in keys), _evals(rows)) if line]
     lines.append(_failures(rows))

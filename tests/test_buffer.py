@@ -215,3 +215,30 @@ def test_a_batchs_episodes_name_their_group():
             await buf.shutdown()
 
     assert asyncio.run(main()) == [0, 0, 0, 1, 1]
+
+
+def test_a_resumed_on_policy_batch_admits_only_the_groups_its_checkpoint_lacks():
+    """On-policy, a checkpoint may hold some of the next batch's groups (generated between the
+    push and the save). Resumed, the batch admits only the rest: admitting a whole batch more
+    would generate groups of which the slowest are thrown away as stale (and bias the batch)."""
+
+    async def main():
+        buf = await ReplayBuffer.options().as_actor(capacity=2, max_staleness=0)
+        resumed = await ReplayBuffer.options().as_actor(capacity=2, max_staleness=0)
+        try:
+            start = await buf.restart.call_one(1)
+            await buf.add.call_one(group(1), await buf.admit.call_one(start))
+            await resumed.load_state_dict.call_one(await buf.state_dict.call_one())
+            start = await resumed.restart.call_one(1)
+            assert (await asyncio.wait_for(resumed.admit.call_one(start), 5)).version == 1
+            blocked = asyncio.ensure_future(resumed.admit.call_one(start))  # the batch is complete
+            await asyncio.sleep(0.3)
+            assert not blocked.done()
+            await resumed.add.call_one(group(1))
+            assert len(await resumed.sample.call_one(2, 1, timeout_s=5)) == 4
+            assert (await asyncio.wait_for(blocked, 5)).version == 2
+        finally:
+            await buf.shutdown()
+            await resumed.shutdown()
+
+    asyncio.run(main())

@@ -108,3 +108,30 @@ def test_another_local_user_cannot_write_to_the_console_relay(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "refused" and "fake" not in out.stderr, (out.stdout, out.stderr)
+
+
+SPAWNED = """
+import logging, sys
+from pathlib import Path
+from forge import logs
+
+logs.process_to_file(logs.Destination(Path(sys.argv[1])), "rewards")  # as a process forge spawns
+forge = logging.getLogger("forge")
+for i in range(50):
+    forge.warning("forge: reward %r failed on %r: judge at http://127.0.0.1:9/v1: APIConnectionError", "judge", f"answer {i}")
+forge.warning("forge: reward 'code_tests' failed on 'x': sandbox: namespaces failed")
+"""
+
+
+def test_a_warning_per_sample_in_a_spawned_process_is_one_console_line(tmp_path):
+    """A reward that fails on every sample (its judge unreachable) warns per sample, thousands
+    in a run: the console shows the first of each kind, as for episodes' failures; the log
+    file keeps every one."""
+    out = subprocess.run(
+        [sys.executable, "-c", SPAWNED, str(tmp_path / "logs")], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    console = out.stderr.splitlines()
+    assert len(console) == 2 and "'answer 0'" in console[0] and "code_tests" in console[1], console
+    (log,) = (tmp_path / "logs").glob("rewards-*.log")
+    assert log.read_text().count("APIConnectionError") == 50

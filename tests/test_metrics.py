@@ -1,4 +1,5 @@
 import json
+import sys
 import time
 
 import pytest
@@ -193,3 +194,68 @@ def test_a_resume_that_cannot_write_keeps_the_metrics_it_had(tmp_path, monkeypat
     monkeypatch.setattr(pathlib.Path, "open", real_open)
     rows = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[:2] == [1, 2]
+
+
+def _write_rows(run_dir, rows) -> None:
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_summary_counts_the_last_step_and_every_failure_and_skips_non_finite_values(tmp_path):
+    """An eval of step 10 that ends after step 12's row is written last: the run still did 12
+    steps. A step whose loss overflowed (inf, its update skipped) is left out of the trend as a
+    NaN one is. Groups left out of a batch for non-finite values, and respawns that failed, are
+    failures the run recovered from, as the metrics file counts them."""
+    from forge.summary import summary
+
+    rows = [{"step": s, "wall_s": 2.0 * s, "loss": 1.0, "groups_nonfinite": float(s == 3)} for s in range(1, 13)]
+    rows[-1]["loss"] = float("inf")
+    rows[5]["service/respawn_failures"] = 2.0
+    rows.append({"step": 10, "wall_s": 30.0, "eval/accuracy": 0.5})
+    _write_rows(tmp_path, rows)
+    lines = summary(tmp_path, ("loss",)).splitlines()
+    assert lines[0] == f"{tmp_path.name}: 12 steps in 30s"
+    assert lines[1] == "  loss 1.000 -> 1.000 (mean of the first and last 1 steps)"
+    assert lines[3] == "  failures: groups_nonfinite 1, service/respawn_failures 2"
+
+
+def test_curves_leave_out_values_that_are_not_finite(tmp_path):
+    """A NaN or inf (a diverged step) is no point of a curve: it would spread through the
+    moving mean and the table's means, and a curves file holding it is not JSON."""
+    for name, bad in (("nan", float("nan")), ("inf", float("inf"))):
+        rows = [{"step": s, "wall_s": float(s), "reward_mean": 0.5} for s in range(1, 41)]
+        rows[30]["reward_mean"] = bad
+        (tmp_path / name).mkdir()
+        _write_rows(tmp_path / name, rows)
+    data = curves.save(tmp_path / "c.json", [tmp_path / "nan", tmp_path / "inf"])
+    json.loads((tmp_path / "c.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in a curves file"))
+    assert [curves.summary(s)["last 25 steps"] for s in data["runs"].values()] == [0.5, 0.5]
+
+
+def test_the_curves_table_times_steps_by_their_training_rows(tmp_path):
+    """Each eval is a row of its own, at its step, written when it ends (seconds later): a
+    threshold reached at a step is timed by that step's training row, the seconds per step
+    are between training rows, and an eval at step 0 (the starting policy) reaching a
+    threshold is reached there."""
+    rows = [{"step": 0, "wall_s": 0.0, "eval/accuracy": 0.9}]
+    for step in range(1, 31):
+        rows.append({"step": step, "wall_s": 2.0 * step, "reward_mean": 1.0})
+        if step % 5 == 0:
+            rows.append({"step": step, "wall_s": 2.0 * step + 1.5, "eval/accuracy": 0.9})
+    _write_rows(tmp_path, rows)
+    s = curves.series(tmp_path)
+    row = curves.summary(s, "reward_mean", 20)
+    assert row["20-step mean >= 0.8"] == "step 20 (40 s)" and row["median s / step"] == 2.0
+    assert curves.summary(s, "eval/accuracy", 1)["first eval >= 0.8"] == "step 0 (0 s)"
+
+
+def test_console_rows_do_not_run_into_the_progress_bar(tmp_path, capsys):
+    """The `console` backend's rows go between the progress bar's redraws: printed over it,
+    a row would go on the bar's line."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=3, desc="grpo", file=sys.stdout)
+    w = MetricWriter(tmp_path, ["console"], start_time=0.0)
+    w.write(1, {"loss": 0.5})
+    bar.close()
+    (line,) = [line for line in capsys.readouterr().out.split("\n") if "loss=0.5" in line]
+    assert line.split("\r")[-1].startswith("step=1 "), repr(line)
