@@ -402,21 +402,22 @@ def shared_units(
     episodes: Sequence[Episode], keep_together: int = 1, pack_to: int = 0, only_cheaper: bool = True
 ) -> list[_Unit]:
     """The episodes, `keep_together` at a time, as units that share their prompt (the same tokens
-    before the first loss token), in order of first appearance; a unit over `pack_to` tokens is
-    split into several, each with its prompt. A lone episode is laid out whole, and with
-    `only_cheaper` so is a unit whose shared row attends over more than its episodes' rows would
-    (rows^2, what a dense mask computes: long prompts with short answers share, the reverse not)."""
+    before the first loss token, and a MoE's recorded routes there), in order of first
+    appearance; a unit over `pack_to` tokens is split into several, each with its prompt. A lone
+    episode is laid out whole, and with `only_cheaper` so is a unit whose shared row attends over
+    more than its episodes' rows would (rows^2, what a dense mask computes: long prompts with
+    short answers share, the reverse not)."""
     by_prompt: dict[tuple, list[int]] = {}
     for start in range(0, len(episodes), keep_together):
         members = list(range(start, start + keep_together))
         p = min(shared_prompt(episodes[i]) for i in members)
-        prompts = {tuple(episodes[i].tokens[:p]) for i in members}
+        prompts = {_prompt_of(episodes[i], p) for i in members}
         # Without a prompt to share, or with its own episodes differing there: laid out whole, alone.
-        key = ("prompt", *prompts.pop()) if len(prompts) == 1 and p else ("whole", start)
+        key = ("prompt", p, *prompts.pop()) if len(prompts) == 1 and p else ("whole", start)
         by_prompt.setdefault(key, []).extend(members)
     units: list[_Unit] = []
     for key, members in by_prompt.items():
-        p = len(key) - 1 if key[0] == "prompt" and len(members) > 1 else 0
+        p = key[1] if key[0] == "prompt" and len(members) > 1 else 0
         unit = _Unit([], p)
         for start in range(0, len(members), keep_together):
             grown = _Unit(unit.episodes + members[start : start + keep_together], p)
@@ -428,6 +429,13 @@ def shared_units(
     if only_cheaper:  # the others as collate lays them out without sharing
         units = [v for u in units for v in ([u] if _cheaper(u, episodes, keep_together) else _whole(u, keep_together))]
     return units
+
+
+def _prompt_of(episode: Episode, p: int) -> tuple[tuple[int, ...], bytes | None]:
+    """What the episodes of a unit have alike in their first `p` tokens: the tokens, and a MoE's
+    recorded routes (the shared prompt replays one member's for all)."""
+    routes = episode.routed_experts
+    return tuple(episode.tokens[:p]), (None if routes is None else routes[:p].long().numpy().tobytes())
 
 
 def _whole(unit: _Unit, keep_together: int) -> list[_Unit]:

@@ -122,3 +122,72 @@ def test_a_head_with_adapters_runs_whole_and_keeps_them():
         lp.sum().backward()
         got.append((lp.detach(), head.extra.grad))
     assert torch.equal(got[0][0], got[1][0]) and got[1][1] is not None and torch.equal(got[0][1], got[1][1])
+
+
+class _Top(torch.nn.Module):
+    """A decoder's last layers as torchtitan shards them: the final norm and the head, one FSDP unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.lm_head = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def _sharded_rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    top = _Top()
+    fully_shard([top.norm, top.lm_head])
+    fully_shard(top)
+    for m in top.modules():  # as torchtitan's decoders under gloo: the ranks' gradients summed
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    head, hidden, targets = _case()
+    mine = slice(rank, rank + 1)  # each rank its own row of the three
+    sizes = [0]
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, ent = head_logprobs(top.lm_head, top(hidden[mine]), targets[mine], 64, with_entropy=True)
+    (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
+    grad = top.lm_head.weight.grad.full_tensor()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (lp.detach(), ent, hidden.grad[mine]))
+    if rank == 0:
+        torch.save({"largest": max(sizes), "grad": grad, "rows": gathered}, out)
+    dist.destroy_process_group()
+
+
+def test_an_fsdp_sharded_head_runs_in_chunks_and_reduces_its_gradient(tmp_path):
+    """The trainer's head is an FSDP unit (with the final norm, as torchtitan shards it), hooks
+    and all: its logprobs too are taken in chunks, nothing of tokens x vocabulary kept for the
+    backward, and equal the plain ones, its gradient reduced over the ranks."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_sharded_rank, args=(2, port, str(tmp_path / "out.pt")), nprocs=2)
+    got = torch.load(tmp_path / "out.pt")
+    torch.manual_seed(0)
+    top = _Top()
+    _, hidden, targets = _case()
+    lp, ent = head_logprobs(top.lm_head, top(hidden[:2]), targets[:2], 0, with_entropy=True)
+    (lp * torch.linspace(-1, 1, lp[0].numel()).repeat(2, 1)).sum().backward()
+    assert got["largest"] < (TOKENS // 3) * VOCAB
+    assert (got["grad"] - top.lm_head.weight.grad).abs().max().item() <= 1e-5 * top.lm_head.weight.grad.abs().max()
+    for r, (lp_r, ent_r, hidden_grad) in enumerate(got["rows"]):
+        assert (lp_r - lp[r : r + 1]).abs().max().item() <= 1e-5 and (ent_r - ent[r : r + 1]).abs().max().item() <= 1e-5
+        assert (hidden_grad - hidden.grad[r : r + 1]).abs().max().item() <= 1e-5 * max(1.0, hidden.grad.abs().max())

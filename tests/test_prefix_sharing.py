@@ -239,3 +239,22 @@ def test_the_trainer_takes_the_same_step_from_shared_rows(tiny_model_dir):
     shared = asyncio.run(step(collate(episodes, pad_id=0, rows_multiple_of=2, share_prefix="always")))
     for key in ("loss", "grad_norm", "entropy", "trained_tokens"):
         assert abs(whole[key] - shared[key]) <= 1e-5 * max(1.0, abs(whole[key])), (key, whole[key], shared[key])
+
+
+def test_a_moe_sample_replays_its_own_routes_on_the_prompt_it_shares():
+    """Two groups of one prompt routed differently there (sampled on other weights, or one found
+    the prompt in the generator's prefix cache: -1) do not share it: every token a sample sees,
+    its prompt's included, replays that sample's own record, as on a row of its own."""
+    prompt = list(range(5, 14))
+    episodes = group(prompt, [[20, 21], [22], [23, 24, 25]], [1.0, -1.0, 0.5])
+    episodes += group(prompt, [[30], [31, 32]], [0.5, -0.5])
+    for k, e in enumerate(episodes):
+        own = torch.full((len(e.tokens), 2, 2), k, dtype=torch.int16)
+        own[: len(prompt)] = 0 if k < 3 else 1  # alike within a group, not across the two
+        e.routed_experts = own
+    b = collate(episodes, pad_id=0, share_prefix="always")
+    for r in range(b.input_ids.shape[0]):
+        owners = seen_by_episode(b, r) if b.segments is not None else [{d} for d in b.doc_ids[r].tolist()]
+        for d in set(b.doc_ids[r].tolist()) - {-1}:
+            cols = [k for k in range(len(owners)) if d in owners[k]]
+            assert torch.equal(b.routed_experts[r, cols], episodes[d].routed_experts.long()), d

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 
 def _plain(
@@ -84,11 +85,27 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 def chunkable(head: torch.nn.Module) -> bool:
     """Whether the chunked op can stand in for `head`: a head whose logits are F.linear of its
-    weight and bias alone. Any other (a LoRA head, a Tinker tenant's `train_unembed`; a module
-    with hooks, FSDP's own unit) runs as its model runs it, all at once: the tokens its callers
-    pass at once bound it (the Tinker trainer's `tokens_per_pass`)."""
+    weight and bias alone, sharded by FSDP or not. Any other (a LoRA head, a Tinker tenant's
+    `train_unembed`; a module with hooks of its own) runs as its model runs it, all at once: the
+    tokens its callers pass at once bound it (the Tinker trainer's `tokens_per_pass`)."""
     plain = isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
-    return plain and not head._forward_hooks and not head._forward_pre_hooks
+    return plain and (isinstance(head, FSDPModule) or not (head._forward_hooks or head._forward_pre_hooks))
+
+
+def _chunked(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked op called as `head`'s forward, so that FSDP's hooks around it gather its
+    sharded weight and reduce that weight's gradient, as for the head's own forward."""
+
+    def forward(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _ChunkedLogprobs.apply(h, t, head.weight, head.bias, chunk, with_entropy)
+
+    head.forward = forward
+    try:
+        return head(hidden, targets)
+    finally:
+        del head.forward
 
 
 def head_logprobs(
@@ -99,7 +116,7 @@ def head_logprobs(
     `chunk` tokens at a time (0: all at once; so is a head that is not `chunkable`)."""
     flat, wanted = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if chunk > 0 and chunkable(head):
-        lp, ent = _ChunkedLogprobs.apply(flat, wanted, head.weight, head.bias, chunk, with_entropy)
+        lp, ent = _chunked(head, flat, wanted, chunk, with_entropy)
     else:
         lp, ent = _plain(head, flat, wanted, with_entropy)
     return lp.view(targets.shape), (ent.view(targets.shape) if with_entropy else None)
