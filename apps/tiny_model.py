@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> Path:
         fail(f"--task: unknown task {a.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
     if a.family not in models.NAMES:
         fail(f"--family: unknown model family {a.family!r}; known: {', '.join(models.NAMES)}")
+    if a.sft_steps < 0:
+        fail(f"--sft-steps: must be >= 0, got {a.sft_steps}")
+    if not 0 <= a.sft_noise <= 1:
+        fail(f"--sft-noise: must be in [0, 1], got {a.sft_noise}")
     spec = TinyModelSpec(family=a.family, task=a.task, sft_steps=a.sft_steps, sft_noise=a.sft_noise, seed=a.seed)
     out = make_tiny_model(a.out, spec, force=a.force, warm_start=warm_start, where="--out")
     info = json.loads((out / BUILD_FILE).read_text())

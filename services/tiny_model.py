@@ -16,6 +16,7 @@ import json
 import shutil
 import string
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -168,9 +169,11 @@ def make_tiny_model(
     # generation configs do the same), so vLLM stops there.
     turn_end = tokenizer.convert_tokens_to_ids(tasks.end_of_turn(tokenizer))
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, turn_end]
-    # Write next to the target and swap in whole, so an interrupted build never looks cached.
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # Write next to the target and swap in whole, so an interrupted build never looks cached; in a
+    # directory of this build's own, so another build of `out` under way (another process) keeps its.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700: readable as the directory save_pretrained would make
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     info = {

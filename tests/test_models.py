@@ -236,7 +236,15 @@ def qwen3_moe(**keys):
     return Qwen3MoeConfig(**SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **keys)
 
 
+def qwen3_default_head_dim(**keys):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**SMALL, **keys)  # head_dim 128, not hidden_size / num_attention_heads
+
+
 LIKE_TRANSFORMERS = {  # config.json without a key: transformers' default, not another
+    "qwen3 without head_dim": (qwen3_default_head_dim, {}, ("head_dim",)),
+    "qwen3_moe without head_dim": (qwen3_moe, {}, ("head_dim",)),  # hidden_size / heads (16), not 128
     "qwen3 without rope_theta": (qwen3, {}, ("rope_parameters", "rope_theta")),
     "llama without rope_theta": (llama, {}, ("rope_parameters", "rope_theta")),
     "qwen3_moe without norm_topk_prob": (qwen3_moe, {"norm_topk_prob": False}, ("norm_topk_prob",)),
@@ -292,6 +300,34 @@ def test_missing_keys_unknown_weights_and_long_sequences_are_named(tmp_path):
                 ValueError, match=r"48-token sequence is longer than the model's max_position_embeddings \(32"
             ):
                 titan.token_logprobs(model, torch.zeros(1, 48, dtype=torch.long), positions=positions)
+
+
+def test_weights_of_other_sizes_than_config_json_gives_are_named(tmp_path):
+    """A config.json whose sizes are not its weights' is an error naming the directory and the weight."""
+    model_dir = save_random(qwen3(), tmp_path, edit=lambda c: c.update(intermediate_size=96))
+    with pytest.raises(
+        ValueError, match=rf"{model_dir}: weights of other sizes than config.json gives: .*w1.* \(128, 64\)"
+    ):
+        titan.load_hf_model(model_dir)
+
+
+@pytest.mark.parametrize("model_type,key", [("ernie4_5_moe", "moe_num_experts"), ("mixtral", "num_local_experts")])
+def test_a_moe_without_a_family_of_its_own_is_refused(model_type, key):
+    """Whatever key its config.json counts the experts by (vLLM's), a MoE is not the hf family's:
+    its generator would record routing the backend never replays."""
+    with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported"):
+        models.of({"model_type": model_type, key: 8})
+
+
+def test_query_heads_that_do_not_group_over_the_kv_heads_are_named(tmp_path):
+    """Grouped-query attention shares each KV head among as many query heads: a config.json whose
+    num_attention_heads is not a multiple of num_key_value_heads is an error naming both, at load."""
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=64, num_hidden_layers=1, head_dim=16, num_key_value_heads=3)
+    model_dir = make_tiny_model(tmp_path / "m", spec)
+    with pytest.raises(
+        ValueError, match="config.json: num_attention_heads 4 is not a multiple of num_key_value_heads 3"
+    ):
+        titan.load_hf_model(model_dir)
 
 
 def test_a_tied_checkpoint_s_stored_head_must_be_its_embeddings(tmp_path):

@@ -188,3 +188,31 @@ def test_a_build_never_replaces_a_directory_forge_did_not_build(tmp_path):
     assert (
         resolve_model(ModelConfig(path=str(built), tiny=TinyModelSpec(num_hidden_layers=1, seed=1))) / BUILD_FILE
     ).is_file()
+
+
+@pytest.mark.parametrize("flags", [["--sft-steps", "-1"], ["--sft-steps", "1", "--sft-noise", "7"]])
+def test_cli_refuses_out_of_range_flags_before_building(tmp_path, capsys, flags):
+    """A warm start of negative steps or a noise fraction outside [0, 1] is an error naming the
+    flag, before anything is built."""
+    from apps.tiny_model import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--out", str(tmp_path / "m"), *flags])
+    assert exit.value.code == 2 and f"{flags[-2]}: must be" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_two_builds_of_one_directory_at_once_leave_a_whole_build(tmp_path):
+    """Another build of the same directory (another test session, a run) while one is under way:
+    each builds in a directory of its own, and the directory ends up a whole build."""
+    from services.tiny_model import spec_key
+
+    out, spec = tmp_path / "models" / "m", TinyModelSpec(num_hidden_layers=1, sft_steps=1)
+
+    def another_build_meanwhile(model_dir, s):  # the first build's warm start
+        make_tiny_model(out, spec, force=True, warm_start=lambda d, s: 0.0)
+        return 0.0
+
+    make_tiny_model(out, spec, warm_start=another_build_meanwhile)
+    assert json.loads((out / BUILD_FILE).read_text())["key"] == spec_key(spec)
+    assert load_file(out / "model.safetensors") and sorted(p.name for p in out.parent.iterdir()) == ["m"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+MOE_KEYS = ("num_experts", "moe_num_experts", "num_local_experts", "n_routed_experts")  # vLLM's
 
 
 def supports(hf: dict) -> bool:

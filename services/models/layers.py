@@ -42,10 +42,15 @@ def attention_config(device_type: str) -> FlexAttention.Config | PackedSDPA.Conf
 def gqa_config(hf: dict, device_type: str, rope: Any, **extra: Any) -> Any:
     """torchtitan's grouped-query attention sized from the HF config `hf` (`extra`: a family's
     own keys, e.g. Qwen3's head_dim and qk_norm)."""
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
     return make_gqa_config(
         dim=hf["hidden_size"],
-        n_heads=hf["num_attention_heads"],
-        n_kv_heads=hf["num_key_value_heads"],
+        n_heads=heads,
+        n_kv_heads=kv_heads,
         wqkv_param_init=INIT,
         wo_param_init=INIT,
         inner_attention=attention_config(device_type),

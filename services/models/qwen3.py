@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+HEAD_DIM = 128  # transformers' Qwen3Config default (not hidden_size / num_attention_heads)
+
 
 def titan_config(hf: dict, device_type: str = "cpu", moe: Any = None) -> Any:
     """torchtitan's Qwen3Model.Config for the HF config `hf` (attention for `device_type`);
@@ -25,7 +27,7 @@ def titan_config(hf: dict, device_type: str = "cpu", moe: Any = None) -> Any:
     if kind != "default":  # torchtitan's CosSinRoPE has no scaling HF's Qwen3 computes alike
         raise ValueError(f"config.json: rope_type {kind!r} is not supported for qwen3 (supported: default)")
     dim, vocab, eps = hf["hidden_size"], hf["vocab_size"], hf["rms_norm_eps"]
-    head_dim = hf.get("head_dim") or dim // hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or HEAD_DIM
     rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=rope_theta(hf))
     attention = gqa_config(hf, device_type, rope, head_dim=head_dim, qk_norm=rms_norm(head_dim, eps))
 

@@ -57,7 +57,9 @@ def moe_config(hf: dict, layer: int) -> Any:
 
 def titan_config(hf: dict, device_type: str = "cpu") -> Any:
     """torchtitan's Qwen3Model.Config for the HF Qwen3-MoE config `hf`."""
-    return qwen3.titan_config(hf, device_type, moe=moe_config)
+    # Qwen3MoeConfig has no head_dim default: transformers takes hidden_size / num_attention_heads.
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    return qwen3.titan_config({**hf, "head_dim": head_dim}, device_type, moe=moe_config)
 
 
 adapter, parallelize = qwen3.adapter, qwen3.parallelize
