@@ -109,6 +109,7 @@ def load_hf_model(
     except KeyError as e:  # the adapter's name map has no entry for a weight (e.g. attention biases)
         name = _weight_named(hf_state, e.args[0])
         raise ValueError(f"{model_dir}: weight {name!r} is not one the {family.name} family has") from None
+    _sizes_check(model, titan_state, model_dir)
     missing, unexpected = model.load_state_dict(titan_state, strict=False)
     # adapters keep their init; a sequence-classification checkpoint has no LM head
     missing = [k for k in missing if not is_adapter(k) and not (score is not None and k.startswith("lm_head."))]
@@ -127,6 +128,18 @@ def _weight_named(hf_state: dict[str, torch.Tensor], key: Any) -> Any:
     """The checkpoint's weight a state-dict adapter's `key` stands for: its name map keys a
     layer's weights by template ("model.layers.{}.self_attn.k_proj.bias")."""
     return next((k for k in hf_state if re.sub(r"\.\d+\.", ".{}.", k, count=1) == key), key)
+
+
+def _sizes_check(model: torch.nn.Module, titan_state: dict[str, torch.Tensor], model_dir: str | Path) -> None:
+    """The checkpoint's weights have the sizes its config.json gives the model, else an error naming them."""
+    expected = model.state_dict()
+    wrong = [
+        f"{k} {tuple(v.shape)}, not {tuple(expected[k].shape)}"
+        for k, v in titan_state.items()
+        if k in expected and v.shape != expected[k].shape
+    ]
+    if wrong:
+        raise ValueError(f"{model_dir}: weights of other sizes than config.json gives: {wrong[:3]}")
 
 
 def _untie_check(hf: dict[str, Any], hf_state: dict[str, torch.Tensor], model_dir: str | Path) -> None:
@@ -253,6 +266,7 @@ def build_sharded_model(
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
     world = dist.get_world_size()
     family = models.of_model(model_dir)
@@ -281,7 +295,10 @@ def build_sharded_model(
         ac_config=None,
         dump_folder="/tmp",
     )
-    if gradients_summed():
+    # Every family sums its ranks' gradients (torchtitan's families already do): each rank's loss
+    # counts by its share of the step's tokens, over all ranks.
+    disable_fsdp_gradient_division(model)
+    if dist.get_backend() == "gloo":  # FSDP sums with PREMUL_SUM, which gloo lacks
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)
@@ -297,14 +314,6 @@ def reshard(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-
-
-def gradients_summed() -> bool:
-    """True where FSDP sums gradients over ranks instead of averaging them (the caller divides
-    its loss by the world size): gloo has no PREMUL_SUM, which FSDP's averaging uses."""
-    import torch.distributed as dist
-
-    return dist.get_backend() == "gloo"
 
 
 def _forward(

@@ -51,7 +51,7 @@ from services import models
 from services.lora import AdapterState, PeftNames, adapters_off, merged
 from services.schema import DECAYS, TrainerConfig
 from services.tenants import Tenants
-from services.titan import SCORE_HEAD, gradients_summed, reshard, target_logprobs
+from services.titan import SCORE_HEAD, reshard, target_logprobs
 
 log = logging.getLogger("forge")
 TENANT_META = "tenant.json"  # a tenant checkpoint's LoRA rank, alpha and modules
@@ -160,7 +160,7 @@ class Trainer(ForgeActor):
     async def train_step(self, batch: Batch) -> tuple[int, dict[str, float]]:
         """One optimizer step on `batch`: returns the new policy version and metrics averaged
         over ranks."""
-        from services.titan import gradients_summed, token_logprobs
+        from services.titan import token_logprobs
 
         if self.cfg.head == "score":
             return self._score_step(batch)
@@ -173,8 +173,7 @@ class Trainer(ForgeActor):
         total = units.sum().reshape(1)
         dist.all_reduce(total)
         shares = units / total.clamp(min=1)
-        # FSDP averages gradients over ranks (gloo: sums them); the shares already sum to 1 over all ranks.
-        grad_scale = 1 if gradients_summed() else self.world
+        # The shares sum to 1 over all ranks, whose gradients FSDP sums (services/titan.py).
         self.optimizers.zero_grad()
         # loss, kl, entropy, is_ratio, is_capped, tokens, then the mismatch sums: summed on the
         # device, copied to the host once; the largest |delta logprob| reduces by max.
@@ -192,7 +191,7 @@ class Trainer(ForgeActor):
                 segments=mb.segments,
             )
             loss = self.loss_fn(lp, mb, importance_weight(lp, mb, loss_cfg), loss_cfg) * share
-            (loss * grad_scale).backward()
+            loss.backward()
             with torch.no_grad():
                 step_sums = self._step_sums(mb, lp, ent, loss)
                 sums += step_sums[:-1]
@@ -252,7 +251,7 @@ class Trainer(ForgeActor):
         for mb, n in zip(micro, units):
             outputs = self._head_outputs(mb)
             loss = loss_fn(outputs, mb, self.cfg.loss)
-            (loss * n / total.clamp(min=1) * (1 if gradients_summed() else self.world)).backward()
+            (loss * n / total.clamp(min=1)).backward()
             for key, value in {"loss": loss.detach() * n, **metric_sums(outputs, mb, self.cfg.loss)}.items():
                 sums[key] = sums.get(key, 0) + value
         grad_norm = self._optimizer_step()
@@ -370,8 +369,8 @@ class Trainer(ForgeActor):
             with torch.set_grad_enabled(backward):
                 lp = target_logprobs(self.model, part.input_ids, part.target_tokens)
                 part_loss = TINKER_LOSSES[loss](lp, part, cfg)
-                if backward:  # FSDP averages gradients over ranks (gloo: sums them); the loss is a sum
-                    (part_loss * (1 if gradients_summed() else self.world)).backward()
+                if backward:  # the loss is a sum, and so is FSDP over the ranks
+                    part_loss.backward()
             lps += [row[:n] for row, n in zip(lp.detach().cpu().tolist(), part.lengths)]
             total += float(part_loss.detach())
         gathered: list[Any] = [None] * self.world

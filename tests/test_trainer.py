@@ -341,3 +341,26 @@ def test_sharded_trainers_take_the_steps_of_one(tmp_path, request, model, sharde
     got = load_file(tmp_path / f"p{sharded[0]}e{sharded[1]}/{weights}")
     want = load_file(tmp_path / f"p{alone[0]}e{alone[1]}/{weights}")
     assert got.keys() == want.keys() and all(torch.allclose(got[k], want[k], atol=1e-4) for k in want)
+
+
+def test_every_family_sums_its_ranks_gradients(tiny_hf_dir):
+    """Each rank's loss counts by its share of the step's tokens, so a step's gradient is the
+    sum over ranks: the hf family (FSDP wrapped by forge, not torchtitan) too, not their mean."""
+    g = torch.Generator().manual_seed(2)
+    eps = [
+        Episode(torch.randint(6, 100, (n,), generator=g).tolist(), [0] * 2 + [1] * (n - 2), [0.0] * n)
+        for n in (9, 12, 7, 10)
+    ]
+    batch = collate(eps, pad_id=0)
+
+    async def grad_norm(procs: int) -> float:
+        trainer = await Trainer.options(procs=procs).as_service(
+            str(tiny_hf_dir), TrainerConfig(lr=0.0, loss=LossConfig(name="sft"))
+        )
+        try:
+            return (await trainer.train_step.route(batch))[1]["grad_norm"]
+        finally:
+            await trainer.shutdown()
+
+    one, two = asyncio.run(grad_norm(1)), asyncio.run(grad_norm(2))
+    assert two == pytest.approx(one, rel=1e-4)
