@@ -28,14 +28,17 @@ def fail(msg: str) -> NoReturn:
 def app_config(config: str | None, overrides: list[Override], app: str | None = None) -> tuple[str, Any]:
     """The app's name (`app`, else the config's `app:` key) and its loaded Config. Only the apps'
     configs (apps/schema.py) are imported: a bad config is reported before torch loads."""
+    named = None if config is None else read_key(read_yaml(config), "app", config)
     if app is None:
         if config is None:
             raise ConfigError("no config file given")
-        app = read_key(read_yaml(config), "app", config)
+        app = named
         if not app:
             raise ConfigError(f"{config}: no top-level 'app' key (e.g. app: grpo)")
         if not isinstance(app, str):
             raise ConfigError(f"config key 'app' ({config}): expected an app's name (e.g. app: grpo), got {app}")
+    elif named not in (None, app):  # checked first: the other app's keys would be reported as unknown ones
+        raise ConfigError(f"config key 'app' ({config}) is {named!r}, but this command runs the {app} app")
     apps = importlib.import_module("apps.schema").APPS
     if app not in apps:
         raise ConfigError(f"config key 'app': no app named {app!r}; apps: {', '.join(apps)}")
@@ -137,6 +140,20 @@ def write_curves(a: argparse.Namespace) -> None:
     print(a.out)
 
 
+def make_dataset(a: argparse.Namespace) -> None:
+    """`forge make-dataset`: a toy task's rows as JSON lines; a bad option is one line naming it."""
+    if a.task not in tasks.TASKS:
+        fail(f"--task: unknown task {a.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
+    if Path(a.out).suffix not in (".jsonl", ".json"):
+        fail(f"--out {a.out}: make-dataset writes JSON lines; name a .jsonl file")
+    if a.n < 1:
+        fail(f"-n: the number of rows must be at least 1, got {a.n}")
+    try:
+        print(tasks.write_dataset(a.out, a.task, a.n, a.seed, a.system, a.preferences))
+    except OSError as e:
+        fail(f"--out {a.out}: cannot write it: {e.strerror or e}")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     verbose = bool(argv) and argv[0] in ("-v", "--verbose")
@@ -216,13 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     elif a.cmd == "curves":
         write_curves(a)
     elif a.cmd == "make-dataset":
-        if a.task not in tasks.TASKS:
-            fail(f"--task: unknown task {a.task!r}; known: {', '.join(sorted(tasks.TASKS))}")
-        if Path(a.out).suffix not in (".jsonl", ".json"):
-            fail(f"--out {a.out}: make-dataset writes JSON lines; name a .jsonl file")
-        if a.n < 1:
-            fail(f"-n: the number of rows must be at least 1, got {a.n}")
-        print(tasks.write_dataset(a.out, a.task, a.n, a.seed, a.system, a.preferences))
+        make_dataset(a)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,17 @@ default and its comment, and the results page is made from the benchmarks' JSON 
 
 import base64
 import dataclasses
+import fnmatch
 import hashlib
 import importlib.util
 import io
 import json
 import re
+import shlex
 import shutil
 import sys
 import tarfile
+import typing
 from pathlib import Path
 
 import pytest
@@ -286,3 +289,126 @@ def test_the_readme_and_the_home_page_draw_the_same_diagram():
         return (ROOT / path).read_text().split("```mermaid\n", 1)[1].split("```", 1)[0]
 
     assert diagram("README.md") == diagram("docs/index.md")
+
+
+def test_make_dataset_names_an_out_it_cannot_write(tmp_path, capsys):
+    from forge.cli import main
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        main(["make-dataset", "--out", str(tmp_path / "file" / "x.jsonl"), "-n", "2"])
+    assert stop.value.code == 2
+    assert f"forge: error: --out {tmp_path / 'file' / 'x.jsonl'}: cannot write it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "app,config,other", [("tinker", "configs/grpo_tiny.yaml", "grpo"), ("grpo", "configs/sft_tiny.yaml", "sft")]
+)
+def test_a_command_given_another_apps_config_says_whose_it_is(app, config, other, capsys):
+    """`forge tinker CONFIG` and `python -m apps.NAME --config CONFIG` on a config whose `app:` is
+    another app's: the error names the apps, not the first key the command's app lacks."""
+    from forge.cli import run_app
+
+    with pytest.raises(SystemExit):
+        run_app(app, ["--config", str(ROOT / config)])
+    err = capsys.readouterr().err
+    assert "config key 'app'" in err and f"is {other!r}" in err and f"runs the {app} app" in err, err
+
+
+def test_the_reward_model_guides_run_is_the_shipped_config():
+    """The guide's figures for `forge run configs/rm_tiny.yaml` are of the config as shipped: its
+    warm start's SFT steps, its own steps, its pairs per step and its LR."""
+    from forge.config import load_config
+
+    page = (ROOT / "docs/guides/reward-models.md").read_text()
+    said = re.search(
+        r"`forge run configs/rm_tiny\.yaml`: the (\d+)-step\s+warm start with a fresh score head, "
+        r"(\d+) steps of (\d+) pairs, LR (\S+) (\w+);",
+        page,
+    )
+    cfg = load_config(ROOT / "configs/rm_tiny.yaml", [], APPS["rm"])
+    shipped = (cfg.model.tiny.sft_steps, cfg.steps, cfg.batch_size, cfg.trainer.lr, cfg.trainer.lr_decay)
+    assert said and shipped == (int(said[1]), int(said[2]), int(said[3]), float(said[4]), said[5]), shipped
+
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+CONFIGS = [cls() for cls in APPS.values()]
+SECTIONS = {f.name for c in CONFIGS for f in dataclasses.fields(c) if dataclasses.is_dataclass(getattr(c, f.name))}
+MOVED = [old for cls in APPS.values() for old in cls.MOVED]  # named by the errors that say where they went
+
+
+def has_key(config, parts: list[str]) -> bool:
+    """Whether the dotted `parts` are a key of `config` (below a dict, any name is)."""
+    for part in parts:
+        if isinstance(config, dict):
+            return True
+        if not dataclasses.is_dataclass(config) or part not in {f.name for f in dataclasses.fields(config)}:
+            return False
+        value = getattr(config, part)
+        if value is None:  # an optional section (model.tiny): its class's keys
+            hint = typing.get_type_hints(type(config))[part]
+            value = next((t() for t in typing.get_args(hint) if dataclasses.is_dataclass(t)), None)
+        config = value
+    return True
+
+
+def test_every_config_key_a_page_names_exists():
+    """A dotted name whose first part is a config section (`generator.cpu_threads`,
+    `trainer.lora.rank=8`) is a key of some app's config."""
+    not_keys = {"trainer.train_step"}  # the trainer service's endpoint
+    wrong = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in re.finditer(r"(?<![\w./$-])([a-z_]+(?:\.[a-z_0-9]+)+)", text):
+            parts = m[1].split(".")
+            if parts[0] not in SECTIONS or parts[-1] in ("py", "md", "yaml", "json", "jsonl", "safetensors", "proto"):
+                continue
+            known = m[1] in not_keys or any(fnmatch.fnmatch(m[1], old) for old in MOVED)
+            if not known and not any(has_key(c, parts) for c in CONFIGS):
+                wrong.append(f"{page.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}: {m[1]}")
+    assert not wrong, wrong
+
+
+CMD = r"(?:forge (?:run|eval|tinker)|make run|python -m apps\.\w+)\b"
+COMMAND = re.compile(rf"`({CMD}[^`]*)|^\s*({CMD}[^`\n#&]*)", re.M)  # inline code, or a line of a block
+
+
+def page_commands(text: str):
+    """Each `forge run|eval|tinker`, `make run` and `python -m apps.NAME` command of a page (a
+    continued line joined) whose config is a file: (app or None, config, overrides, the keys of
+    placeholders), a placeholder (`seed=S`, `model.path=$MODEL`) read as 1."""
+    for m in COMMAND.finditer(re.sub(r"\\\n\s*", " ", text)):
+        words = shlex.split(m[1] or m[2])
+        app, config, args = None, "configs/grpo_tiny.yaml", []
+        if words[:2] == ["make", "run"]:
+            for w in words[2:]:
+                config = w.removeprefix("CONFIG=") if w.startswith("CONFIG=") else config
+                args += shlex.split(w.removeprefix("ARGS=")) if w.startswith("ARGS=") else []
+        else:
+            app = words[2].removeprefix("apps.") if words[0] == "python" else "tinker" if words[1] == "tinker" else None
+            files = [w for w in words[2:] if w.endswith(".yaml")]
+            if not files:
+                continue  # CONFIG, --resume: no config file of the manual's
+            config, args = files[0], words[words.index(files[0]) + 1 :]
+        overrides = [a for a in args if "=" in a and not a.startswith("-")]
+        placeholders = [a.split("=")[0] for a in overrides if re.search(r"=([A-Z]+|\$\w+)$", a)]
+        yield app, config, [re.sub(r"=([A-Z]+|\$\w+)$", "=1", a) for a in overrides], placeholders
+
+
+def test_every_command_a_page_gives_loads_its_config():
+    """The configs and key=value overrides of the manual's commands load (a data file or model
+    that an earlier step of its page writes may be missing here, and a placeholder is no value)."""
+    from forge.cli import app_config
+    from forge.config import ConfigError
+
+    wrong = []
+    for page in PAGES:
+        for app, config, overrides, placeholders in page_commands(page.read_text()):
+            try:
+                app_config(str(ROOT / config), overrides, app)
+            except ConfigError as e:
+                named = re.search(r"config key '([^']+)'", str(e))
+                missing = re.search(r"config key '[^']+'.*: (file not found|no HF model)", str(e))
+                if not missing and not (named and named[1] in placeholders):
+                    wrong.append(f"{page.relative_to(ROOT)}: {config} {' '.join(overrides)}: {e}")
+    assert not wrong, wrong
