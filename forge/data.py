@@ -9,6 +9,7 @@ import re
 import string
 from typing import Any
 
+from jinja2 import TemplateError
 from torchdata.nodes import BaseNode
 
 from forge.config import ConfigError
@@ -150,19 +151,28 @@ class RowPrompts(IndexedPrompts):
         return present(messages)
 
     def _tools(self, row: dict[str, Any], at: int) -> list[dict[str, Any]] | None:
-        raw = row[self.cfg.tools_key]
-        try:  # a JSON string: tools' parameter schemas differ from row to row
-            tools = json.loads(raw) if isinstance(raw, str) and raw.strip() else raw or None
-        except json.JSONDecodeError:
-            tools = raw  # not tools: named below
-        if tools is not None and not (
-            isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)
-        ):
+        try:
+            return as_tools(row[self.cfg.tools_key])
+        except ValueError as e:
             raise ConfigError(
-                f"config key '{self.key}.tools_key': row {at} of {self.where} holds {str(raw)[:60]!r} "
-                f"in column '{self.cfg.tools_key}', not a list of OpenAI tools ({{type: function, function: {{name, ...}}}})"
-            )
-        return tools or None
+                f"config key '{self.key}.tools_key': row {at} of {self.where} holds {e} in column '{self.cfg.tools_key}', "
+                "not a list of OpenAI tools ({type: function, function: {name, ...}})"
+            ) from None
+
+
+def as_tools(raw: Any) -> list[dict[str, Any]] | None:
+    """A row's tools cell as OpenAI tools (a list, or that list as JSON: tools' parameter schemas
+    differ from row to row); None when empty. ValueError (its text: the cell's start) when it
+    holds something else."""
+    try:
+        tools = json.loads(raw) if isinstance(raw, str) and raw.strip() else raw or None
+    except json.JSONDecodeError:
+        tools = raw  # not tools: named below
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)
+    ):
+        raise ValueError(repr(str(raw)[:60]))
+    return tools or None
 
 
 class FilePrompts(RowPrompts):
@@ -205,7 +215,9 @@ class SFTExamples(TokenizedRows):
     """An endless stream of supervised examples as (token ids, loss mask): the file's rows,
     reshuffled each epoch from the seed, or fresh toy-task samples. Resumable (its index).
     Chat rows train on the assistant turns, up to and with the token that ends them in the
-    tokenizer's chat template."""
+    tokenizer's chat template, rendered with the row's tools; prompt/completion rows on the
+    completion (a chat prompt's assistant turns are context). A file's rows are all checked when
+    it loads: one that trains nothing, even after the cut to max_tokens, names its row."""
 
     def __init__(self, cfg: SFTDataConfig, tokenizer: Any, task: str, seed: int = 0):
         super().__init__(cfg, tokenizer, task, seed)
@@ -223,9 +235,9 @@ class SFTExamples(TokenizedRows):
                 )
             if not len(self.rows):
                 raise ConfigError(f"config key 'data.path': {cfg.path} has no rows")
-            keys = [k for k in (cfg.messages_key, cfg.prompt_key, cfg.completion_key) if k in columns]
+            keys = [k for k in (cfg.messages_key, cfg.prompt_key, cfg.completion_key, cfg.tools_key) if k in columns]
             for at, row in enumerate(self.rows.select_columns(keys)):
-                self._parts(row, f"config key 'data.path': {cfg.path} row {at}")
+                self._check(*self._parts(row, f"config key 'data.path': {cfg.path} row {at}"))
 
     def sample(self, i: int) -> tuple[list[int], list[int]]:
         if self.rows is None:
@@ -246,37 +258,69 @@ class SFTExamples(TokenizedRows):
                     self.tokenizer, [{"role": r, "content": c} for r, c in turns], self.end_of_turn
                 )
                 return self._cut(ids, [int(label != -100) for label in labels])
-            return self._pair(s.prompt, answer, f"toy sample {i}")
+            return self._tokens(s.prompt, answer)
         index = self.shuffled(i, len(self.rows))
-        parts = self._parts(self.rows[index], f"{self.cfg.path} row {index}")
-        if isinstance(parts, list):
-            ids, labels = chat_tokens(self.tokenizer, parts, self.end_of_turn)
-            return self._cut(ids, [int(label != -100) for label in labels])
-        return self._pair(*parts, f"{self.cfg.path} row {index}")
+        prompt, completion, tools, _ = self._parts(self.rows[index], f"{self.cfg.path} row {index}")
+        return self._tokens(prompt, completion, tools)
 
-    def _parts(self, row: dict[str, Any], where: str) -> list[dict[str, Any]] | tuple[str, str]:
-        """A row's chat messages (with an assistant turn), else its prompt and completion (text, a
-        completion not empty); a row with neither is a ConfigError naming it."""
+    def _tokens(self, prompt: Any, completion: Any, tools: list[dict[str, Any]] | None = None) -> Tokens:
+        return self._cut(*completion_tokens(self.tokenizer, prompt, completion, self.end_of_turn, tools=tools))
+
+    def _parts(self, row: dict[str, Any], where: str) -> tuple[Any, Any, list[dict[str, Any]] | None, str]:
+        """A row's prompt, completion and tools, as `completion_tokens` takes them (a chat row's
+        messages are the completion of an empty prompt: all its assistant turns train), and
+        `where`. A row that trains nothing is a ConfigError naming it."""
         c = self.cfg
-        messages = row.get(c.messages_key)
+        try:
+            tools = as_tools(row.get(c.tools_key))
+        except ValueError as e:
+            raise ConfigError(f"{where}: column '{c.tools_key}' holds {e}, not a list of OpenAI tools") from None
+        messages, key = row.get(c.messages_key), c.messages_key
         if messages is not None:
             if not is_chat(messages):
-                raise ConfigError(
-                    f"{where}: column '{c.messages_key}' is not a list of chat messages ({{role, content}})"
-                )
-            if not any(m.get("role") == "assistant" for m in messages):
-                raise ConfigError(f"{where}: no assistant message to train on")
-            return present(messages)
-        prompt, completion = row.get(c.prompt_key), row.get(c.completion_key)
-        if prompt is None or completion is None or not str(completion).strip():
+                raise ConfigError(f"{where}: column '{key}' is not a list of chat messages ({{role, content}})")
+            prompt, completion = [], present(messages)
+        else:
+            (prompt, completion), key = self._prompt_completion(row, where), c.completion_key
+        if isinstance(completion, list) and not any(m.get("role") == "assistant" for m in completion):
+            raise ConfigError(f"{where}: column '{key}' has no assistant message to train on")
+        if tools and isinstance(prompt, str):
+            raise ConfigError(f"{where}: column '{c.tools_key}': tools are shown by a chat template, not in text")
+        if isinstance(prompt, list) and [*prompt, *completion][0].get("role") == "assistant":
+            raise ConfigError(f"{where}: its first message is the assistant's; a chat template renders it after one")
+        return prompt, completion, tools, where
+
+    def _prompt_completion(self, row: dict[str, Any], where: str) -> tuple[Any, Any]:
+        """A row's prompt (text, or chat messages) and completion (text, not empty; after a chat
+        prompt, the assistant's messages, or its text as one)."""
+        c = self.cfg
+        prompt, completion = (_completion(row.get(k)) for k in (c.prompt_key, c.completion_key))
+        if prompt is None or not _filled(completion):
             empty = [k for k, v in ((c.prompt_key, prompt), (c.completion_key, completion)) if v is None or v == ""]
             raise ConfigError(
                 f"{where}: no chat messages ('{c.messages_key}') and no value in {empty or [c.completion_key]}"
             )
-        return str(prompt), str(completion)
+        for key, value in ((c.prompt_key, prompt), (c.completion_key, completion)):
+            if not isinstance(value, str) and not is_chat(value):
+                raise ConfigError(f"{where}: column '{key}' holds {str(value)[:60]!r}, not text or chat messages")
+        if isinstance(prompt, str) and not isinstance(completion, str):
+            raise ConfigError(f"{where}: the prompt is text, so '{c.completion_key}' must be too, not messages")
+        if isinstance(prompt, str):
+            return prompt, completion
+        turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+        return present(prompt), turns
 
-    def _pair(self, prompt: str, completion: str, where: str) -> tuple[list[int], list[int]]:
-        return self._cut(*text_tokens(self.tokenizer, prompt, completion))
+    def _check(self, prompt: Any, completion: Any, tools: list[dict[str, Any]] | None, where: str) -> None:
+        """A row its tokens are made of as the loop will: one the chat template refuses, or that
+        the cut to max_tokens leaves no loss token of (it would train nothing), is named."""
+        try:
+            _, mask = self._tokens(prompt, completion, tools)
+        except (TemplateError, ValueError, TypeError) as e:
+            raise ConfigError(f"{where}: the chat template cannot render it: {type(e).__name__}: {e}") from None
+        if not any(mask):
+            raise ConfigError(
+                f"{where}: its first {self.cfg.max_tokens} tokens (data.max_tokens) hold none of its loss tokens"
+            )
 
     def _cut(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
         return ids[: self.cfg.max_tokens], mask[: self.cfg.max_tokens]
@@ -362,16 +406,18 @@ def completion_tokens(
     completion: str | list[dict[str, Any]],
     end_of_turn: str,
     plain: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> Tokens:
-    """A prompt and its completion as (token ids, loss mask on the completion), as a preference
-    pair's and a reward model's: text (then EOS ends the completion), or chat messages (then the
-    completion is the assistant's messages, or its text, in the chat template). `plain`: the
-    completion's special-token strings as text (a policy's completion, which a reward model reads)."""
+    """A prompt and its completion as (token ids, loss mask on the completion), as an SFT row's,
+    a preference pair's and a reward model's: text (then EOS ends the completion), or chat
+    messages (then the completion is the assistant's messages, or its text, in the chat template,
+    with `tools`). `plain`: the completion's special-token strings as text (a policy's
+    completion, which a reward model reads)."""
     if isinstance(prompt, str):
         return text_tokens(tokenizer, prompt, str(completion), plain)
     turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
     messages = present([*prompt, *turns])
-    ids, labels = chat_tokens(tokenizer, messages, end_of_turn, plain, first=len(prompt))
+    ids, labels = chat_tokens(tokenizer, messages, end_of_turn, plain, first=len(prompt), tools=tools)
     return ids, [int(label != -100) for label in labels]
 
 

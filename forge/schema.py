@@ -353,6 +353,8 @@ class RowsConfig:
             raise ConfigError(f"config key 'data.path': file not found: {self.path}")
         if self.max_tokens < 2:
             raise ConfigError(f"config key 'data.max_tokens' must be >= 2, got {self.max_tokens}")
+        if self.path and self.system is not None:
+            raise ConfigError(f"config key 'data.system': the toy task's system turn, not {self.path}'s")
 
 
 @dataclass
@@ -363,6 +365,7 @@ class SFTDataConfig(RowsConfig):
     messages_key: str = "messages"  # a column of chat messages: loss on the assistant turns only
     prompt_key: str = "prompt"  # else prompt and completion columns: loss on the completion (and EOS)
     completion_key: str = "completion"  # the completion column beside prompt_key
+    tools_key: str = "tools"  # a chat row's tools (a list, or it as JSON), if the file has this column
     pack_to: int = 0  # examples packed into rows of up to this many tokens, each seeing only itself; 0: one per row
     noise: float = 0.0  # toy task only: this fraction (0 to 1) of answer characters (or digits) replaced at random
     # Toy task with `system` only: this fraction of examples take a random-length start of the system
@@ -377,6 +380,8 @@ class SFTDataConfig(RowsConfig):
         super().validate()
         check_range("data.pack_to", self.pack_to, ">= 0")
         check_ranges(self, "data.", "[0, 1]", ("noise", "system_cut"))
+        if self.noise and self.path:
+            raise ConfigError(f"config key 'data.noise': corrupts the toy task's answers, not {self.path}'s")
         if self.system_cut and self.system is None:
             raise ConfigError("config key 'data.system_cut' cuts the system turn of data.system, which is not set")
         if self.reasoning_gym.task and self.path:

@@ -274,18 +274,24 @@ def end_of_turn(tokenizer) -> str:
 
 
 def chat_tokens(
-    tokenizer, messages: list[dict[str, str]], end_of_turn: str, plain: bool = False, first: int = 0
+    tokenizer,
+    messages: list[dict[str, str]],
+    end_of_turn: str,
+    plain: bool = False,
+    first: int = 0,
+    tools: list[dict] | None = None,
 ) -> tuple[list[int], list[int]]:
     """A conversation as the chat template renders it: its token ids, and the labels to train
     on (the assistant turns' tokens, up to and with their `end_of_turn` token, the template's
     (`end_of_turn(tokenizer)`); -100 elsewhere). `plain`: the assistant turns' own text with
     special-token strings as text (a policy's: it spells "<|im_end|>", it does not end a turn).
     `first`: the first message that may train; assistant turns before it are context (a
-    completion's prompt may hold earlier turns of the conversation)."""
+    completion's prompt may hold earlier turns of the conversation). `tools`: the tools the
+    template shows (a system turn of their own, or the first's)."""
     ids: list[int] = []
     labels: list[int] = []
     rendered = ""
-    whole = tokenizer.apply_chat_template(messages, tokenize=False)
+    whole = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
 
     def add(text: str, train: bool, own: bool = False) -> None:
         piece = tokenizer(text, add_special_tokens=False, split_special_tokens=own and plain)["input_ids"]
@@ -295,8 +301,8 @@ def chat_tokens(
     for k, m in enumerate(messages):
         if m["role"] != "assistant" or k < first:
             continue
-        prompt = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
-        turn = _turn(tokenizer, messages, k, prompt, whole, end_of_turn)
+        prompt = tokenizer.apply_chat_template(messages[:k], tools=tools, add_generation_prompt=True, tokenize=False)
+        turn = _turn(tokenizer, messages, k, prompt, whole, end_of_turn, tools)
         end = turn.rindex(end_of_turn)  # the template's end of the turn; what follows it is the template's too
         add(prompt[len(rendered) :], False)
         add(turn[:end], True, own=True)
@@ -306,11 +312,13 @@ def chat_tokens(
     return ids, labels
 
 
-def _turn(tokenizer, messages: list[dict[str, str]], k: int, prompt: str, whole: str, end_of_turn: str) -> str:
+def _turn(
+    tokenizer, messages: list[dict[str, str]], k: int, prompt: str, whole: str, end_of_turn: str, tools: list | None
+) -> str:
     """Assistant turn k's text after its generation prompt `prompt`, as the template renders the
     whole conversation (`whole`). A template may render a turn otherwise once a user turn
     follows it (Qwen3's drops its reasoning): then it is `whole`'s, through its end of turn."""
-    full = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+    full = tokenizer.apply_chat_template(messages[: k + 1], tools=tools, tokenize=False)
     if whole.startswith(full) or not whole.startswith(prompt):
         return full[len(prompt) :]
     return whole[len(prompt) : whole.index(end_of_turn, len(prompt)) + len(end_of_turn)]

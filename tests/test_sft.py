@@ -75,6 +75,13 @@ def test_system_cut_trains_the_task_behind_system_turns_of_every_length(tiny_mod
             SFTDataConfig(**bad).validate()
 
 
+@pytest.mark.parametrize("key, value", [("system", "Be brief."), ("noise", 0.1)])
+def test_a_toy_task_key_beside_a_file_is_named_not_ignored(tmp_path, key, value):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}])
+    with pytest.raises(ConfigError, match=f"config key 'data.{key}': .*toy task"):
+        SFTDataConfig(path=path, **{key: value}).validate()
+
+
 def test_a_file_without_the_columns_is_named_before_anything_starts(tmp_path, tiny_model_dir):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -93,6 +100,13 @@ def test_a_file_without_the_columns_is_named_before_anything_starts(tmp_path, ti
         ({"prompt": None, "completion": "4"}, r"no value in \['prompt'\]"),
         ({"messages": [{"role": "user", "content": "no answer"}]}, "no assistant message to train on"),
         ({"messages": "abc"}, "column 'messages' is not a list of chat messages"),
+        ({"messages": CHAT[2:]}, "its first message is the assistant's"),  # no prompt to render it after
+        ({"prompt": [], "completion": "4"}, "its first message is the assistant's"),
+        ({"prompt": "1+" * 600, "completion": "4"}, r"first 1024 tokens \(data.max_tokens\) hold none of its loss"),
+        ({"messages": [{"role": "user", "content": "1+" * 600}, *CHAT[2:3]]}, "hold none of its loss tokens"),
+        ({"prompt": "2+2=", "completion": CHAT[2:3]}, "the prompt is text, so 'completion' must be too"),
+        ({"prompt": CHAT[:2], "completion": CHAT[1:2]}, "'completion' has no assistant message"),
+        ({"messages": CHAT, "tools": '["calc"]'}, "column 'tools' .* not a list of OpenAI tools"),
     ],
 )
 def test_every_row_is_checked_when_the_file_loads(tmp_path, tiny_model_dir, bad, why):
@@ -106,6 +120,60 @@ def test_every_row_is_checked_when_the_file_loads(tmp_path, tiny_model_dir, bad,
     path = write_jsonl(tmp_path / "bad.jsonl", rows + [{**row, **bad}])
     with pytest.raises(ConfigError, match=f"config key 'data.path': {path} row 40: .*{why}"):
         SFTExamples(SFTDataConfig(path=path), tok, "add")
+
+
+def test_a_row_the_chat_template_rejects_is_named_when_the_file_loads(tmp_path, tiny_model_dir):
+    """A template may refuse a conversation (Qwen3's, one with no user turn): the row is named
+    when the file loads, not when the loop reaches it mid-run."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    no_user = (
+        "{%- if not (messages | selectattr('role', 'equalto', 'user') | list) %}"
+        "{{ raise_exception('No user query found in messages.') }}{% endif -%}"
+    )
+    tok.chat_template = no_user + tok.chat_template
+    rows = [{"messages": CHAT}, {"messages": [CHAT[0], CHAT[2]]}]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    with pytest.raises(ConfigError, match=f"config key 'data.path': {path} row 1: .*No user query found"):
+        SFTExamples(SFTDataConfig(path=path), tok, "add")
+
+
+def test_chat_prompt_and_completion_rows_train_the_completion_in_the_chat_template(tmp_path, tiny_model_dir):
+    """TRL's conversational prompt/completion rows: the prompt's messages (its assistant turns
+    context) then the completion, a text or the assistant's messages, rendered by the chat
+    template; the loss on the completion's assistant turns and their end of turn only."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [{"prompt": CHAT[:4], "completion": CHAT[4:]}, {"prompt": CHAT[:4], "completion": "yx"}]
+    examples = SFTExamples(SFTDataConfig(path=write_jsonl(tmp_path / "pc.jsonl", rows)), tok, "add")
+    for ids, mask in (examples.sample(0), examples.sample(1)):
+        assert ids == tok(tok.apply_chat_template(CHAT, tokenize=False), add_special_tokens=False)["input_ids"]
+        assert tok.decode([t for t, m in zip(ids, mask) if m]) == "yx<|im_end|>"
+
+
+def test_a_tools_column_is_rendered_with_its_chat_row(tmp_path, tiny_model_dir):
+    """A row's tools (the `tools` column, as TRL's) are rendered by the chat template as the
+    policy sees them when it calls them; the loss stays on the assistant's turns: its calls, its
+    answer."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tool = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
+    call = {"type": "function", "function": {"name": "calc", "arguments": '{"x": "2+2"}'}}
+    chat = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "4"},
+        {"role": "assistant", "content": "4"},
+    ]
+    rows = [{"messages": chat, "tools": json.dumps([tool])}, {"messages": CHAT, "tools": None}]
+    examples = SFTExamples(SFTDataConfig(path=write_jsonl(tmp_path / "tools.jsonl", rows)), tok, "add")
+    got = {len(ids): (ids, mask) for ids, mask in (examples.sample(0), examples.sample(1))}
+    assert len(got) == 2
+    ids, mask = got[max(got)]
+    rendered = tok.apply_chat_template(chat, tools=[tool], tokenize=False)
+    assert "# Tools" in rendered and ids == tok(rendered, add_special_tokens=False)["input_ids"]
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == (
+        '<tool_call>{"name": "calc", "arguments": {"x": "2+2"}}</tool_call><|im_end|>4<|im_end|>'
+    )
+    ids, _ = got[min(got)]  # a row without tools: none shown
+    assert ids == tok(tok.apply_chat_template(CHAT, tokenize=False), add_special_tokens=False)["input_ids"]
 
 
 @pytest.mark.slow  # 57 s: two SFT runs with a generator for evals
