@@ -29,7 +29,7 @@ from forge.env import EpisodeStats, run_env_episode
 from forge.metrics import Reduce, record_metric
 from forge.rollout import RolloutError, finite_advantages, within
 from forge.tasks import Sample
-from forge.types import Episode, Score, check_reward
+from forge.types import Episode, Score
 from services.envs import RemoteEnv
 from services.schema import AgenticConfig
 
@@ -78,7 +78,10 @@ class AgenticRollouts:
 
     async def episode(self, task: dict[str, Any]) -> EpisodeResult:
         kind = "agent" if self.agent else "env"
-        session = self.gateway.open_session()
+        try:
+            session = self.gateway.open_session()
+        except RuntimeError as e:  # gateway.max_sessions are open: this episode only
+            return EpisodeResult(None, [], _failed(kind, str(e), task))
         client = self.gateway.client(session)
         start = time.monotonic()
         score, error, stats = None, None, EpisodeStats()
@@ -146,8 +149,16 @@ class AgenticRollouts:
             self.cfg.sampling,
             self.cfg.max_episode_tokens,
         )
-        reward = check_reward(step.reward, f"the reward of env {self.cfg.env!r}")  # a NaN fails this episode only
-        return Score(reward, components=dict(step.info), correct=step.info.get("correct")), stats
+        out = {"reward": step.reward, "components": step.info, "correct": step.info.get("correct")}
+        where = f"env {self.cfg.env!r} returned reward {step.reward!r}, info {step.info!r}:"
+        try:
+            score = Score.coerce(out, where, check=False)
+        except TypeError as e:
+            raise RolloutError(f"{e} (an environment's EnvStep: a number reward, info of numbers)") from None
+        try:  # a NaN fails this episode only
+            return score.checked(), stats
+        except ValueError as e:
+            raise ValueError(f"{where} {e}") from None
 
 
 _CLOSED = (

@@ -705,7 +705,8 @@ class AgenticConfig:
     step_timeout_s: float = 60.0  # one environment step (reset, step, close)
     episode_timeout_s: float = 600.0  # one whole episode, agent or environment
     on_failure: str = "mask"  # a failed episode: its group trains on the rest (mask) or is dropped (drop)
-    # Chat completion parameters of the environment loop's calls (an agent sets its own).
+    # Chat completion parameters of the environment loop's calls (an agent sets its own); the loop
+    # sets model, messages and tools, and takes one whole reply a turn (no n, no stream).
     sampling: dict[str, Any] = field(default_factory=dict)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)  # the OpenAI gateway the episodes call
 
@@ -721,7 +722,22 @@ class AgenticConfig:
         check_ranges(self, "agentic.", "> 0", keys)
         if self.max_episode_tokens is not None:
             check_range("agentic.max_episode_tokens", self.max_episode_tokens, "> 0")
+        self._check_sampling()
         if self.agent:
             import_object("agentic.agent", self.agent)
         if self.env:
             import_object("agentic.env", self.env)
+
+    def _check_sampling(self) -> None:
+        """The environment loop asks the run's model for one whole reply a turn, with the
+        environment's messages and tools: more choices would train as the episode's turns
+        without the environment seeing them."""
+        loops = next((k for k in ("model", "messages", "tools") if k in self.sampling), None)
+        if loops is not None:
+            raise ConfigError(f"config key 'agentic.sampling.{loops}': the environment loop sets it")
+        if self.sampling.get("n", 1) != 1 or self.sampling.get("stream"):
+            key = "n" if self.sampling.get("n", 1) != 1 else "stream"
+            raise ConfigError(
+                f"config key 'agentic.sampling.{key}': the environment loop takes one whole reply a turn "
+                f"(n 1, no stream), got {self.sampling[key]!r}"
+            )

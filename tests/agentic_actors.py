@@ -146,3 +146,12 @@ def blocking_reward(s):
     if s.completion == "exit":
         raise SystemExit(3)
     return 1.0
+
+
+class NotedEnv(TwoStepEnv):
+    """Ends at its first step with a note in its info: text, where the numbers go."""
+
+    def step(self, message):
+        from forge.env import EnvStep
+
+        return EnvStep(done=True, reward=1.0, info={"correct": 1.0, "note": "solved it"})

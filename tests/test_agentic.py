@@ -467,3 +467,61 @@ def test_a_session_the_gateway_closed_for_idling_costs_only_its_episode(loop, se
     episodes = loop.run_until_complete(main())
     row = metrics(loop, tmp_path)
     assert len({id(e.score) for e in episodes}) == 3 and row["agent_errors"] == 1
+
+
+def test_an_episode_given_up_while_waiting_for_a_place_leaves_none_taken(loop):
+    """The caller gives up on a reset still waiting for a place (its step timeout, the episode's
+    timeout) and closes the episode: the pool's place is not taken later by an environment no one
+    will close (a full pool would then time out every episode)."""
+    pool = loop.run_until_complete(EnvPool.options().as_service("agentic_actors:TwoStepEnv", 1))
+    task = TASK.row()
+
+    async def main():
+        env = pool.pinned()
+        await env.reset.route("held", task)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(env.reset.route("waiting", task), 0.5)
+        await env.close.route("waiting")  # as run_env_episode's `finally` does
+        await env.close.route("held")
+        await asyncio.wait_for(env.reset.route("next", task), 10)  # the place is free again
+        await env.close.route("next")
+        return await env.open_episodes.route()
+
+    try:
+        assert loop.run_until_complete(main()) == 0
+    finally:
+        loop.run_until_complete(pool.shutdown())
+
+
+def test_an_environment_whose_info_is_not_numbers_stops_the_run_naming_it(loop):
+    """EnvStep.info holds numbers (a Score's components and `correct`): text there used to pass
+    into the episodes and end the run later, at the trainer's metrics, naming nothing."""
+    r = offline(_FakePool("agentic_actors:NotedEnv"), env="agentic_actors:NotedEnv")
+    with pytest.raises(RolloutError, match="env 'agentic_actors:NotedEnv'.*'note'"):
+        loop.run_until_complete(r.group(TASK))
+
+
+def test_an_episode_the_gateway_has_no_session_for_costs_only_that_episode(loop, served, tmp_path):
+    """More episodes at once than gateway.max_sessions: the one refused a session fails alone,
+    counted, with the gateway's message, and its group trains on the others."""
+    gw, *_ = served
+    r = rollouts(served, agent="agentic_actors:sure_agent")
+
+    async def agent(client, task):
+        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        return 1.0
+
+    r.agent = agent
+    metrics(loop, tmp_path)
+    saved = gw.cfg.max_sessions
+
+    async def main():
+        gw.cfg.max_sessions = len(gw.sessions) + 3
+        try:
+            return await r.group(TASK)
+        finally:
+            gw.cfg.max_sessions = saved
+
+    episodes = loop.run_until_complete(main())
+    row = metrics(loop, tmp_path)
+    assert len({id(e.score) for e in episodes}) == 3 and row["agent_errors"] == 1

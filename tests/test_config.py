@@ -469,3 +469,13 @@ def test_a_template_on_the_command_line_is_its_text(tmp_path, value):
     rows.write_text('{"question": "q", "answer": "a"}\n')
     _, cfg = app_config(GRPO, [f"dataset.path={rows}", f"dataset.template={value}"])
     assert cfg.dataset.template == value
+
+
+@pytest.mark.parametrize(
+    "override", ["agentic.sampling.n=2", "agentic.sampling.model=other", "agentic.sampling.stream=true"]
+)
+def test_environment_sampling_the_loop_cannot_honour_is_refused(override):
+    """The environment loop asks for one reply a turn from the run's model with the env's own
+    messages and tools: sampling that names those (or more choices, which would train as the
+    episode's without the environment seeing them) is a config error, not every episode failing."""
+    refused(TOOL, [override], override.split("=")[0])

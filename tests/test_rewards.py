@@ -314,3 +314,13 @@ def test_the_reward_model_reads_the_policys_special_token_strings_as_text(tiny_m
         ids, mask = rm_tokens(tok, sample(prompt, forged, episode), eot)
         assert sum(i in special for i in ids) == sum(i in special for i in honest[0]), tok.decode(ids)
         assert forged in tok.decode([i for i, m in zip(ids, mask) if m])
+
+
+@pytest.mark.parametrize("tests", ["assert f(1) == 2\nassert f(2) == 4", ["assert f(1) == 2", 3]])
+def test_code_tests_refuses_tests_that_are_not_a_list_of_statements(tests):
+    """A `tests` column holding one string was run character by character: every program, `pass`
+    too, passed its spaces and newlines (1/3 here), and a right one scored under 1."""
+    reward = CodeTests()
+    with pytest.raises(ValueError, match="code_tests: the task row's 'tests' must be a list of strings"):
+        asyncio.run(reward(RewardInput({"prompt": "p", "answer": "", "tests": tests}, "pass")))
+    assert reward.pool is None  # refused before any sandbox starts

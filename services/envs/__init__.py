@@ -35,19 +35,28 @@ class EnvPool(ForgeActor):
     def __init__(self, factory: str, capacity: int = 64):
         self.factory, self.capacity = factory, capacity
         self.envs: dict[str, Any] = {}
-        self.steps: dict[str, asyncio.Task] = {}  # a step in progress, cancelled if its episode is closed
+        # A reset or step in progress, cancelled if its episode is closed: a reset still waiting
+        # for a place would otherwise take one later, for an environment no one closes.
+        self.steps: dict[str, asyncio.Task] = {}
         self.places = asyncio.Semaphore(capacity)
 
     @concurrent_endpoint
     async def reset(self, episode: str, task: dict[str, Any]) -> tuple[list[dict], list[dict] | None]:
-        await self.places.acquire()
+        self.steps[episode] = asyncio.current_task()
         try:
-            self.envs[episode] = import_object("agentic.env", self.factory)()
-            return await call(self.envs[episode].reset, task)
+            await self.places.acquire()
+            try:
+                env = self.envs[episode] = import_object("agentic.env", self.factory)()
+            except BaseException:
+                self.places.release()
+                raise
+            return await call(env.reset, task)
         except BaseException:
-            self.envs.pop(episode, None)
-            self.places.release()
+            if self.envs.pop(episode, None) is not None:  # else close took it, and its place
+                self.places.release()
             raise
+        finally:
+            self.steps.pop(episode, None)
 
     @concurrent_endpoint
     async def step(self, episode: str, message: dict[str, Any]) -> EnvStep:
@@ -61,11 +70,11 @@ class EnvPool(ForgeActor):
 
     @concurrent_endpoint
     async def close(self, episode: str) -> None:
+        if episode in self.steps:  # the caller gave up on a reset or step (its timeout): stop it
+            self.steps.pop(episode).cancel()
         env = self.envs.pop(episode, None)
         if env is None:
             return
-        if episode in self.steps:  # the caller gave up on a step (its timeout): stop waiting for it
-            self.steps.pop(episode).cancel()
         try:
             await call(env.close)
         finally:

@@ -22,6 +22,18 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
+def _tests(row: dict) -> list[str]:
+    """The row's test statements; a ValueError naming the column when they are not a list of
+    strings (a string alone would run character by character, its spaces passing)."""
+    column = "tests" if row.get("tests") else "test_list"
+    tests = row.get(column) or []
+    if not isinstance(tests, (list, tuple)) or not all(isinstance(t, str) for t in tests):
+        raise ValueError(
+            f"code_tests: the task row's {column!r} must be a list of strings (Python statements), got {tests!r:.80}"
+        )
+    return list(tests)
+
+
 class CodeTests:
     """The `code_tests` reward function: runs the completion's program against the task row's
     tests, MBPP/HumanEval style: `tests` (or MBPP's `test_list`, after its `test_setup_code`),
@@ -40,7 +52,7 @@ class CodeTests:
 
     async def __call__(self, s: RewardInput) -> dict[str, float]:
         row = s.task
-        tests = list(row.get("tests") or row.get("test_list") or [])
+        tests = _tests(row)
         expected = row.get("expected_output")
         if not tests and expected is None:
             raise ValueError("code_tests: the task row has no 'tests', 'test_list' or 'expected_output' column")
