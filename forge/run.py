@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -89,7 +90,8 @@ class Run:
         self.dir.mkdir(parents=True, exist_ok=True)
         if resume_from is None and (earlier := checkpoint.set_aside(self.dir)) is not None:
             print(f"forge: {self.dir} held an earlier run's checkpoints; moved them to {earlier}", flush=True)
-        (self.dir / "config.yaml").write_text(to_yaml(cfg))
+        # The config resolved: an API key read from the environment is in it as text.
+        _write_private(self.dir / "config.yaml", to_yaml(cfg))
         self.step = checkpoint.load_run_state(resume_from)["step"] if resume_from else 0
         self.version = 0
         self.finished = False
@@ -275,3 +277,11 @@ class Run:
         if (self.dir / "metrics.jsonl").exists():
             plot_run(self.dir, **({"keys": self.plot_keys} if self.plot_keys else {}))
         self._plotted = time.monotonic()
+
+
+def _write_private(path: Path, text: str) -> None:
+    """`text` in `path`, which its owner alone may read (an earlier file of that name too)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)
+        f.write(text)

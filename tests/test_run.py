@@ -549,3 +549,14 @@ def test_ctrl_c_after_a_rewind_counts_no_step_from_before_it(tmp_path):
     last = checkpoint.latest(cfg.run_dir)
     saved, held = checkpoint.load_run_state(last), json.load(open(last / "trainer" / "state.json"))
     assert saved["step"] == held["steps_taken"] == 2
+
+
+def test_the_saved_config_is_readable_by_its_owner_alone(tmp_path):
+    """config.yaml is the config resolved: a judge's or the gateway's API key read from the
+    environment is in it as text, so other users of the machine must not read it."""
+    old = os.umask(0o022)
+    try:
+        Run("test", config(tmp_path))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "run" / "config.yaml").stat().st_mode & 0o077 == 0
