@@ -89,6 +89,18 @@ def test_gspo_sequence_ratio_clipped():
     assert loss == pytest.approx((-1.2 + 0.5) / 2)
 
 
+def test_gspo_leaves_a_masked_token_out_of_its_sequence_ratio():
+    """A token a masking correction drops (weight 0) leaves GSPO's sequence ratio: the episode
+    trains on its other tokens as if it were not there; an episode dropped whole trains on none."""
+    loss, grad = run("gspo", is_weight=[[1, 1, 1, 0], [1, 1, 1, 1]])  # episode 1's last token dropped
+    assert loss == pytest.approx((-1.0 + 0.5) / 2)
+    assert grad[0, 1:3].tolist() == pytest.approx([-1 / 4] * 2) and grad[0, 3] == 0
+    assert grad[1, 1:3].tolist() == pytest.approx([0.125] * 2)
+    loss, grad = run("gspo", is_weight=[[0, 0, 0, 0], [1, 1, 1, 1]])  # episode 1 dropped (sequence_mask)
+    assert loss == pytest.approx(0.5 / 2) and not grad[0].any()
+    assert grad[1, 1:3].tolist() == pytest.approx([0.125] * 2)
+
+
 def test_importance_weight_and_advantages():
     ep = Episode(tokens=[1, 2, 3], loss_mask=[0, 1, 1], gen_logprobs=[0, -2.0, -1.0])
     w = importance_weight(torch.tensor([[0, -1.0, -2.0]]), collate([ep], pad_id=0), LossConfig(is_cap=2.0))

@@ -96,11 +96,15 @@ def dapo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: Los
 def gspo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     """GSPO: one length-normalized sequence ratio per episode, clipped at sequence level."""
     counts = _per_doc(torch.ones_like(logprobs), batch)
+    # A token a masking correction dropped (weight 0) is not in its sequence's ratio; an episode
+    # with none left trains on nothing (and still counts, as a dropped episode does in GRPO).
+    kept = (is_weight > 0).to(logprobs.dtype)
+    n_kept = _per_doc(kept, batch)
     # log of the sequence IS weight joins the ratio: s = (pi/pi_old)^(1/|y|) * w_seq
     log_w = torch.log(is_weight.clamp(min=1e-8)).detach()
-    log_s = _per_doc(logprobs - logprobs.detach() + log_w, batch) / counts.clamp(min=1)
+    log_s = _per_doc((logprobs - logprobs.detach() + log_w) * kept, batch) / n_kept.clamp(min=1)
     adv = _per_doc(batch.advantages, batch) / counts.clamp(min=1)
-    seq = _mean_present(_clipped_pg(torch.exp(log_s), adv, cfg), counts)
+    seq = _mean_present(_clipped_pg(torch.exp(log_s), adv, cfg) * (n_kept > 0), counts)
     if cfg.kl_coef:
         seq = seq + cfg.kl_coef * _doc_mean(k3_kl(logprobs, batch.ref_logprobs, batch.loss_mask), batch)
     return seq
