@@ -3,18 +3,20 @@ values at all: trained on fresh samples with the true value function as its targ
 bootstrapping, no noise in the targets), how much of the true values and of the returns it
 explains on held-out samples.
 
-    python docs/critic_fit.py MODEL_DIR [BATCHES]
+    python docs/critic_fit.py MODEL_DIR [BATCHES [CRITIC_START]]
 
 Samples as in docs/critic_ceiling.py (8 per prompt at temperature 1); batches of 64 episodes,
 one AdamW step each (lr 1e-3); the value of token t is read from the output at t - 1, as
-forge's critic reads it.
+forge's critic reads it. CRITIC_START: a sequence classifier (a reward model) whose body starts
+the critic, as with `ppo.critic_path` (here the head starts at zero whichever the body); default
+MODEL_DIR's.
 """
 
 import sys
 
 import torch
 from critic_ceiling import samples
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from forge.losses.advantages import explained_variance
 from forge.types import collate
@@ -23,9 +25,10 @@ BATCH = 64
 
 
 class Critic(torch.nn.Module):
-    def __init__(self, path: str):
+    def __init__(self, path: str, start: str | None = None):
         super().__init__()
-        self.body = AutoModelForCausalLM.from_pretrained(path).model
+        body = AutoModelForSequenceClassification if start else AutoModelForCausalLM
+        self.body = body.from_pretrained(start or path).model
         self.head = torch.nn.Linear(self.body.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
@@ -46,12 +49,12 @@ def tensors(episodes, rewards, values):
     return batch.input_ids, own, returns, true
 
 
-def main(path: str, batches: int) -> None:
+def main(path: str, batches: int, start: str | None = None) -> None:
     torch.manual_seed(0)
     tok, policy = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
     ids, own, returns, true = tensors(*samples(policy, tok, 64, seed=99))
     print(f"held out: {int(own.sum())} tokens; the true values explain {explained_variance(true, returns, own):.3f}")
-    critic = Critic(path)
+    critic = Critic(path, start)
     opt = torch.optim.AdamW(critic.parameters(), lr=1e-3, weight_decay=0.0)
     for step in range(batches):
         x, m, _, target = tensors(*samples(policy, tok, BATCH // 8, seed=1000 + step))
@@ -70,4 +73,4 @@ def main(path: str, batches: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 300)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 300, sys.argv[3] if len(sys.argv) > 3 else None)

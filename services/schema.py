@@ -514,7 +514,9 @@ class PPOConfig:
 
     gamma: float = 1.0  # GAE's discount per token
     lam: float = 0.95  # GAE's lambda: 1 = the Monte Carlo return, 0 = one-step TD
-    critic_path: str = ""  # the critic's starting checkpoint (a causal LM: its head is replaced); empty: the policy's
+    # The critic's starting checkpoint: a causal LM (a fresh value head in place of its LM head) or
+    # a sequence classifier, e.g. a reward model (its score head); empty: the policy's.
+    critic_path: str = ""
     critic_procs: int = 1  # the critic's trainer processes
     critic_warmup: int = 0  # the first steps train the critic alone; the policy waits for useful values
     critic_updates: int = 1  # critic optimizer steps on each batch (its value clip acts from the second)
