@@ -83,6 +83,7 @@ class ForgeActor(Actor):
         router: str = "least_loaded",
         max_restores: int = 3,
         spread: bool = False,
+        respawn_wait_s: float = 300.0,
     ) -> SpawnOptions:
         return SpawnOptions(
             cls,
@@ -93,6 +94,7 @@ class ForgeActor(Actor):
             router=router,
             max_restores=max_restores,
             spread=spread,
+            respawn_wait_s=respawn_wait_s,
         )
 
     @classmethod

@@ -51,10 +51,10 @@ async def guarded(aw: Awaitable[Any]) -> Any:
         raise Raised(f"{type(e).__name__}: {e}") from e
 
 
-async def within(aw: Awaitable[Any], timeout_s: float, late: str) -> Any:
-    """`aw`'s result, run as its own task (`guarded`); after `timeout_s` a TimeoutError(`late`),
-    the task cancelled and abandoned: asyncio.wait_for would wait for it to end, forever if it
-    swallows its cancellation."""
+async def within(aw: Awaitable[Any], timeout_s: float | None, late: str) -> Any:
+    """`aw`'s result, run as its own task (`guarded`); after `timeout_s` (None: no limit) a
+    TimeoutError(`late`), the task cancelled and abandoned, as it is when the caller is
+    cancelled: asyncio.wait_for would wait for it to end, forever if it swallows its cancellation."""
     task = asyncio.ensure_future(guarded(aw))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # abandoned: nobody else reads it
     try:
@@ -90,7 +90,11 @@ def check_rollout(result: Any, where: str) -> tuple[list[Completion], list[Score
     """`result` as (completions, scores), or a RolloutError that says what `where` returned wrong."""
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
         raise RolloutError(f"{where} returned a {type(result).__name__}, not a (completions, scores) pair")
-    completions, scores = (list(x) for x in result)
+    try:
+        completions, scores = (list(x) for x in result)
+    except TypeError:  # one of them is not a sequence (None, a lone Score)
+        kinds = " and a ".join(type(x).__name__ for x in result)
+        raise RolloutError(f"{where} returned a {kinds}, not a list of completions and a list of scores") from None
     if len(completions) != len(scores) or not completions:
         raise RolloutError(
             f"{where} returned {len(completions)} completions and {len(scores)} scores (one per completion, at least one)"
@@ -274,7 +278,9 @@ class RolloutLoops:
             await self.weights.wait_held(ticket.weights)
             draw, sample = self.prompts.draw()
             try:
-                episodes = await guarded(self.rollouts.group(sample))  # a SystemExit costs its group
+                # Its own task: a SystemExit or a cancellation of its own costs its group, and one
+                # that swallows the loops' stop is abandoned (a Ctrl-C's checkpoint waits for the stop).
+                episodes = await within(self.rollouts.group(sample), None, "")
             except Exception:
                 self.prompts.done(draw)
                 raise

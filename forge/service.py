@@ -196,6 +196,8 @@ class Service:
 
     async def _fanout(self, name: str, args: tuple, kwargs: dict) -> list[Any]:
         await self._revive()  # first: a replica it brings back is one of those called
+        if not self.healthy():  # every one respawning: wait for one, as a route does (stateful: restored)
+            await self._ready(name=name)
         return list(await asyncio.gather(*(self._call(name, args, kwargs, replica=r) for r in self.healthy())))
 
     # ---- supervision ---------------------------------------------------------------
@@ -289,11 +291,12 @@ class Service:
 
     @returns_future
     async def wait_healthy(self, timeout: float = 120.0) -> int:
-        """Wait until no respawn is in progress; returns the number of healthy replicas."""
+        """Wait until no respawn is in progress; returns the number of healthy replicas. A
+        TimeoutError after `timeout` leaves the respawns running (their callers await them)."""
         await self._revive()
         pending = [r.respawned for r in self.replicas if r.respawned is not None]
-        if pending:
-            await asyncio.wait_for(asyncio.gather(*pending), timeout)
+        if pending and (await asyncio.wait(pending, timeout=timeout))[1]:
+            raise TimeoutError(f"{self.options.actor.__name__}: replicas still respawning after {timeout} s")
         return len(self.healthy())
 
     # ---- public API ----------------------------------------------------------------

@@ -216,6 +216,7 @@ def test_on_policy_batches_the_policy_does_not_step_on_keep_coming_on_its_weight
         (lambda i: i == 0, lambda i: False, RuntimeError),  # a failed group gives its room back: one more starts
         (lambda i: False, lambda i: i == 1, RuntimeError),  # a group the buffer did not keep (masked): room for another
         (lambda i: i == 0, lambda i: False, SystemExit),  # a rollout's SystemExit costs its group, not the run
+        (lambda i: i == 0, lambda i: False, asyncio.CancelledError),  # so does a cancellation of its own
     ],
 )
 def test_a_group_that_is_not_kept_gives_its_room_back(fail, empty, error):
@@ -227,6 +228,43 @@ def test_a_group_that_is_not_kept_gives_its_room_back(fail, empty, error):
                 assert len(await loops.batch(0)) == 4
                 await asyncio.sleep(0.3)
             assert rollouts.started == [0, 0, 0]
+
+    asyncio.run(main())
+
+
+class Deaf:
+    """Rollouts of which one swallows its cancellation (a retry loop's bare `except:`)."""
+
+    def __init__(self):
+        self.deaf, self.running = True, 0
+
+    async def group(self, sample):
+        self.running += 1
+        for _ in range(20):
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                if not self.deaf:
+                    raise
+                self.deaf = False
+        return []
+
+
+def test_stopping_the_loops_does_not_wait_for_a_rollout_that_swallows_its_cancellation():
+    """A Ctrl-C (or a trainer's restore) stops the loops first, then saves: a rollout that
+    ignores its cancellation is abandoned, and its loop stops all the same."""
+
+    async def main():
+        gen = FakeGen()
+        rollouts = Deaf()
+        async with loops_on(gen, rollouts, max_staleness=0) as (loops, sync):
+            await loops.start(0)
+            while not rollouts.running:
+                await asyncio.sleep(0.01)
+            stopping = asyncio.ensure_future(loops.stop())
+            done, _ = await asyncio.wait([stopping], timeout=30)
+            assert done, "the loops did not stop"
+            assert not rollouts.deaf  # the rollout did swallow its cancellation
 
     asyncio.run(main())
 
@@ -335,3 +373,14 @@ def test_a_resumed_run_draws_first_the_prompts_in_flight_when_it_stopped():
         assert resumed.draw()[1].prompt == str(saved["stream"]["index"])  # then the stream goes on
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("scores", [None, Score(1.0)])
+def test_a_rollout_whose_scores_are_not_a_list_breaks_its_contract(scores):
+    """Not a list of scores (None, one Score): the run stops at once, naming the rollout, as
+    for any other broken contract (not a TypeError counted as a rollout that failed)."""
+    from forge.rollout import RolloutError, check_rollout
+
+    c = Completion([1], [2], [-0.1], "x", "stop")
+    with pytest.raises(RolloutError, match=r"rollout 'm:f' returned a list and a (NoneType|Score)"):
+        check_rollout(([c], scores), "rollout 'm:f'")

@@ -173,8 +173,7 @@ def test_a_replica_that_cannot_be_respawned_is_lost_with_its_error(tmp_path, mon
     marker = tmp_path / "broken"
 
     async def main():
-        svc = await Flaky.options().as_service(str(marker))
-        svc.options.respawn_wait_s = 120.0
+        svc = await Flaky.options(respawn_wait_s=120.0).as_service(str(marker))  # an option, as documented
         try:
             pid = await svc.pid.route()
             marker.touch()
@@ -190,3 +189,70 @@ def test_a_replica_that_cannot_be_respawned_is_lost_with_its_error(tmp_path, mon
     assert message.startswith("Flaky.nap: no healthy replica; replica 0 could not be respawned (")
     assert f"RuntimeError: cannot start: {marker} exists; 2 of 2 attempts)" in message
     assert gave_up and took < 100  # not respawn_wait_s
+
+
+def test_waiting_for_health_in_vain_does_not_cancel_a_restore(tmp_path):
+    """`wait_healthy` that times out leaves the respawn it waited for running: the call that
+    saw a stateful replica die still gets ReplicaRestored, not a CancelledError."""
+    from service_actors import Counter
+
+    from forge.service import ReplicaRestored
+
+    async def main():
+        svc = await Counter.options().as_service()
+        try:
+            await svc.add.route(7)
+            await svc.save.route(str(tmp_path / "ckpt"))
+            svc.set_restore_point(str(tmp_path / "ckpt"))
+            os.kill(await svc.pid.route(), signal.SIGKILL)
+            first = asyncio.ensure_future(svc.add.route(1))  # sees the death: the restore starts
+            deadline = time.monotonic() + 30
+            while svc.healthy():
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            with pytest.raises(TimeoutError):
+                await svc.wait_healthy(timeout=0.01)
+            return await asyncio.gather(first, return_exceptions=True), await svc.add.route(1)
+        finally:
+            await svc.shutdown()
+
+    first, after = asyncio.run(main())
+    assert isinstance(first[0], ReplicaRestored), first
+    assert after == 8
+
+
+def test_a_fanout_made_while_every_replica_respawns_is_not_empty(tmp_path):
+    """A fanout while the only replica respawns waits for it, as a route does; to a stateful
+    role it raises ReplicaRestored, as a route does: an empty list would be a checkpoint saved
+    without the trainer's state."""
+    from service_actors import Counter
+
+    from forge.service import ReplicaRestored
+
+    async def respawning(svc, call):
+        os.kill(await svc.pid.route(), signal.SIGKILL)
+        first = asyncio.ensure_future(call())  # sees the death: the respawn starts
+        deadline = time.monotonic() + 30
+        while svc.healthy():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        return first
+
+    async def main():
+        probe = await Probe.options().as_service("p")
+        counter = await Counter.options().as_service()
+        try:
+            first = await respawning(probe, probe.pid.route)
+            pids = await probe.pid.fanout()
+            assert pids == [await first]
+            await counter.save.route(str(tmp_path / "ckpt"))
+            counter.set_restore_point(str(tmp_path / "ckpt"))
+            first = await respawning(counter, lambda: counter.add.route(1))
+            saved = await asyncio.gather(counter.save.fanout(str(tmp_path / "later")), return_exceptions=True)
+            assert isinstance(saved[0], ReplicaRestored), saved
+            await asyncio.gather(first, return_exceptions=True)
+        finally:
+            await probe.shutdown()
+            await counter.shutdown()
+
+    asyncio.run(main())
