@@ -16,7 +16,6 @@ version, and the `state_dict()` of each part the app names (its data position, i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import os
 import time
@@ -32,7 +31,7 @@ from forge.config import ConfigError, to_yaml
 from forge.curves import plot_run
 from forge.metrics import MetricWriter, discard_pending, read_rows
 from forge.rollout import RolloutError, RolloutsStopped
-from forge.service import ServiceError
+from forge.service import ReplicaRestored, ServiceError
 from forge.summary import failures, summary
 
 T = TypeVar("T")
@@ -107,6 +106,7 @@ class Run:
         self.failed = 0  # failures this run has recovered from (episodes, rollouts, rewards, restores)
         self._plotted = time.monotonic()
         self._training: asyncio.Future | None = None  # this step's training calls, until end_step counts them
+        self._restored: ReplicaRestored | None = None  # a trainer restore the run is not rewound to yet
 
     async def start(
         self, trainer: Any, weights: Any, evals: Any, models: dict[str, Any] | None = None, **parts: Part
@@ -156,6 +156,7 @@ class Run:
         if trainer_restored:
             self.writer.rewind(self.step)
             self.written = self.step
+            self._restored = None
         return saved
 
     async def save(self) -> None:
@@ -177,18 +178,29 @@ class Run:
         step it has begun whatever its caller does, so the checkpoint the interrupt saves counts
         this step (rather than the trainer's step k + 1 saved as step k)."""
         self._training = asyncio.ensure_future(calls)
-        return await asyncio.shield(self._training)
+        try:
+            return await asyncio.shield(self._training)
+        except ReplicaRestored as e:
+            self._restored = e  # until the app rewinds the run to the trainer's restore point
+            raise
 
-    async def _count_training(self) -> None:
+    async def _count_training(self) -> ReplicaRestored | None:
         """Before an interrupt's checkpoint: the step under way finished and counted (if it fails,
-        it did not happen)."""
+        it did not happen). Returns the restore of a trainer that died under it or an earlier
+        step, which the app has not rewound the run to: the run's state is ahead of the trainer's."""
         training, self._training = self._training, None
         if training is None:  # none begun since the last end_step counted one
-            return
-        with contextlib.suppress(Exception):
+            return self._restored
+        try:
             await training
+        except ReplicaRestored as e:
+            self._restored = e
+        except Exception:
+            pass
+        else:
             self.step += 1
             self.version = await self.trainer.policy_version.route()
+        return self._restored
 
     async def _write_counted(self) -> None:
         """Before an interrupt's checkpoint: the row of the step it saves, if that step has none
@@ -241,7 +253,10 @@ class Run:
         finished run prints its summary."""
         try:
             if isinstance(error, (KeyboardInterrupt, asyncio.CancelledError)):
-                await asyncio.shield(self._count_training())
+                if (restored := await asyncio.shield(self._count_training())) is not None:
+                    where = Path(str(restored.restore_point)).parent
+                    print(f"\n{self.app}: interrupted as {restored}; nothing saved: resume from {where}", flush=True)
+                    return True
                 await asyncio.shield(self._write_counted())
                 print(f"\n{self.app}: interrupted at step {self.step}; saving a checkpoint", flush=True)
                 await asyncio.shield(self.save())

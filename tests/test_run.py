@@ -18,7 +18,7 @@ from forge.config import ConfigError
 from forge.metrics import Reduce, read_rows, record_metric
 from forge.run import Run
 from forge.schema import RunConfig
-from forge.service import ServiceError
+from forge.service import ReplicaRestored, ServiceError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -560,3 +560,26 @@ def test_the_saved_config_is_readable_by_its_owner_alone(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "run" / "config.yaml").stat().st_mode & 0o077 == 0
+
+
+class RestoringTrainer(ActorTrainer):
+    """Dies during its 4th step; a new replica restores the checkpoint of step 2."""
+
+    async def _train(self, batch):
+        if self.steps_taken == 3:
+            await asyncio.sleep(0.3)  # dies mid-step; the restore takes the rest
+            self.steps_taken = self.version = 2
+            raise ReplicaRestored("Trainer", "step_000002/trainer", "killed", 0.1)
+        return await super()._train(batch)
+
+
+def test_ctrl_c_while_the_trainer_is_restored_saves_no_step_it_lost(tmp_path, capsys):
+    """A Ctrl-C while the trainer is restored under the step under way: the restored trainer
+    holds step 2's state, so a checkpoint of step 3 (its data past step 2's) would lose steps 3
+    and 4 on resume. The run's last checkpoint (step 2) stands, and the console says so."""
+    cfg = Config(tmp_path / "run", steps=6, checkpoint_every=2)
+    asyncio.run(sft_like(cfg, RestoringTrainer(), interrupt_at=3))
+    last = checkpoint.latest(cfg.run_dir)
+    saved, held = checkpoint.load_run_state(last), json.load(open(last / "trainer" / "state.json"))
+    assert saved["step"] == held["steps_taken"] == 2 and saved["data"] == {"n": 20}
+    assert "resume from" in capsys.readouterr().out
