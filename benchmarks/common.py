@@ -12,15 +12,24 @@ from forge import logs
 from forge.curves import machine
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 
 
-def parse_args(name: str, doc: str, quick_help: str, argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=doc)
+def parse_args(
+    name: str, doc: str, quick_help: str, argv: list[str] | None, parents: tuple[argparse.ArgumentParser, ...] = ()
+) -> argparse.Namespace:
+    """The command line of benchmark `name`: --quick, --out and the options of `parents` (made with add_help=False)."""
+    p = argparse.ArgumentParser(description=doc, parents=list(parents))
     p.add_argument("--quick", action="store_true", help=quick_help)
-    p.add_argument("--out", default=str(ROOT / f"benchmarks/results/{name}.json"))
+    p.add_argument(
+        "--out",
+        help=f"the JSON result (default: benchmarks/results/{name}.json; with --quick, runs/bench-{name}/{name}.json)",
+    )
     # Monarch children import forge and the benchmark module by name.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     a = p.parse_args(argv)
+    if a.out is None:  # a smoke run's figures must not replace the full run's, which the manual renders
+        a.out = str(Path("runs") / f"bench-{name}" / f"{name}.json" if a.quick else RESULTS / f"{name}.json")
     logs.capture(Path("runs") / f"bench-{name}" / "logs")
     return a
 

@@ -123,6 +123,7 @@ async def measure(model: str, turns: int, rounds: int, pairs: int) -> dict:
     try:
         for side in sides:  # warm-up: HTTP connections, vLLM's serving caches
             await round_of(side)
+            cpu[side].clear()  # its CPU is not a measured round's either
         for _ in range(rounds):
             for side in sides:
                 rates[side].append(await round_of(side))

@@ -1,6 +1,6 @@
 """Memory-bounded logprobs: one training step with the head in chunks against all at once.
 
-    python -m benchmarks.logprobs [--quick] [--tokens N]      # or: forge bench logprobs
+    python -m benchmarks.logprobs [--quick]      # or: forge bench logprobs
 
 A Qwen3-family model with Qwen3's 151,936-token vocabulary and a small body (hidden 64, two
 layers), fp32 on the CPU (bf16 on an accelerator), takes one training step as the trainer's:

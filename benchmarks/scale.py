@@ -1,6 +1,6 @@
 """The GRPO loop at cluster scale, simulated: 64-256 generator replicas on this machine.
 
-    python -m benchmarks.scale [--quick] [--replicas 64 256] [--steps 16]   # or: forge bench scale
+    python -m benchmarks.scale [--quick] [--replicas 64 256] [--steps 16] [--workloads agentic]   # or: forge bench scale
 
 What is real: the GRPO app's loop (apps/grpo.py `train`), its replay buffer and staleness rule,
 the reward service, the Service routing over every generator replica, the WeightSync that
@@ -28,6 +28,7 @@ largest scale.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import json
@@ -178,6 +179,10 @@ class SimGenerator(ForgeActor):
     async def started_by_version(self) -> dict[int, int]:
         return dict(self.started)
 
+    @endpoint
+    async def reserve_weights(self, layout: dict | None) -> bool:
+        return False  # the per-host fetch is `fetch_s` (load_version): nothing to make room for
+
 
 class SimTrainer(ForgeActor):
     """The trainer's costs: `train_s` a step, `publish_s` a push (a tiny tensor goes into the
@@ -206,6 +211,10 @@ class SimTrainer(ForgeActor):
     @endpoint
     async def export_hf(self, path: str) -> str:
         return path
+
+    @endpoint
+    async def weights_layout(self) -> dict | None:
+        return None  # the generators' per-host fetch is a cost of its own (SimGenerator.load_version)
 
 
 @dataclass
@@ -339,17 +348,14 @@ def summary(run_dir: Path, cpu: float, episodes: int, steps: int, batch: int) ->
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import argparse
-
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--replicas", type=int, nargs="+", help="default: each workload's own (64 and 256; math 64)")
     extra.add_argument("--steps", type=int, default=16)
     extra.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    known, rest = extra.parse_known_args(argv)
-    a = parse_args("scale", __doc__, "agentic only, 8 replicas, 3 steps, 1000x faster (smoke run)", rest)
-    steps, workloads = known.steps, {n: WORKLOADS[n] for n in known.workloads}
-    if known.replicas:
-        workloads = {n: replace(w, replicas=tuple(known.replicas)) for n, w in workloads.items()}
+    a = parse_args("scale", __doc__, "agentic only, 8 replicas, 3 steps, 1000x faster (smoke run)", argv, (extra,))
+    steps, workloads = a.steps, {n: WORKLOADS[n] for n in a.workloads}
+    if a.replicas:
+        workloads = {n: replace(w, replicas=tuple(a.replicas)) for n, w in workloads.items()}
     if a.quick:
         steps, workloads = 3, {"agentic": replace(WORKLOADS["agentic"], time_scale=1000.0, replicas=(8,))}
     swap = measured_swap_s()

@@ -1,11 +1,13 @@
 """Each benchmark's --quick smoke run writes its JSON (the full runs are `forge bench NAME`)."""
 
 import asyncio
+import importlib
 import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -209,3 +211,36 @@ def test_scale_takes_the_swap_pause_weight_sync_measured(tmp_path, monkeypatch):
     fast, slow = scale.ideal(w, 8, samples=200), scale.ideal(scale.replace(w, swap_s=1.0), 8, samples=200)
     assert w.swap_s == 1.0 and fast == slow
     assert scale.ideal(scale.replace(w, swap_s=0.07), 8, samples=200)["sync_step_s"] < slow["sync_step_s"]
+
+
+def test_quick_run_keeps_the_committed_full_results(tmp_path, monkeypatch):
+    """`forge bench NAME --quick` writes under runs/, not over benchmarks/results/NAME.json (the
+    full run's figures, which the manual renders); a full run writes there; --out wins."""
+    from benchmarks import common
+
+    monkeypatch.setattr(common.logs, "capture", lambda d: None)
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    monkeypatch.chdir(tmp_path)
+    committed = common.ROOT / "benchmarks/results/sandbox.json"
+    quick = common.parse_args("sandbox", "", "", ["--quick"])
+    assert quick.out == str(Path("runs/bench-sandbox/sandbox.json"))
+    assert common.parse_args("sandbox", "", "", []).out == str(committed)
+    assert common.parse_args("sandbox", "", "", ["--quick", "--out", "x.json"]).out == "x.json"
+
+
+def test_the_options_a_benchmark_names_are_in_its_help(capsys, monkeypatch):
+    """Each option a benchmark's usage line names is one `forge bench NAME --help` lists."""
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    checked = 0
+    for path in sorted(root.glob("*.py")):
+        usage = re.findall(r"^ +(?:python -m benchmarks\.\w+|forge bench \w+) (.*)$", path.read_text(), re.M)
+        named = set(re.findall(r"--[a-z-]+", " ".join(usage))) - {"--quick"}
+        if not named:
+            continue
+        with pytest.raises(SystemExit):
+            importlib.import_module(f"benchmarks.{path.stem}").main(["--help"])
+        shown = capsys.readouterr().out.split("\n\n")[0]  # argparse's usage, before the docstring
+        assert not [opt for opt in named if opt not in shown], (path.name, shown)
+        checked += 1
+    assert checked
