@@ -60,19 +60,43 @@ def adapt(titan_cfg: Any, family: Any, lora: LoRAConfig) -> Any:
         raise ConfigError(
             "config key 'trainer.lora.targets': k_proj and v_proj are adapted together; name both or neither"
         )
-    titan = sorted({"wkv" if names[t] in ("wk", "wv") else names[t] for t in lora.targets})
-    converter = LoRAConverter(LoRAConverter.Config(rank=lora.rank, alpha=lora.alpha, target_modules=titan))
+    titan = {hf: "wkv" if t in ("wk", "wv") else t for hf, t in names.items()}
+    targets = sorted({titan[t] for t in lora.targets})
+    linears = _linears(titan_cfg)
+    if not linears & set(targets):  # nothing would train
+        has = sorted(hf for hf, t in titan.items() if t in linears)
+        raise ConfigError(
+            f"config key 'trainer.lora.targets': {lora.targets} adapt no linear of this {family.name} model "
+            f"(it can adapt {', '.join(has)})"
+        )
+    converter = LoRAConverter(LoRAConverter.Config(rank=lora.rank, alpha=lora.alpha, target_modules=targets))
     return converter.convert(titan_cfg)
+
+
+def _linears(titan_cfg: Any) -> set[str]:
+    """The last names of the linears `titan_cfg` builds (what LoRAConverter's targets match)."""
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.protocols.module import Module
+
+    return {
+        fqn.rsplit(".", 1)[-1]
+        for fqn, c, _, _ in titan_cfg.traverse(Module.Config, recurse=True)
+        if isinstance(c, Linear.Config)
+    }
 
 
 def add_dropout(model: torch.nn.Module, p: float) -> None:
     """Dropout on each adapter's input while training (PEFT's lora_dropout); torchtitan's LoRA
-    linear has none, so a pre-hook on its A matrix adds it."""
+    linear has none, so a pre-hook on its A matrix adds it. The trainer's model stays in training
+    mode: a forward without gradients (logprobs, a critic's values) is an eval's, without dropout."""
     if p <= 0:
         return
     for _, module in lora_modules(model):
         module.lora_a.register_forward_pre_hook(
-            lambda m, args: (torch.nn.functional.dropout(args[0], p, m.training), *args[1:])
+            lambda m, args: (
+                torch.nn.functional.dropout(args[0], p, m.training and torch.is_grad_enabled()),
+                *args[1:],
+            )
         )
 
 

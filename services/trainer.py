@@ -589,12 +589,19 @@ class Trainer(ForgeActor):
 
     def _load(self, path: str) -> int:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         if not Path(path).is_dir():
             raise FileNotFoundError(f"no trainer checkpoint at {path}")
         reshard(self.model)
         state = self._state()
-        dcp.load(state, checkpoint_id=path)
+        try:  # a checkpoint that does not fit fails in DCP's plan, before any weight changes
+            dcp.load(state, checkpoint_id=path)
+        except CheckpointException as e:  # a BaseException: out of the endpoint, the replica's crash
+            raise ValueError(
+                f"{path}: cannot load it into this trainer (a checkpoint of another model or trainer.lora?): "
+                f"{last_line(e)}"
+            ) from None
         self.step, self.version = state["train_state"]["step"], state["train_state"]["version"]
         return self.step
 

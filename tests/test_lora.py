@@ -69,6 +69,15 @@ def test_bad_targets_are_named(tiny_llama_dir, lora, message):
     assert message in str(e.value)
 
 
+def test_targets_that_adapt_no_linear_are_named(tiny_moe_dir):
+    """A MoE's MLP is its grouped experts, not linears: targets naming only MLP linears would
+    adapt nothing and train nothing, an error naming the key and what the model can adapt."""
+    with pytest.raises(ConfigError) as e:
+        load_hf_model(tiny_moe_dir, lora=LoRAConfig(rank=8, targets=["gate_proj", "up_proj"]))
+    assert "'trainer.lora.targets': ['gate_proj', 'up_proj'] adapt no linear of this qwen3_moe model" in str(e.value)
+    assert "k_proj, lm_head" in str(e.value)
+
+
 def test_lora_config_keys_are_checked():
     for bad, key in ((LoRAConfig(rank=-1), "trainer.lora.rank"), (LoRAConfig(rank=8, dropout=1.0), "dropout")):
         with pytest.raises(ConfigError, match=key):
@@ -478,3 +487,52 @@ def test_an_adapter_of_another_method_is_named_and_alpha_defaults_as_in_peft(tin
         with torch.no_grad():
             logits.append(PeftModel.from_pretrained(base, str(adapter)).eval()(ids).logits)
     assert (logits[0] - logits[1]).abs().max().item() <= 1e-5
+
+
+def test_adapter_dropout_is_off_outside_a_training_step(tiny_llama_dir):
+    """The trainer's model stays in training mode: `logprobs`, a critic's `values` and a reward
+    model's `scores` run without gradients, and see the adapter whole (PEFT's eval), as the
+    generator does; a training step's forward (gradients on) drops the adapter's inputs."""
+    model = load_hf_model(tiny_llama_dir, lora=LoRAConfig(rank=8, dropout=0.5))
+    plain = load_hf_model(tiny_llama_dir, lora=LoRAConfig(rank=8))
+    with torch.no_grad():
+        for m in (model, plain):
+            for name, p in m.named_parameters():
+                if ".lora_b." in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    ids = fixed_batch().input_ids
+    assert model.training
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(model, ids)[0], token_logprobs(plain, ids)[0])
+    assert not torch.equal(token_logprobs(model, ids)[0].detach(), token_logprobs(plain, ids)[0].detach())
+
+
+def test_a_checkpoint_of_another_lora_config_is_named_and_the_trainer_lives(tiny_llama_dir, tmp_path):
+    """`forge run --resume DIR trainer.lora.rank=4` of a rank-8 run: the trainer's load is an error
+    naming the checkpoint, the tensor and the config key, and the replica keeps its weights
+    (DCP's CheckpointException, a BaseException, took it down as a crash)."""
+    import torch.distributed.checkpoint as dcp
+
+    from services.lora import AdapterState
+
+    saved = tmp_path / "trainer"
+    rank8 = load_hf_model(tiny_llama_dir, lora=LoRAConfig(rank=8))
+    optimizers, schedulers = build_optimizers(rank8, TrainerConfig())
+    state = {"optimizer": optimizers, "lr_scheduler": schedulers, "train_state": {"step": 1, "version": 1}}
+    dcp.save({"model": AdapterState(rank8), **state}, checkpoint_id=saved)  # the trainer's save
+    cfg = TrainerConfig(lr=1e-2, lora=LoRAConfig(rank=4))
+
+    async def main():
+        store = await start_store()
+        trainer = await Trainer.options(procs=1).as_service(str(tiny_llama_dir), cfg, WeightStore("lora_resume"))
+        try:
+            with pytest.raises(ValueError) as e:
+                await trainer.load.route(str(saved))
+            return str(e.value), await trainer.logprobs.route(fixed_batch())
+        finally:
+            await trainer.shutdown()
+            await stop_store(store)
+
+    message, lp = asyncio.run(main())
+    assert f"{saved}: cannot load it" in message and "trainer.lora" in message and "lora_a.weight" in message
+    assert torch.equal(lp, token_logprobs(load_hf_model(tiny_llama_dir), fixed_batch().input_ids)[0])
