@@ -2,7 +2,10 @@
 
 import asyncio
 import math
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -84,6 +87,25 @@ def test_reward_service_weights_and_failures():
     # the reference has no number: the math reward raises, scores 0 and is marked; the run goes on
     assert broken.components["math"] == 0.0 and broken.reward == 0.5
     assert broken.failed and "math: ValueError: reference answer 'seven' has no number" in broken.error
+
+
+def test_a_reward_service_checks_a_section_built_in_python():
+    """A RewardsConfig made in a script, not loaded: an empty one scores with `exact`, as a
+    loaded one does, and a bad one fails in the caller, naming what is wrong."""
+
+    async def main():
+        svc = await Rewards.options().as_service(RewardsConfig())
+        try:
+            return await svc.score.route([RewardInput({"prompt": "rev abc=", "answer": "cba"}, "cba")])
+        finally:
+            await svc.shutdown()
+
+    (score,) = asyncio.run(main())
+    assert score.reward == 1.0 and score.components == {"exact": 1.0}
+    with pytest.raises(ConfigError, match="unknown reward"):
+        Rewards.options().as_service(RewardsConfig(weights={"exactt": 1.0})).get()
+    with pytest.raises(TypeError, match="RewardsConfig, got dict"):
+        Rewards.options().as_service({"weights": {"exact": 1.0}}).get()
 
 
 def test_user_reward_functions_see_the_whole_sample():
@@ -324,3 +346,51 @@ def test_code_tests_refuses_tests_that_are_not_a_list_of_statements(tests):
     with pytest.raises(ValueError, match="code_tests: the task row's 'tests' must be a list of strings"):
         asyncio.run(reward(RewardInput({"prompt": "p", "answer": "", "tests": tests}, "pass")))
     assert reward.pool is None  # refused before any sandbox starts
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "<think>3 + 4 = \\boxed{7}</think>The answer is 8.",  # the answer given is 8
+        "<think>3 + 4 = 7, so #### 7",  # cut at max_tokens while thinking: no answer given
+        "3 + 4 = 7</think>I am not sure.",  # the template wrote the <think>
+    ],
+)
+def test_math_reward_scores_the_answer_not_the_reasoning(completion):
+    """A number in the reasoning (`<think>`) is not the answer: only what follows it is scored."""
+    assert math_reward("#### 7", completion) == {"reward": 0.0, "correct": 0.0}
+    assert math_reward("#### 7", "<think>4 + 4 = 8? no</think>\\boxed{7}")["reward"] == 1.0
+    assert math_reward("#### 7", "7 is 3 + 4</think>\nSo #### 7")["reward"] == 1.0
+
+
+def test_math_reward_is_exact_for_large_answers():
+    """A wrong integer is wrong however large the answer: no tolerance grows with it, so
+    1234567.5 is not both 1234567 and 1234568."""
+    assert math_reward("#### 3000000", "\\boxed{3000001}")["reward"] == 0.0
+    assert math_reward("#### 1234567", "#### 1234567.5")["reward"] == 0.0
+    assert math_reward("#### 1234568", "#### 1234567.5")["reward"] == 0.0
+    assert math_reward("#### 3,000,000", "\\boxed{3000000.0}")["reward"] == 1.0
+    assert math_reward("#### 0.5", "0.5000000001")["reward"] == 1.0  # within 1e-6, as math-verify rounds
+
+
+def test_reasoning_gym_reward_ignores_an_answer_inside_unfinished_reasoning():
+    from services.rewards.gym import model_answer
+
+    assert model_answer("<think>it is <answer>cba</answer>") == ""  # cut while thinking: no answer
+    assert model_answer("<think>abc</think> <answer>cba</answer>") == "cba"
+    assert model_answer("abc?</think>cba") == "cba"
+    assert model_answer("<answer>a</answer> <answer> b <answer>c </answer>") == "b <answer>c"  # reasoning-gym's
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "from services.rewards.builtin import final_number as f; assert f('\\\\boxed{' * 200_000) is None",
+        "from services.rewards.gym import model_answer as f; assert f('<answer>' * 200_000)",
+    ],
+)
+def test_unclosed_tags_parse_in_linear_time(call):
+    """A completion of `\\boxed{` or `<answer>` repeated without closing parses in linear time:
+    a regex rescanning the rest of the text from each took over half an hour on these 1.4M
+    characters, holding the GIL and with it the reward service's event loop."""
+    subprocess.run([sys.executable, "-c", call], check=True, timeout=120, cwd=Path(__file__).parents[1])

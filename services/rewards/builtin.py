@@ -32,25 +32,40 @@ def format_(s: RewardInput) -> float:
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# A reasoning model's thoughts: <think> blocks, an unclosed one (cut at max_tokens) to the end, and
+# text before a </think> whose <think> the chat template wrote.
+THINKING = re.compile(r"<think>.*?(?:</think>|\Z)|\A.*?</think>", re.S)
+
+
+def after_thinking(text: str) -> str:
+    """`text` without its reasoning: the answer a reasoning model gave, if any."""
+    return THINKING.sub("", text)
+
+
+def last_boxed(text: str) -> str | None:
+    """The last \\boxed{...}'s content, to its first '}'. Split at the '}'s, not by a regex,
+    which would rescan the rest of the text from each unclosed \\boxed{ (quadratic)."""
+    for piece in reversed(text.split("}")[:-1]):  # the pieces a '}' ends
+        if "\\boxed{" in piece:
+            return piece[piece.index("\\boxed{") + len("\\boxed{") :]
+    return None
 
 
 def final_number(text: str) -> float | None:
     """The answer a math solution ends with: \\boxed{...}, else after '####', else its last number."""
-    for marker in (r"\\boxed\{([^}]*)\}", r"####\s*([^\n]*)"):
-        found = re.findall(marker, text)
-        if found:
-            text = found[-1]
-            break
-    numbers = _NUMBER.findall(text)
+    boxed = last_boxed(text)
+    found = [boxed] if boxed is not None else re.findall(r"####\s*([^\n]*)", text)
+    numbers = _NUMBER.findall(found[-1] if found else text)
     return float(numbers[-1].replace(",", "")) if numbers else None
 
 
 def same_number(answer: str, text: str) -> float:
-    """1 when `text`'s final number equals the reference `answer`'s (GSM8K: after '####')."""
-    want, got = final_number(answer), final_number(text)
+    """1 when the final number of `text`'s answer (after any reasoning) equals the reference
+    `answer`'s (GSM8K: after '####'), to within float noise, not a tolerance that grows with it."""
+    want, got = final_number(answer), final_number(after_thinking(text))
     if want is None:
         raise ValueError(f"reference answer {answer[-40:]!r} has no number")
-    return float(got is not None and abs(got - want) < 1e-6 * max(1.0, abs(want)))
+    return float(got is not None and abs(got - want) < 1e-6)
 
 
 @inline

@@ -10,10 +10,10 @@ import json
 from typing import Any
 
 import reasoning_gym
-from reasoning_gym.utils import extract_answer
 
 from forge.sources import GYM_COLUMNS
 from forge.types import RewardInput, reward_range
+from services.rewards.builtin import after_thinking
 
 
 @functools.cache
@@ -23,12 +23,24 @@ def _generator(task: str, config: str) -> Any:
 
 
 def model_answer(completion: str) -> str:
-    """The answer in a completion: after its reasoning (`</think>`), inside its last
-    <answer>...</answer> when it has one (reasoning-gym's prompts ask for them), else all of it,
-    stripped as the `exact` reward strips it."""
-    text = completion.rsplit("</think>", 1)[-1]
-    tagged = extract_answer(text)
+    """The answer in a completion: after its reasoning (none when it was cut while thinking), inside
+    its last <answer>...</answer> when it has one (reasoning-gym's prompts ask for them), else all of
+    it, stripped as the `exact` reward strips it."""
+    text = after_thinking(completion)
+    tagged = last_answer_tag(text)
     return (tagged if tagged is not None else text).strip()
+
+
+def last_answer_tag(text: str) -> str | None:
+    """What reasoning-gym's `extract_answer` finds (its last `<answer>(.*?)</answer>`), by `find`:
+    its regex rescans the rest of the text from each unclosed <answer> (quadratic)."""
+    found, start = None, text.find("<answer>")
+    while start >= 0:
+        end = text.find("</answer>", start + len("<answer>"))
+        if end < 0:
+            break
+        found, start = text[start + len("<answer>") : end], text.find("<answer>", end + len("</answer>"))
+    return found
 
 
 @reward_range(0, 1)

@@ -17,12 +17,8 @@ import re
 from typing import Any
 
 from forge.types import RewardInput, RewardUnavailable
+from services.rewards.builtin import after_thinking
 from services.schema import JudgeConfig
-
-# A reasoning judge's thoughts (in `content` unless its server parses them out): <think> blocks,
-# an unclosed one (the answer cut at max_tokens) to the end, and text before a </think> whose
-# <think> the chat template wrote.
-THINKING = re.compile(r"<think>.*?(?:</think>|\Z)|\A.*?</think>", re.S)
 
 
 class Judge:
@@ -73,5 +69,5 @@ class Judge:
     def verdict(self, text: str) -> re.Match | None:
         """The score `pattern` finds last outside the judge's thoughts: its verdict comes after
         any score it quotes from the response."""
-        found = list(self.pattern.finditer(THINKING.sub("", text)))
+        found = list(self.pattern.finditer(after_thinking(text)))
         return found[-1] if found else None
