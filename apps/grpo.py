@@ -157,9 +157,9 @@ def rollouts(cfg: Config, s: Roles) -> Rollouts:
 def batch_rows(cfg: Config) -> int:
     """What a step's batch's rows are a multiple of: each trainer it goes to (the policy's, and
     PPO's critic) splits it over its ranks and micro-batches."""
-    rows = cfg.trainer_procs * cfg.trainer.grad_accum
+    rows = cfg.trainer_ranks() * cfg.trainer.grad_accum
     if cfg.algorithm == "ppo":
-        rows = math.lcm(rows, cfg.ppo.critic_procs * cfg.ppo.critic.grad_accum)
+        rows = math.lcm(rows, cfg.ppo.critic_procs * cfg.job.hosts("critic") * cfg.ppo.critic.grad_accum)
     return rows
 
 

@@ -98,7 +98,7 @@ class GRPOConfig(RunConfig):
     job: JobConfig = field(default_factory=JobConfig)  # where the roles run (forge/job.py); default: this host
     generator_replicas: int = 1  # spread over the hosts of the generator's job mesh
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)  # vLLM's engine and sampling
-    trainer_procs: int = 1  # the trainer's processes (FSDP ranks)
+    trainer_procs: int = 1  # the trainer's processes on each host of its job mesh (its FSDP ranks: all of them)
     trainer_restores: int = 3  # trainer deaths recovered from the last checkpoint before the run stops
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # optimizer, loss, LoRA, weights
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evals during training
@@ -106,6 +106,50 @@ class GRPOConfig(RunConfig):
     @property
     def batch_size(self) -> int:
         return self.group_size * self.groups_per_step
+
+    def trainer_ranks(self) -> int:
+        """The trainer's ranks: `trainer_procs` on each host of its job mesh."""
+        return self.trainer_procs * self.job.hosts("trainer")
+
+    def check_trainer_ranks(self) -> None:
+        """The batch splits over the trainer's ranks and micro-batches, its experts over a divisor
+        of its ranks: checked here, not when the trainer starts on the cluster."""
+        hosts, ranks = self.job.hosts("trainer"), self.trainer_ranks()
+        shards = ranks * self.trainer.grad_accum
+        if self.batch_size % shards:
+            on = f" x {hosts} trainer hosts (job.meshes)" if hosts > 1 else ""
+            raise ConfigError(
+                f"batch of {self.batch_size} (group_size x groups_per_step) does not split over "
+                f"trainer_procs x trainer.grad_accum{on} = {shards}"
+            )
+        if ranks % self.trainer.expert_parallel:
+            raise ConfigError(
+                f"config key 'trainer.expert_parallel': {self.trainer.expert_parallel} does not divide the "
+                f"trainer's {ranks} ranks (trainer_procs x the hosts of its job mesh)"
+            )
+
+    def generator_gpus(self) -> int:
+        """The GPUs each generator replica's vLLM engine takes."""
+        engine = self.generator.engine
+        return engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
+
+    def check_gpus(self) -> None:
+        """A SLURM job's nodes have `gpus_per_node`: the procs of a role placed on them, a GPU
+        each (a generator replica its engine's), must fit, else they fail on the allocated nodes."""
+        gpus = self.job.args.get("gpus_per_node") if self.job.kind == "slurm" else None
+        if not gpus:
+            return
+        than = f"but job.args.gpus_per_node is {gpus}"
+        if "trainer" in self.job.placement and self.trainer_procs > gpus:
+            raise ConfigError(f"config key 'trainer_procs': {self.trainer_procs} procs on each trainer host, {than}")
+        hosts = self.job.hosts("generator")
+        replicas = -(-self.generator_replicas // hosts)  # on the fullest host
+        want = replicas * self.generator_gpus()
+        if "generator" in self.job.placement and want > gpus:
+            raise ConfigError(
+                f"config key 'generator_replicas': {replicas} replicas x {self.generator_gpus()} GPUs on each of "
+                f"{hosts} generator hosts need {want} GPUs, {than}"
+            )
 
     def validate(self) -> None:
         """The app's own keys and how sections fit together (each section validates itself)."""
@@ -118,12 +162,8 @@ class GRPOConfig(RunConfig):
         check_ranges(self, "", ">= 0", ("max_staleness", "trainer_restores", "max_episode_tokens"))
         check_ranges(self, "", "> 0", ("max_rollout_failures", "sample_timeout_s", "rollout_tasks"))
         check_ranges(self, "", ">= 1", ("groups_per_step", "trainer_procs", "generator_replicas"))
-        shards = self.trainer_procs * self.trainer.grad_accum
-        if self.batch_size % shards:
-            raise ConfigError(
-                f"batch of {self.batch_size} (group_size x groups_per_step) does not split over "
-                f"trainer_procs x trainer.grad_accum = {shards}"
-            )
+        self.check_trainer_ranks()
+        self.check_gpus()
         check_choice("reward_unavailable", self.reward_unavailable, REWARD_UNAVAILABLE)
         warmup = self.ppo.critic_warmup if self.algorithm == "ppo" else 0  # steps the policy does not take
         lr_schedule(self, "trainer", max(1, self.steps - warmup), "steps - ppo.critic_warmup" if warmup else "steps")

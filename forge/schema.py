@@ -491,6 +491,7 @@ KINDS = {
     "slurm": "monarch.job:SlurmJob",
     "kubernetes": "monarch.job.kubernetes:KubernetesJob",
 }
+POD_MESH_NAME = re.compile(r"[a-z][a-z0-9]{0,62}")
 ROLES = ("trainer", "generator", "reference", "teacher", "critic", "rewards", "store", "envs")
 
 
@@ -512,6 +513,11 @@ class JobConfig:
     # kubernetes: each mesh's `KubernetesJob.add_mesh` arguments (label_selector, port, ...)
     mesh_args: dict[str, Any] = field(default_factory=dict)
     placement: dict[str, str] = field(default_factory=dict)  # role (trainer, generator, ...) -> the mesh it runs on
+
+    def hosts(self, role: str) -> int:
+        """The hosts `role` runs on: its mesh's, or 1 (this host). A role's procs run on each."""
+        mesh = self.placement.get(role)
+        return self.meshes[mesh] if mesh else 1
 
     def validate(self) -> None:
         check_choice("job.kind", self.kind, KINDS)
@@ -537,6 +543,12 @@ class JobConfig:
         if self.kind == "kubernetes":
             _bind("args", cls, self.args)
             _bind("mesh_args", cls.add_mesh, {"self": None, "name": "m", "num_replicas": 1, **self.mesh_args})
+            for name in self.meshes:  # a DNS label, as KubernetesJob.add_mesh requires
+                if not POD_MESH_NAME.fullmatch(name):
+                    raise ConfigError(
+                        f"config key 'job.meshes.{name}': a kubernetes mesh's name is lowercase letters and "
+                        "digits, starting with a letter, at most 63 characters"
+                    )
         elif self.mesh_args:
             raise ConfigError("config key 'job.mesh_args': only a kubernetes job takes per-mesh arguments")
         else:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forge.actor import SpawnOptions
 from forge.config import ConfigError, require_file
 from forge.job import Job
 from forge.store import start_store, stop_store
@@ -80,9 +81,9 @@ class Roles:
                 if shared is not None
                 else started(
                     stack,
-                    await Generator.options(
-                        replicas=cfg.generator_replicas, hosts=hosts("generator"), spread=True
-                    ).as_service(model, cfg.generator, weights, cfg.trainer.lora),
+                    await generator_options(cfg, hosts("generator")).as_service(
+                        model, cfg.generator, weights, cfg.trainer.lora
+                    ),
                 )
             )
             sync = WeightSync(trainer, gen)
@@ -144,6 +145,29 @@ class Roles:
             await stop_store(self.store)
             if self.job is not None:
                 self.job.stop()
+
+
+@dataclass
+class OwnGPUs(SpawnOptions):
+    """Replicas spread over a job mesh, each on GPUs of its own: the k-th replica on a host takes
+    its GPUs k x gpus to (k + 1) x gpus - 1 (as the host's worker numbers them), where vLLM would
+    otherwise put every one on the host's first."""
+
+    gpus: int = 1
+
+    def for_replica(self, index: int) -> SpawnOptions:
+        placed = super().for_replica(index)
+        if placed is self:  # this host: its replicas share its GPUs
+            return placed
+        (_, n), *_ = self.hosts.sizes.items()
+        first = index // n * self.gpus
+        visible = ",".join(str(gpu) for gpu in range(first, first + self.gpus))
+        return dataclasses.replace(placed, env={**placed.env, "CUDA_VISIBLE_DEVICES": visible})
+
+
+def generator_options(cfg: Any, hosts: Any) -> SpawnOptions:
+    """The generator service's replicas (`cfg`: the GRPO app's Config), spread over `hosts`."""
+    return OwnGPUs(Generator, replicas=cfg.generator_replicas, hosts=hosts, spread=True, gpus=cfg.generator_gpus())
 
 
 async def spawn_critic(cfg: Any, model: str, hosts: Any) -> Any:
@@ -224,9 +248,9 @@ class Shared:
         try:
             store = started(stack, await start_store(job.hosts("store")), stop_store)
             tenants = {cfg.run_name: (weight_store(cfg.trainer), cfg.trainer.lora) for cfg in cfgs}
-            gen = await Generator.options(
-                replicas=cfgs[0].generator_replicas, hosts=job.hosts("generator"), spread=True
-            ).as_service(model, cfgs[0].generator, tenants=tenants)
+            gen = await generator_options(cfgs[0], job.hosts("generator")).as_service(
+                model, cfgs[0].generator, tenants=tenants
+            )
             return cls(model, store, gen, job)
         except BaseException:
             await stop_started(stack)  # the store, when the generator fails

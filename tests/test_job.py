@@ -3,6 +3,7 @@ Kubernetes as documented configs whose keys are checked)."""
 
 import asyncio
 import os
+import re
 
 import psutil
 import pytest
@@ -71,12 +72,89 @@ def test_cluster_configs_are_valid(tmp_path, tiny_model_dir, config):
             },
             "config key 'job.mesh_args': KubernetesJob.add_mesh: got an unexpected keyword argument 'prt'",
         ),
+        (  # a pod mesh's name is a DNS label: KubernetesJob would refuse it once the run starts
+            {
+                "job.kind": "kubernetes",
+                "job.meshes": "{gen_pool: 1}",
+                "job.args": "{namespace: n}",
+                "job.placement": "{generator: gen_pool}",
+            },
+            "config key 'job.meshes.gen_pool': a kubernetes mesh's name is lowercase letters and digits",
+        ),
     ],
 )
 def test_bad_job_configs_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(CONFIG, [f"{k}={v}" for k, v in overrides.items()], Config)
     assert message in str(e.value)
+
+
+def test_a_trainer_on_several_hosts_splits_the_batch_over_the_ranks_of_every_host():
+    """`trainer_procs` run on each host of the trainer's mesh: the trainer has procs x hosts
+    ranks, so each step's rows (padded by collate) and the config's batch check count them all."""
+    from apps.grpo import batch_rows
+
+    two_hosts = {**PROCESS_JOB, "job.meshes": "{trainer: 2, generator: 1}", "trainer_procs": 2}
+    cfg = load_config(CONFIG, [f"{k}={v}" for k, v in {**two_hosts, "trainer.grad_accum": 4}.items()], Config)
+    assert batch_rows(cfg) == 2 * 2 * 4
+    # 64 episodes over 2 procs x 32 micro-batches, but 4 ranks x 32 on two hosts: the first step would fail
+    with pytest.raises(ConfigError, match=r"trainer_procs x trainer.grad_accum x 2 trainer hosts \(job.meshes\) = 128"):
+        load_config(CONFIG, [f"{k}={v}" for k, v in {**two_hosts, "trainer.grad_accum": 32}.items()], Config)
+
+
+@pytest.mark.parametrize("procs, hosts, ep", [(2, 1, 4), (8, 1, 3), (2, 2, 8)])
+def test_expert_parallel_that_does_not_divide_the_trainer_s_ranks_is_refused(procs, hosts, ep):
+    """EP splits the experts over a divisor of the trainer's ranks (procs x hosts of its mesh):
+    refused when the config loads, not when the trainer builds its device mesh on the cluster."""
+    job = {**PROCESS_JOB, "job.meshes": f"{{trainer: {hosts}, generator: 1}}"}
+    over = {**job, "trainer_procs": procs, "trainer.expert_parallel": ep, "trainer.grad_accum": 1}
+    with pytest.raises(ConfigError, match=rf"'trainer.expert_parallel': {ep} does not divide .* {procs * hosts} ranks"):
+        load_config(CONFIG, [f"{k}={v}" for k, v in over.items()], Config)
+    ok = {**over, "trainer.expert_parallel": procs * hosts}
+    assert load_config(CONFIG, [f"{k}={v}" for k, v in ok.items()], Config).trainer.expert_parallel == procs * hosts
+
+
+def test_generator_replicas_sharing_a_job_host_get_gpus_of_their_own():
+    """Replica i runs on host i % hosts of the generator's mesh; the replicas of one host each
+    take GPUs of their own (tensor_parallel_size of them), not all the host's first. On this
+    host (no job mesh) they share them, as the one-GPU configs do."""
+    from services.roles import generator_options
+
+    class Hosts:  # a host mesh's shape and its slices, as Monarch's HostMesh gives them
+        sizes = {"hosts": 2}
+
+        def slice(self, hosts: int) -> str:
+            return f"host {hosts}"
+
+    cfg = load_config(CONFIG, ["generator_replicas=4", "generator.engine={tensor_parallel_size: 2}"], Config)
+    placed = [generator_options(cfg, Hosts()).for_replica(i) for i in range(4)]
+    assert [(p.hosts, p.env["CUDA_VISIBLE_DEVICES"]) for p in placed] == [
+        ("host 0", "0,1"),
+        ("host 1", "0,1"),
+        ("host 0", "2,3"),
+        ("host 1", "2,3"),
+    ]
+    assert generator_options(cfg, None).for_replica(3).env == {}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("generator_replicas=32", "config key 'generator_replicas': 16 replicas x 1 GPUs on each of 2 generator hosts"),
+        ("generator.engine.tensor_parallel_size=2", "8 replicas x 2 GPUs on each of 2 generator hosts"),
+        ("trainer_procs=16", "config key 'trainer_procs': 16 procs on each trainer host"),
+    ],
+)
+def test_procs_that_do_not_fit_a_slurm_node_s_gpus_are_refused(tmp_path, tiny_model_dir, override, message):
+    """`job.args.gpus_per_node` is what each node has: a role's procs on a node that asks for
+    more (a GPU each, a generator replica its tensor-parallel GPUs) are refused when the config
+    loads, not when their engines fail to find a GPU on the allocated nodes."""
+    from test_data import gsm8k_like
+
+    paths = [f"model.path={tiny_model_dir}", f"dataset.path={gsm8k_like(tmp_path / 'train.jsonl')}"]
+    slurm = "configs/grpo_qwen3_1.7b_gsm8k_slurm.yaml"
+    with pytest.raises(ConfigError, match=re.escape(message) + r".*job.args.gpus_per_node is 8"):
+        load_config(slurm, [*paths, "trainer.grad_accum=1", override], Config)
 
 
 def test_a_base_cycle_is_named(tmp_path):
@@ -107,6 +185,7 @@ def test_grpo_with_the_trainer_and_the_generator_on_two_process_job_hosts(tmp_pa
     generator on another, weights streamed across them (forge.transfer): parameters change,
     versions advance, and the job's processes and their /dev/shm directories end with the run."""
     from apps.grpo import train
+    from apps.sft import warm_start
     from services.roles import Roles
 
     cfg = load_config(CONFIG, small(tmp_path, steps=2, checkpoint_every=2, **PROCESS_JOB), Config)
@@ -115,7 +194,7 @@ def test_grpo_with_the_trainer_and_the_generator_on_two_process_job_hosts(tmp_pa
     generator_versions: list[int] = []
 
     async def main():
-        services = await Roles.start(cfg)
+        services = await Roles.start(cfg, warm_start)  # the model, if no earlier test built it
         try:
             spawned.extend(psutil.Process().children(recursive=True))
             placed.update({role: host_of(f"forge:{role}") for role in ("trainer", "generator", "store", "rewards")})
@@ -179,6 +258,7 @@ def test_roles_that_started_stop_when_a_later_role_fails_to(monkeypatch):
         trainer_restores=1,
         trainer=NS(lora=NS(enabled=False), loss=NS(kl_coef=0.0)),
         generator_replicas=1,
+        generator_gpus=lambda: 1,
         generator=None,
         rewards=NS(replicas=1),
     )
