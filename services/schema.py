@@ -218,8 +218,8 @@ class TrainerConfig:
     threads: int = 0  # torch threads per rank (0: the cores divided by the ranks)
     # FSDP2 compute dtype of parameters: float32, bfloat16 (on GPU) or float16; grads reduce in fp32
     param_dtype: str = "float32"
-    # MoE: split the experts over this many of the trainer's procs (a divisor of trainer_procs), the
-    # rest of the model FSDP-sharded over all of them as always.
+    # MoE: split the experts over this many of the trainer's ranks (a divisor of them: trainer_procs
+    # on each host of its job mesh), the rest of the model FSDP-sharded over all of them as always.
     expert_parallel: int = 1
     # Low-rank adapters (rank > 0): only they train, checkpoint and travel to the generators; the
     # reference model is this one with them off.
