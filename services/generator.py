@@ -323,6 +323,7 @@ class Generator(ForgeActor):
 
     def _sampling_params(self, n: int, merged: dict[str, Any]) -> Any:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         try:
@@ -334,7 +335,7 @@ class Generator(ForgeActor):
                 output_kind=RequestOutputKind.FINAL_ONLY,
                 **merged,
             )
-        except TypeError as e:
+        except (TypeError, VLLMClientError) as e:  # an unknown option; a value vLLM refuses (n=0)
             raise ValueError(f"generate: bad sampling option in {merged}: {e}") from None
 
     async def _engine_prompt(self, prompt: Any, tools: list[dict[str, Any]] | None = None) -> Any:
@@ -559,7 +560,9 @@ class Generator(ForgeActor):
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int, policy: str = "") -> float | None:
         """Swap in `state_dict` (HF names; a LoRA policy's: its adapter, PEFT names) as `policy`'s
         `version`, without restarting the engine. Requests in flight are paused and kept, not
-        dropped. Returns the seconds generation was paused (None: an adapter vLLM is loading)."""
+        dropped. Returns the seconds generation was paused (None: an adapter vLLM is loading).
+        Weights that do not fit the model (a name or a shape) raise ValueError; with `staged_swap`
+        the replica keeps the weights and version it had."""
         p = self._policy(policy)
         if p.lora:
             return await self._add_adapter(p, state_dict, version)
@@ -674,6 +677,10 @@ class Generator(ForgeActor):
         while None in (status := await self.engine.collective_rpc("forge_staged")):
             await asyncio.sleep(0.002)  # a poll is one small call between engine steps
         errors = [s for s in status if s]
+        if any(not e.startswith("StageError:") for e in errors):
+            # vLLM's own loader refused them (a name, a shape): an in-place reload would fail the
+            # same way half-way, leaving the live model unusable.
+            raise ValueError(f"Generator: the weights do not fit {self.model}: {errors[0]}")
         if errors:
             if errors[0] not in self._stage_errors:  # once each: a model that cannot be staged says so every swap
                 self._stage_errors.add(errors[0])

@@ -151,6 +151,12 @@ class Trainer(ForgeActor):
             raise ValueError(
                 f"train_step: {rows} rows do not split over {self.world} ranks x grad_accum {self.cfg.grad_accum}"
             )
+        # Checked on the whole batch, which every rank sees: a rank whose own rows failed alone
+        # would leave the others waiting for it in a collective.
+        vocab = self.hf_config.get("vocab_size") or torch.iinfo(torch.long).max
+        bad = batch.input_ids[(batch.input_ids < 0) | (batch.input_ids >= vocab)].unique()
+        if bad.numel():
+            raise ValueError(f"train_step: token ids {bad[:5].tolist()} outside the vocabulary [0, {vocab})")
         per = rows // self.world
         if self.cfg.loss.name in PAIR_LOSSES:
             _pairs_whole(batch)

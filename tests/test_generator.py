@@ -304,6 +304,45 @@ def test_bad_requests_fail_alone(loop, gen):
     assert len(ok[0].token_ids) > 0 and len(gen.healthy()) == 1
 
 
+def test_bad_sampling_values_are_value_errors(loop, gen):
+    async def main():
+        errors = []
+        for n, sampling in [(0, None), (1, {"temperature": -1})]:
+            try:
+                await gen.generate.route("1+2=", n=n, sampling=sampling)
+            except Exception as e:
+                errors.append(e)
+        return errors
+
+    errors = loop.run_until_complete(main())
+    assert [type(e) for e in errors] == [ValueError, ValueError], errors
+    assert "n must be at least 1" in str(errors[0]) and "temperature" in str(errors[1])
+
+
+def test_weights_that_do_not_fit_the_model_fail_alone(loop, gen, tiny_model_dir):
+    """A tensor of the wrong shape: the call raises, naming it; the replica keeps its weights
+    and its version (an in-place reload of it would have left the engine dead)."""
+    sd = load_file(tiny_model_dir / "model.safetensors")
+    sd["model.norm.weight"] = sd["model.norm.weight"][:1]
+    greedy = {"temperature": 0, "max_tokens": 16}
+
+    async def main():
+        version = await gen.policy_version.route()
+        before = await gen.generate.route(PROMPTS[0], sampling=greedy)
+        try:
+            await gen.load_weights.route(sd, version=version + 1)
+            error = None
+        except Exception as e:
+            error = e
+        after = await gen.generate.route(PROMPTS[0], sampling=greedy)
+        return error, version, before[0], after[0]
+
+    error, version, before, after = loop.run_until_complete(main())
+    assert isinstance(error, ValueError) and "torch.Size([1])" in str(error), error
+    assert after.token_ids == before.token_ids and after.policy_version == version
+    assert sum(r.respawns for r in gen.replicas) == 0
+
+
 def test_dead_engine_respawns_replica(loop, gen):
     """Killing vLLM's EngineCore makes the replica unhealthy; the call is retried on the
     respawned replica, which loads the policy it had (`on_respawn`)."""

@@ -130,6 +130,24 @@ def test_one_proc_grad_accum_bad_batch_and_bf16_versions(tmp_path, tiny_model_di
     assert all(torch.equal(published[k], t.bfloat16()) for k, t in exported.items())
 
 
+def test_a_token_id_outside_the_vocabulary_fails_the_step_on_every_rank(tiny_model_dir):
+    """Only rank 1's rows hold the bad id: rank 0 must not wait for it in a collective."""
+
+    async def main():
+        trainer = await Trainer.options(procs=2).as_service(str(tiny_model_dir), TrainerConfig(threads=1))
+        try:
+            batch = fixed_batch()
+            batch.input_ids[-1, -1] = 10**6
+            with pytest.raises(ValueError, match=r"token ids \[1000000\] outside the vocabulary"):
+                await asyncio.wait_for(trainer.train_step.route(batch), 120)
+            return await asyncio.wait_for(trainer.train_step.route(fixed_batch()), 120)
+        finally:
+            await trainer.shutdown()
+
+    version, _ = asyncio.run(main())
+    assert version == 1
+
+
 def test_bad_config_and_model_are_named(tiny_model_dir):
     async def main():
         with pytest.raises(ValueError, match="unknown loss 'ppo9'"):

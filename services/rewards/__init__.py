@@ -74,7 +74,14 @@ def build_rewards(cfg: RewardsConfig) -> dict[str, RewardFn]:
 class Rewards(ForgeActor):
     """Scores completions: the weighted sum of the configured rewards, and each component."""
 
-    def __init__(self, cfg: RewardsConfig):  # a validated section (loading a config validates it)
+    @classmethod
+    def check_args(cls, cfg: RewardsConfig) -> None:
+        """A section made in Python, not loaded from a config, is checked (and completed) here."""
+        if not isinstance(cfg, RewardsConfig):
+            raise TypeError(f"Rewards: cfg must be a RewardsConfig, got {type(cfg).__name__}")
+        cfg.validate()
+
+    def __init__(self, cfg: RewardsConfig):  # a validated section (check_args validates it)
         self.weights, self.fns = dict(cfg.weights), build_rewards(cfg)
         self.timeout_s = cfg.timeout_s
         self.threads = ThreadPoolExecutor(REWARD_THREADS, thread_name_prefix="forge-reward")
