@@ -14,6 +14,18 @@ from service_actors import Flaky, Probe, Relay
 from forge.service import DependencyError
 
 
+async def killed(svc) -> asyncio.Future:
+    """SIGKILL `svc`'s replica; returns the call that sees its death (the restore starts), once
+    the service no longer counts it healthy."""
+    os.kill(await svc.pid.route(), signal.SIGKILL)
+    first = asyncio.ensure_future(svc.add.route(1))
+    deadline = time.monotonic() + 30
+    while svc.healthy():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    return first
+
+
 def test_calls_wait_for_the_only_replica_while_it_respawns():
     """With one replica (a generator's default), calls made while it respawns wait for the
     new one instead of failing at once (which stopped runs after max_rollout_failures)."""
@@ -121,12 +133,7 @@ def test_a_call_made_while_a_stateful_replica_restores_is_told_so(tmp_path):
             await svc.save.route(str(tmp_path / "ckpt"))
             svc.set_restore_point(str(tmp_path / "ckpt"))
             await svc.add.route(100)  # lost with the replica
-            os.kill(await svc.pid.route(), signal.SIGKILL)
-            first = asyncio.ensure_future(svc.add.route(1))  # sees the death: the restore starts
-            deadline = time.monotonic() + 30
-            while svc.healthy():
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
+            first = await killed(svc)
             during = await asyncio.gather(svc.add.route(10), return_exceptions=True)
             return await asyncio.gather(first, return_exceptions=True), during, await svc.add.route(1)
         finally:
@@ -204,12 +211,7 @@ def test_waiting_for_health_in_vain_does_not_cancel_a_restore(tmp_path):
             await svc.add.route(7)
             await svc.save.route(str(tmp_path / "ckpt"))
             svc.set_restore_point(str(tmp_path / "ckpt"))
-            os.kill(await svc.pid.route(), signal.SIGKILL)
-            first = asyncio.ensure_future(svc.add.route(1))  # sees the death: the restore starts
-            deadline = time.monotonic() + 30
-            while svc.healthy():
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
+            first = await killed(svc)
             with pytest.raises(TimeoutError):
                 await svc.wait_healthy(timeout=0.01)
             return await asyncio.gather(first, return_exceptions=True), await svc.add.route(1)
