@@ -494,8 +494,8 @@ def test_an_episode_given_up_while_waiting_for_a_place_leaves_none_taken(loop):
 
 
 def test_an_environment_whose_info_is_not_numbers_stops_the_run_naming_it(loop):
-    """EnvStep.info holds numbers (a Score's components and `correct`): text there used to pass
-    into the episodes and end the run later, at the trainer's metrics, naming nothing."""
+    """EnvStep.info holds numbers (a Score's components and `correct`): text there stops the run
+    at its first episode, naming the environment (not later, at the trainer's metrics, naming nothing)."""
     r = offline(_FakePool("agentic_actors:NotedEnv"), env="agentic_actors:NotedEnv")
     with pytest.raises(RolloutError, match="env 'agentic_actors:NotedEnv'.*'note'"):
         loop.run_until_complete(r.group(TASK))
