@@ -2,6 +2,7 @@ import asyncio
 import os
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,6 +17,14 @@ def as_a_user(env: dict[str, str]) -> dict[str, str]:
     """`env` without what the tests set for their own processes: a command run with it puts its
     libraries' output in runs/.../logs, as for a user."""
     return {k: v for k, v in env.items() if k not in ("FORGE_LOGS", "VLLM_LOGGING_LEVEL")}
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not); one that ends while it is asked did not."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 # Monarch children import test actors (tests/*_actors.py) by module name.

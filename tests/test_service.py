@@ -8,6 +8,7 @@ from collections import Counter
 
 import psutil
 import pytest
+from conftest import alive
 from roles import running
 from service_actors import Probe
 
@@ -100,10 +101,6 @@ def test_sigkill_one_replica_during_100_calls():
             await svc.shutdown()
 
     run(main())
-
-
-def alive(pid: int) -> bool:
-    return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
 
 
 def test_shutdown_leaves_no_processes():

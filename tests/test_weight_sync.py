@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
+from conftest import alive
 from safetensors.torch import load_file
 from test_generator import max_logprob_error, perturbed
 
@@ -235,14 +236,10 @@ def test_generator_follows_latest_while_generating(tiny_model_dir):
             assert out[0].policy_version == 3 and sum(r.respawns for r in gen.replicas) == 1
             # The dead replica's vLLM processes went with it (they are not left orphaned).
             for _ in range(50):
-                if not any(
-                    psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engine_pids
-                ):
+                if not any(alive(p) for p in engine_pids):
                     break
                 await asyncio.sleep(0.2)
-            assert not any(
-                psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engine_pids
-            )
+            assert not any(alive(p) for p in engine_pids)
         finally:
             await sync.stop()
             await shm.clear()  # this test is the writer: its /dev/shm files go with it
