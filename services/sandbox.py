@@ -96,6 +96,9 @@ class RunResult:
     truncated: bool = False  # stdout or stderr passed max_output_bytes
     tests_passed: int = 0
     tests_total: int = 0
+    # With tests: the program's own exit code (its process; `exit_code` is the grader's, which a
+    # failed test also makes 1), negative for a signal; None when the grader could not tell.
+    program_exit: int | None = None
 
     @property
     def pass_fraction(self) -> float:
@@ -653,6 +656,7 @@ class SandboxPool:
             truncated=truncated,
             tests_passed=_passed(report, len(req.tests)),
             tests_total=len(req.tests),
+            program_exit=_program_exit(report),
         )
 
     # ---- set-up -----------------------------------------------------------------------
@@ -926,6 +930,11 @@ def _passed(report: dict | None, total: int) -> int:
     """The harness's count, checked: an int in [0, total], else 0."""
     passed = (report or {}).get("passed") if isinstance(report, dict) else None
     return passed if type(passed) is int and 0 <= passed <= total else 0
+
+
+def _program_exit(report: dict | None) -> int | None:
+    code = report.get("program_exit") if isinstance(report, dict) else None
+    return code if type(code) is int else None
 
 
 def _read_report(fd: int) -> dict | None:

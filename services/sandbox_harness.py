@@ -1,7 +1,8 @@
 """The code_tests harness: grades a program against its tests from a process the program cannot
 touch. Standard library only: the sandbox runs it as a Python program of its own.
 
-    forge_harness.py REPORT_FD TESTS_FD MAIN       # the tests as JSON on TESTS_FD; counts out on REPORT_FD
+    forge_harness.py REPORT_FD TESTS_FD MAIN       # the tests as JSON on TESTS_FD; the count and the
+                                                   # program's exit code out on REPORT_FD
 
 The program runs in a child (its own process, the run's uid). The tests run here, in a process the
 program cannot read or signal its way into undetected (not dumpable: no /proc/PID/mem, fds or
@@ -260,11 +261,12 @@ def main():
     with os.fdopen(tests_fd, "rb") as f:
         tests = json.loads(f.read())
     passed = grade(tests, Program(asks_w, answers_r))
-    os.write(report, json.dumps({"passed": passed}).encode())
-    os.close(report)
     os.close(asks_w)  # the child's loop ends
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
+    # The program's own ending beside the count: this process's exit code is a failed test's too.
+    os.write(report, json.dumps({"passed": passed, "program_exit": code}).encode())
+    os.close(report)
     sys.exit(code if code > 0 else 0 if passed == len(tests) else 1)
 
 

@@ -470,6 +470,15 @@ def test_printing_the_expected_output_passes_only_a_program_that_ends_cleanly(lo
         name: loop.run_until_complete(reward(RewardInput(row, right + end)))["reward"] for name, end in endings.items()
     }
     assert scores == {"ends": 1.0, "crashes": 0.0, "is killed": 0.0, "hangs": 0.0}
+    # With tests as well, a failed test is not the program's crash: the output still counts
+    # when the program ended cleanly, and not when it crashed after printing.
+    both = {**row, "tests": ["assert 1 == 2"]}
+    scores = {
+        name: loop.run_until_complete(reward(RewardInput(both, right + end)))["reward"]
+        for name, end in endings.items()
+        if name != "hangs"
+    }
+    assert scores == {"ends": 0.5, "crashes": 0.0, "is killed": 0.0}
     assert sandbox_pids() == []
 
 

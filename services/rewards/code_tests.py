@@ -64,8 +64,9 @@ class CodeTests:
         except SandboxError as e:
             raise RewardUnavailable("sandbox", str(e)) from e
         # What it printed counts only if it then ended cleanly: output followed by a crash, a kill
-        # or a timeout is a wrong answer. With tests, "error" may be a failed test's, not its own.
-        ended = r.status == "ok" or (bool(tests) and r.status == "error")
+        # or a timeout is a wrong answer. With tests, "error" may be a failed test's: the grader
+        # says how the program itself ended.
+        ended = r.program_exit == 0 if tests else r.status == "ok"
         printed = expected is not None and ended and r.stdout.strip() == str(expected).strip()
         passed, total = r.tests_passed + printed, len(tests) + (expected is not None)
         return {"reward": float(passed == total) if self.cfg.all_pass else passed / total, "correct": passed == total}
