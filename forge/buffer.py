@@ -40,6 +40,7 @@ from typing import Any
 from monarch.actor import concurrent_endpoint, endpoint
 
 from forge.actor import ForgeActor
+from forge.metrics import Reduce, record_metric
 from forge.types import Episode
 
 
@@ -85,9 +86,15 @@ class ReplayBuffer(ForgeActor):
         self.admitted: defaultdict[int, int] = defaultdict(int)  # on-policy: version -> groups started or kept
         self.start = 0  # the rollouts' current start: a call from an earlier one admits nothing
 
+    def _drop(self, why: str, episodes: int) -> None:
+        """Count `episodes` thrown away (`why`: stale, filtered, lost, rewound), also in the step's metrics."""
+        if episodes:
+            self.stats[f"dropped_{why}"] += episodes
+            record_metric(f"buffer/dropped_{why}", episodes, Reduce.SUM)
+
     def _lost(self, group: list[Episode]) -> bool:
         if any(lo < e.policy_version <= hi for e in group for lo, hi in self.lost):
-            self.stats["dropped_lost"] += len(group)
+            self._drop("lost", len(group))
             return True
         return False
 
@@ -97,7 +104,7 @@ class ReplayBuffer(ForgeActor):
         kept = [e for e in group if not (self.max_tokens and len(e.tokens) > self.max_tokens)]
         if self.dynamic_sampling and len({e.reward for e in kept}) < 2:
             kept = []  # no reward variance: zero advantage for all, nothing to learn (DAPO's dynamic sampling)
-        self.stats["dropped_filtered"] += len(group) - len(kept)
+        self._drop("filtered", len(group) - len(kept))
         return kept
 
     @endpoint
@@ -171,7 +178,7 @@ class ReplayBuffer(ForgeActor):
         async with self.changed:
             await self.changed.wait_for(lambda: self._void(ticket) or len(self.groups) < self.capacity)
             if self._void(ticket):  # admitted before a rewind: its prompt is replayed, its room is gone
-                self.stats["dropped_rewound"] += len(kept)
+                self._drop("rewound", len(kept))
                 return 0
             self.groups.append(kept)
             self.stats["added"] += len(kept)
@@ -187,7 +194,7 @@ class ReplayBuffer(ForgeActor):
         with them."""
         fresh = [g for g in self.groups if self._fresh(g, version)]
         if len(fresh) < len(self.groups):
-            self.stats["dropped_stale"] += sum(len(g) for g in self.groups) - sum(len(g) for g in fresh)
+            self._drop("stale", sum(len(g) for g in self.groups) - sum(len(g) for g in fresh))
             self.groups = deque(fresh)
             self.changed.notify_all()
 

@@ -172,6 +172,10 @@ async def _gather(timeout: float) -> list[dict[str, _Acc]]:
     async def one(key: int, mesh: Any) -> list[dict[str, _Acc]]:
         try:
             return [v for _, v in (await asyncio.wait_for(mesh.drain.call(), timeout)).items()]
+        except asyncio.TimeoutError:  # a slow mesh (a busy host) loses this flush's values, not its later ones
+            log.warning("forge: metrics from a mesh timed out after %ss; this flush goes without them", timeout)
+            record_metric("metrics/flush_timeouts", 1, Reduce.SUM)
+            return []
         except Exception as e:  # a dead mesh loses its unflushed values, never the run
             log.warning("forge: metrics from a mesh were lost: %s", e)
             collectors.pop(key, None)
@@ -218,6 +222,9 @@ class MetricWriter:
             self._wandb = wandb.init(
                 dir=str(self.run_dir), mode="offline", name=self.run_dir.name, config=dict(config or {})
             )
+            # Plotted against their own `step`: W&B's step only goes up, and drops an eval's row written
+            # after later steps' and a rewind's rows.
+            self._wandb.define_metric("*", step_metric="step")
 
     def _open(self, keep_until: int | None) -> list[str]:
         """(Re)open the JSONL and TensorBoard files, keeping the rows up to step `keep_until`."""
@@ -268,7 +275,7 @@ class MetricWriter:
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
         if self._wandb:
-            self._wandb.log(row, step=step)
+            self._wandb.log(row)
         if "console" in self.backends:
             # Between the progress bar's redraws: printed over it, the row would go on the bar's line.
             tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))

@@ -242,3 +242,31 @@ def test_a_resumed_on_policy_batch_admits_only_the_groups_its_checkpoint_lacks()
             await resumed.shutdown()
 
     asyncio.run(main())
+
+
+def test_each_steps_metrics_count_the_episodes_the_buffer_threw_away(tmp_path):
+    """Episodes the buffer drops (too stale, filtered out, sampled by a lost trainer's versions)
+    are in the metrics row of the step they were dropped in, not only in `get_stats`."""
+    from forge.metrics import MetricWriter, metrics_scope
+
+    async def main():
+        with metrics_scope():
+            writer = MetricWriter(tmp_path, ["jsonl"])
+            buf = await ReplayBuffer.options().as_actor(
+                capacity=2, max_staleness=0, max_tokens=6, dynamic_sampling=True
+            )
+            try:
+                await buf.add.call_one(group(0, rewards=(1.0, 1.0)))  # zero variance
+                await buf.add.call_one(group(0, tokens=9))  # too long
+                await buf.add.call_one(group(0))
+                assert await buf.notify_version.call_one(1) == 0  # too old for version 1
+                await buf.lose.call_one((1, 2))
+                await buf.add.call_one(group(2))  # sampled by a lost version
+                return await writer.flush(1), await writer.flush(2)
+            finally:
+                await buf.shutdown()
+                writer.close()
+
+    first, second = asyncio.run(main())
+    assert (first["buffer/dropped_filtered"], first["buffer/dropped_stale"], first["buffer/dropped_lost"]) == (4, 2, 2)
+    assert not [k for k in second if k.startswith("buffer/")]

@@ -259,3 +259,61 @@ def test_console_rows_do_not_run_into_the_progress_bar(tmp_path, capsys):
     bar.close()
     (line,) = [line for line in capsys.readouterr().out.split("\n") if "loss=0.5" in line]
     assert line.split("\r")[-1].startswith("step=1 "), repr(line)
+
+
+def test_a_slow_flush_costs_that_flush_alone(tmp_path, caplog):
+    """A process whose values do not come within a flush's timeout (a busy host) loses that
+    flush's values, counted and warned; its later values still reach later flushes."""
+    import asyncio
+
+    from forge.metrics import Reduce, _Acc, _scope, metrics_scope
+
+    class Slow:
+        """A collector whose first drain never answers, then answers each time."""
+
+        def __init__(self):
+            self.calls = 0
+            self.drain = self
+
+        async def call(self):
+            self.calls += 1
+            if self.calls == 1:
+                await asyncio.Event().wait()
+            acc = _Acc(Reduce.MEAN)
+            acc.add(float(self.calls))
+            return {0: {"loss": acc}}
+
+    async def main():
+        with metrics_scope():
+            _scope.get().collectors[1] = Slow()
+            writer = MetricWriter(tmp_path, ["jsonl"])
+            try:
+                return [await writer.flush(step, timeout=0.2) for step in (1, 2, 3)]
+            finally:
+                writer.close()
+
+    with caplog.at_level("WARNING", logger="forge"):
+        first, second, third = asyncio.run(main())
+    assert first.get("metrics/flush_timeouts") == 1 and "loss" not in first
+    assert (second["loss"], third["loss"]) == (2.0, 3.0) and "metrics/flush_timeouts" not in third
+    assert sum("metrics" in r.getMessage() and "timed out" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_wandb_keeps_rows_written_after_a_later_step(tmp_path):
+    """An eval's row is written when it ends, after later steps' rows, and a rewind writes its
+    steps again: W&B drops a row logged at a step below the last one's, unless rows are
+    plotted against their own `step`."""
+    w = MetricWriter(tmp_path, ["wandb"])
+    w.write(12, {"loss": 0.5})
+    w.write(10, {"eval/accuracy": 0.75})
+    w.rewind(10)
+    w.write(11, {"entropy": 0.1})
+    w.write(13, {"tokens_per_s": 9.0})
+    w.close()
+    (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    for _ in range(600):  # W&B's own process writes the file, after `finish` returns
+        if b"tokens_per_s" in run.read_bytes():
+            break
+        time.sleep(0.1)
+    logged = run.read_bytes()
+    assert b"tokens_per_s" in logged and b"eval/accuracy" in logged and b"entropy" in logged
