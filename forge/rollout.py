@@ -22,6 +22,7 @@ import torch
 from forge.console import report
 from forge.losses.advantages import group_advantages
 from forge.metrics import Reduce, record_metric
+from forge.service import outstanding
 from forge.tasks import Sample
 from forge.types import Completion, Episode, RewardInput, Score
 
@@ -246,7 +247,8 @@ class RolloutLoops:
         raise RolloutsStopped(
             f"no batch of {self.cfg.groups_per_step} groups usable by policy version {version} within "
             f"{self.cfg.sample_timeout_s} s (config key 'sample_timeout_s'): the buffer holds {held['size']} "
-            f"({held}); rollouts last failed with: {self.last_error or 'nothing (none failed)'}"
+            f"({held}); rollouts last failed with: {self.last_error or 'nothing (none failed)'}; "
+            f"calls outstanding: {outstanding()}"
         )
 
     async def _loop(self) -> None:

@@ -26,8 +26,9 @@ import contextlib
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 # Monarch exports no public name for the error a call to a dead actor raises; this is its one import.
@@ -40,6 +41,14 @@ from forge.metrics import Reduce, record_metric
 log = logging.getLogger("forge")
 ROUTERS = ("least_loaded", "round_robin")
 RESPAWN_ATTEMPTS = 10  # a non-stateful replica's, backing off 1 s to 60 s: about 4 min, then it is lost
+_services: weakref.WeakSet[Service] = weakref.WeakSet()  # this process's, for `outstanding()`
+
+
+def outstanding(limit: int = 4) -> str:
+    """The calls this process's services wait for, the replicas with the oldest first, in words
+    ("none"): a replica that hangs (its process alive, a call never returning) shows here alone."""
+    found = sorted((c for svc in list(_services) for c in svc.outstanding()), reverse=True)
+    return "; ".join(text for _, text in found[:limit]) or "none"
 
 
 def last_line(error: BaseException | str) -> str:
@@ -71,7 +80,7 @@ class Replica:
     index: int
     procs: ProcMesh
     mesh: Any
-    inflight: int = 0
+    calls: list[tuple[float, str]] = field(default_factory=list)  # (start, endpoint) of each call on it
     healthy: bool = True
     respawns: int = 0
     # Set while a respawn is under way; done: it gave up (cancelled: its loop stopped, see `_revive`).
@@ -94,6 +103,7 @@ class Service:
         self._closed = False
         self.restore_point: Any = None
         self._lost: str | None = None  # why a stateful replica is gone for good
+        _services.add(self)
 
     def set_restore_point(self, point: Any) -> None:
         """Where a respawned replica restores its state from (`on_respawn(point)`), e.g. the
@@ -123,8 +133,8 @@ class Service:
         turn = next(self._rr)
         if self.options.router == "round_robin":
             return choices[turn % len(choices)]
-        least = min(r.inflight for r in choices)
-        idle = [r for r in choices if r.inflight == least]
+        least = min(len(r.calls) for r in choices)
+        idle = [r for r in choices if len(r.calls) == least]
         return idle[turn % len(idle)]  # ties rotate, so equal load spreads evenly
 
     def _unavailable(self, name: str) -> str:
@@ -148,8 +158,21 @@ class Service:
             await asyncio.wait(pending, timeout=deadline - time.monotonic())
         return self._pick(exclude, name)
 
+    def outstanding(self) -> list[tuple[float, str]]:
+        """(age, in words) of the oldest call not yet returned of each replica with one."""
+        now, role, found = time.monotonic(), self.options.actor.__name__, []
+        for r in self.replicas:
+            if r.calls:
+                start, name = r.calls[0]  # appended as they start: the first is the oldest
+                age = now - start
+                found.append(
+                    (age, f"{role}.{name} on replica {r.index} for {age:.1f} s (the oldest of {len(r.calls)})")
+                )
+        return found
+
     async def _invoke(self, r: Replica, name: str, args: tuple, kwargs: dict, all_ranks: bool) -> Any:
-        r.inflight += 1
+        call = (time.monotonic(), name)
+        r.calls.append(call)
         try:
             values = await getattr(r.mesh, name).call(*args, **kwargs)
         except ActorError as e:
@@ -160,7 +183,7 @@ class Service:
                 ) from None
             raise e.exception from None
         finally:
-            r.inflight -= 1
+            r.calls.remove(call)
         ranked = [v for _, v in values.items()]
         return ranked if all_ranks else ranked[0]
 
@@ -179,6 +202,10 @@ class Service:
         try:
             return await self._invoke(r, name, args, kwargs, all_ranks)
         except SupervisionError as first:
+            if self._closed:  # its replica was stopped by `shutdown`, not dead: nothing to retry on
+                raise ServiceError(
+                    f"{self.options.actor.__name__}.{name}: the service was shut down during the call"
+                ) from None
             if self.options.actor.stateful:
                 await self._restore(r, first)
             self._replica_died(r)  # the respawn runs on; this call does not wait for it

@@ -27,6 +27,13 @@ class Probe(ForgeActor):
         return os.getpid()
 
     @endpoint
+    async def hang_on(self, pid: int) -> int:
+        """Never returns in process `pid` (a hung engine); elsewhere returns at once."""
+        if os.getpid() == pid:
+            await asyncio.Event().wait()
+        return os.getpid()
+
+    @endpoint
     async def boom(self, msg: str) -> None:
         raise ValueError(msg)
 

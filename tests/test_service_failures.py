@@ -4,9 +4,12 @@ restores. Each of these once failed calls that could succeed, or respawned a hea
 (or, the last ones, stalled a call or ran it on a state its caller did not know of)."""
 
 import asyncio
+import itertools
 import os
+import re
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 from service_actors import Flaky, Probe, Relay
@@ -258,3 +261,57 @@ def test_a_fanout_made_while_every_replica_respawns_is_not_empty(tmp_path):
             await counter.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_run_stalled_by_a_hung_replica_says_which_calls_it_waits_for():
+    """A replica whose endpoint never returns (a hung engine, not a dead process) stalls the
+    rollouts without any failing: the error that stops the run names the role, endpoint and
+    replica with calls outstanding and the age of the oldest, not "none failed" alone."""
+    from forge.buffer import ReplayBuffer
+    from forge.rollout import RolloutLoops, RolloutsStopped
+    from forge.types import Episode, Score
+
+    class Held:
+        async def wait_held(self, version):
+            return None
+
+    async def main():
+        svc = await Probe.options(replicas=2, router="round_robin").as_service("p")
+        buffer = await ReplayBuffer.options().as_actor(capacity=8, max_staleness=0)
+        try:
+            hung = (await svc.pid.fanout())[1]  # replica 1's process
+
+            class Rollouts:
+                async def group(self, sample):
+                    await svc.hang_on.route(hung)  # every other call lands on replica 1 and stays
+                    return [Episode([1, 2], [0, 1], [0.0, 0.0], score=Score(r)) for r in (0.0, 1.0)]
+
+            cfg = SimpleNamespace(groups_per_step=8, rollout_tasks=2, max_rollout_failures=5, sample_timeout_s=3)
+            loops = RolloutLoops(Rollouts(), itertools.count(), buffer, Held(), cfg)
+            async with loops.running(0):
+                with pytest.raises(RolloutsStopped) as e:
+                    await loops.batch(0)
+            return str(e.value)
+        finally:
+            await buffer.shutdown()
+            await svc.shutdown()
+
+    message = asyncio.run(main())
+    assert "rollouts last failed with: nothing (none failed)" in message
+    assert re.search(r"calls outstanding: Probe\.hang_on on replica 1 for [\d.]+ s \(the oldest of 2\)$", message)
+
+
+def test_a_call_outstanding_at_shutdown_says_the_service_shut_down():
+    """Shutting a service down under a call that hangs returns, and the call fails saying so: it
+    is not retried on a replica that was stopped, as if two replicas had died under it."""
+    from forge.service import ServiceError
+
+    async def main():
+        svc = await Probe.options().as_service("p")
+        call = asyncio.ensure_future(svc.hang_on.route(await svc.pid.route()))
+        await asyncio.sleep(0.5)
+        await svc.shutdown()
+        return await asyncio.gather(call, return_exceptions=True)
+
+    (error,) = asyncio.run(main())
+    assert isinstance(error, ServiceError) and str(error) == "Probe.hang_on: the service was shut down during the call"
