@@ -698,6 +698,10 @@ class Gateway:
         vllm_config = await asyncio.to_thread(self.engine_args.create_engine_config)
         self.engine_client = _engine_client_class()(self, vllm_config)
         app = build_app(args, supported_tasks=("generate",), model_config=vllm_config.model_config)
+        # vLLM's per-request middleware does nothing the gateway serves (Prometheus's HTTP metrics
+        # for a /metrics route it refuses, elastic-EP scaling, CORS with no origin allowed) and
+        # cost its Python on every call (py-spy on `forge bench gateway`).
+        app.user_middleware = []
         await init_app_state(self.engine_client, app.state, args, supported_tasks=("generate",))
         sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -710,6 +714,7 @@ class Gateway:
                 log_level="warning",
                 lifespan="on",
                 timeout_graceful_shutdown=2,
+                proxy_headers=False,  # nothing here reads the client's address
                 http=bounded_http(self.cfg.request_deadline_s, self.cfg.max_connections),
             )
         )

@@ -60,6 +60,13 @@ def test_ctrl_c_stays_the_runs(loop, served):
     assert getattr(loop.run_until_complete(handler()), "__self__", None) is not gw._server
 
 
+def test_the_gateway_runs_no_middleware_for_what_it_does_not_serve(served):
+    """vLLM's app comes with per-request middleware (Prometheus's HTTP metrics, elastic-EP
+    scaling, CORS) for routes and features the gateway does not serve; each call paid for it."""
+    gw = served[0]
+    assert gw._server.config.app.app.user_middleware == [] and not gw._server.config.proxy_headers
+
+
 def test_chat_logprobs_n_models_and_completions(loop, served):
     gw, *_ = served
 
