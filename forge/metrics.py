@@ -27,7 +27,7 @@ import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from forge.schema import BACKENDS, DEFAULT_BACKENDS
 log = logging.getLogger("forge")
 
 
-class Reduce(str, Enum):
+class Reduce(StrEnum):
     MEAN = "mean"
     SUM = "sum"
     MAX = "max"
@@ -172,7 +172,7 @@ async def _gather(timeout: float) -> list[dict[str, _Acc]]:
     async def one(key: int, mesh: Any) -> list[dict[str, _Acc]]:
         try:
             return [v for _, v in (await asyncio.wait_for(mesh.drain.call(), timeout)).items()]
-        except asyncio.TimeoutError:  # a slow mesh (a busy host) loses this flush's values, not its later ones
+        except TimeoutError:  # a slow mesh (a busy host) loses this flush's values, not its later ones
             log.warning("forge: metrics from a mesh timed out after %ss; this flush goes without them", timeout)
             record_metric("metrics/flush_timeouts", 1, Reduce.SUM)
             return []

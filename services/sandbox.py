@@ -575,7 +575,7 @@ class SandboxPool:
         timed_out = False
         try:
             await asyncio.wait_for(asyncio.shield(run.exited), req.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
         finally:  # also when the caller gave up (cancelled): nothing of the run survives it
             if not run.exited.done() or run.exited.exception() is not None or not self.namespaces:
@@ -584,7 +584,7 @@ class SandboxPool:
                 await run.exited
         try:  # with namespaces every pipe is closed by now; without, a leftover may hold one
             (out, t_out), (err, t_err) = await asyncio.wait_for(io, 5.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             io.cancel()
             (out, t_out), (err, t_err) = (b"", False), (b"", False)
         return out, err, timed_out, t_out or t_err
@@ -805,7 +805,7 @@ class _SlotServer:
         server = cls(started.pid, ours, started.exited)
         try:
             ready = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(ours, 16), 30)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             ready = b""
         except BaseException:
             await server.stop()
