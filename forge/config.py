@@ -238,6 +238,21 @@ def _validate(obj: Any, path: tuple[str, ...] = ()) -> None:
         raise ConfigError(full) from None
 
 
+SECRET_KEYS = ("api_key",)  # config keys whose values leave the run's directory masked
+
+
+def without_secrets(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain data, every SECRET_KEYS value masked: what a run hands a
+    metrics backend that uploads it (`wandb sync`), unlike config.yaml, which stays private."""
+
+    def mask(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: "***" if k in SECRET_KEYS and v is not None else mask(v) for k, v in x.items()}
+        return [mask(v) for v in x] if isinstance(x, list) else x
+
+    return mask(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))
+
+
 def to_yaml(cfg: Any) -> str:
     """The resolved config as YAML (what a run saves next to its outputs). The keys its
     `validate()` worked out from others (`derived`, e.g. an LR schedule's length from `steps`)

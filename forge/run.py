@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from forge import checkpoint
 from forge.checkpoint import RunStopped
-from forge.config import ConfigError, to_yaml
+from forge.config import ConfigError, to_yaml, without_secrets
 from forge.curves import plot_run
 from forge.metrics import MetricWriter, discard_pending, read_rows
 from forge.rollout import RolloutError, RolloutsStopped
@@ -96,7 +96,9 @@ class Run:
         self.finished = False
         self.row: dict[str, float] = {}
         self.written = self.step  # the last step with a metrics row (a resume keeps its checkpoint's)
-        self.writer = MetricWriter(self.dir, cfg.metrics, resume_step=self.step if resume_from else None)
+        self.writer = MetricWriter(
+            self.dir, cfg.metrics, config=without_secrets(cfg), resume_step=self.step if resume_from else None
+        )
         self.trainer: Any = None
         self.weights: Any = None
         self.evals: Any = None

@@ -134,12 +134,29 @@ def test_one_key_one_reduction():
     _drain()
 
 
-def test_wandb_backend_offline(tmp_path):
-    w = MetricWriter(tmp_path, ["wandb"], config={"lr": 0.1})
-    w.write(1, {"loss": 0.5})
-    w.close()
-    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 1 and runs[0].stat().st_size > 0
+def wandb_log(run_dir, *written: bytes) -> bytes:
+    """The bytes of a run's offline W&B log, once `written` are all in it: W&B's own process
+    writes the file after `finish` returns."""
+    (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    for _ in range(600):
+        if all(w in log.read_bytes() for w in written):
+            break
+        time.sleep(0.1)
+    return log.read_bytes()
+
+
+def test_a_runs_wandb_log_has_its_rows_and_config_without_secrets(tmp_path):
+    """W&B (offline, for `wandb sync` to upload) gets the run's rows and its resolved config, with
+    an API key read into it masked (config.yaml keeps it, private to the user)."""
+    from forge.run import Run
+
+    overrides = [f"runs_dir={tmp_path}", "run_name=w", "metrics=[wandb]", "rewards.judge.api_key=sk-not-for-wandb"]
+    run = Run("grpo", load_config("configs/grpo_tiny.yaml", overrides, APPS["grpo"]))
+    run.writer.write(1, {"loss": 0.5})
+    run.writer.close()
+    logged = wandb_log(run.dir, b"loss", b"group_size")
+    assert b"loss" in logged and b"group_size" in logged and b"sk-not-for-wandb" not in logged
+    assert "sk-not-for-wandb" in (run.dir / "config.yaml").read_text()
 
 
 def test_new_run_starts_empty_and_resume_drops_later_rows(tmp_path):
@@ -310,10 +327,5 @@ def test_wandb_keeps_rows_written_after_a_later_step(tmp_path):
     w.write(11, {"entropy": 0.1})
     w.write(13, {"tokens_per_s": 9.0})
     w.close()
-    (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    for _ in range(600):  # W&B's own process writes the file, after `finish` returns
-        if b"tokens_per_s" in run.read_bytes():
-            break
-        time.sleep(0.1)
-    logged = run.read_bytes()
+    logged = wandb_log(tmp_path, b"tokens_per_s")
     assert b"tokens_per_s" in logged and b"eval/accuracy" in logged and b"entropy" in logged
