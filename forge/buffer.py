@@ -255,8 +255,8 @@ class ReplayBuffer(ForgeActor):
 
     async def _load(self, state: dict[str, Any]) -> None:
         async with self.changed:
+            self.stats = {**self.stats, **state["stats"]}  # first: the lost groups dropped next count on it
             self.groups = deque(g for g in state["groups"] if not self._lost(g))
-            self.stats = {**self.stats, **state["stats"]}
             self.start += 1  # a rewind: no group admitted before it lands (the rollouts restart)
             self.admitted.clear()
             self.changed.notify_all()

@@ -270,3 +270,23 @@ def test_each_steps_metrics_count_the_episodes_the_buffer_threw_away(tmp_path):
     first, second = asyncio.run(main())
     assert (first["buffer/dropped_filtered"], first["buffer/dropped_stale"], first["buffer/dropped_lost"]) == (4, 2, 2)
     assert not [k for k in second if k.startswith("buffer/")]
+
+
+def test_groups_of_lost_versions_a_checkpoint_held_are_counted_when_it_loads():
+    """A checkpoint taken while a group of version 11 was held, loaded after versions 11-12 were
+    lost: that group is dropped, and `dropped_lost` counts it (the checkpoint's counts are loaded
+    first, not over it)."""
+
+    async def main():
+        buf = await ReplayBuffer.options().as_actor(capacity=8, max_staleness=4)
+        try:
+            await buf.add.call_one(group(11))
+            checkpointed = await buf.state_dict.call_one()
+            await buf.lose.call_one((10, 12))
+            await buf.load_state_dict.call_one(checkpointed)
+            return await buf.get_stats.call_one()
+        finally:
+            await buf.shutdown()
+
+    stats = asyncio.run(main())
+    assert (stats["size"], stats["dropped_lost"]) == (0, 2)
