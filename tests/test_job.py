@@ -215,7 +215,9 @@ def test_grpo_with_the_trainer_and_the_generator_on_two_process_job_hosts(tmp_pa
     saved = checkpoint.load_run_state(checkpoint.latest(cfg.run_dir))
     assert saved["version"] == 2
     trained, initial = load_file(cfg.run_dir / "model/model.safetensors"), load_file(MODEL / "model.safetensors")
-    assert any(not torch.equal(trained[k], initial[k]) for k in initial)
+    # (a batch whose groups all scored alike would train nothing: the rows say so if it fails)
+    learned = [(r.get("reward_std"), r.get("grad_norm")) for r in rows(cfg.run_dir)]
+    assert any(not torch.equal(trained[k], initial[k]) for k in initial), learned
     _, alive = psutil.wait_procs([p for p in spawned if p.pid != os.getpid()], timeout=60)
     assert not alive, [p.cmdline() for p in alive]
     assert not [d for d in ROOT.glob("run-*") if d.name.split("-")[1] in {str(p.pid) for p in spawned}]
