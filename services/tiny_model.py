@@ -174,18 +174,22 @@ def make_tiny_model(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700: readable as the directory save_pretrained would make
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    info = {
-        "key": spec_key(spec),
-        "spec": asdict(spec),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "sft_final_loss": warm_start(tmp, spec) if warm_start and spec.sft_steps else None,
-        "build_seconds": round(time.perf_counter() - start, 2),
-    }
-    (tmp / BUILD_FILE).write_text(json.dumps(info, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        info = {
+            "key": spec_key(spec),
+            "spec": asdict(spec),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "sft_final_loss": warm_start(tmp, spec) if warm_start and spec.sft_steps else None,
+            "build_seconds": round(time.perf_counter() - start, 2),
+        }
+        (tmp / BUILD_FILE).write_text(json.dumps(info, indent=2))
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    except BaseException:  # a build stopped (Ctrl-C, an error) leaves no half-written copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 

@@ -216,3 +216,16 @@ def test_two_builds_of_one_directory_at_once_leave_a_whole_build(tmp_path):
     make_tiny_model(out, spec, warm_start=another_build_meanwhile)
     assert json.loads((out / BUILD_FILE).read_text())["key"] == spec_key(spec)
     assert load_file(out / "model.safetensors") and sorted(p.name for p in out.parent.iterdir()) == ["m"]
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, ValueError])
+def test_an_interrupted_build_leaves_no_directory_behind(tmp_path, interrupt):
+    """A build stopped during its warm start (Ctrl-C, an error) leaves neither the model nor its
+    half-written copy beside it."""
+
+    def stopped(model_dir, spec):
+        raise interrupt("stopped")
+
+    with pytest.raises(interrupt):
+        make_tiny_model(tmp_path / "m", TinyModelSpec(num_hidden_layers=1, sft_steps=5), warm_start=stopped)
+    assert list(tmp_path.iterdir()) == []
