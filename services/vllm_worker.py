@@ -14,6 +14,8 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 from forge.shm import forget_mapping, read_safetensors
 from services import vllm_lora, vllm_seeds
 from services.vllm_routing import RoutingRecorder
@@ -21,6 +23,9 @@ from services.vllm_staging import commit, stage
 
 vllm_lora.install()  # in the process that runs the model: vLLM imports this module there
 vllm_seeds.install()
+# vLLM's CPU attention runs AMX tile instructions in bfloat16 without asking Linux for them
+# (SIGILL unless a large enough oneDNN matmul asked first, as the 1-token warm-up's do not).
+torch.cpu._init_amx()
 
 
 def _alive(pid: int) -> bool:

@@ -1,6 +1,8 @@
 """vLLM loads the tiny model through its normal HF path (the generator service builds on this)."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,3 +38,25 @@ def test_vllm_loads_tiny_model(tiny_model_dir):
             assert all(lp[t].logprob <= 0.0 for lp, t in zip(c.logprobs, c.token_ids))
     finally:
         del llm
+
+
+AMX_PERMITTED = """
+import ctypes
+import services.vllm_worker
+flags = ctypes.c_ulong()
+ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(flags))  # arch_prctl(ARCH_GET_XCOMP_PERM)
+print(bool(flags.value & 1 << 18))  # XTILEDATA: AMX's tile registers
+"""
+
+
+@pytest.mark.skipif(
+    "amx_tile" not in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""),
+    reason="no AMX on this CPU",
+)
+def test_vllm_worker_may_use_amx_tiles():
+    """A bfloat16 generator on an AMX CPU (`forge bench mismatch`'s): vLLM's attention kernel runs AMX tile
+    instructions, which Linux answers with SIGILL in a process that has not asked for them (oneDNN
+    asks only for a large enough matmul; the generator's 1-token warm-up ran none first)."""
+    root = Path(__file__).parents[1]
+    r = subprocess.run([sys.executable, "-c", AMX_PERMITTED], capture_output=True, text=True, cwd=root)
+    assert r.stdout.split()[-1:] == ["True"], r.stderr[-2000:]
