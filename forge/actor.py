@@ -11,6 +11,7 @@ Both spawn calls return Monarch Futures, so a REPL can write `.get()` instead of
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import functools
 import logging
 import os
@@ -38,6 +39,10 @@ def _bootstrap(env: dict[str, str], title: str | None, log_to: logs.Destination 
     if log_to is not None:  # first: what the libraries print from now on goes to the file
         logs.process_to_file(log_to, (title or "proc").removeprefix("forge:"))
     os.environ.update(env)
+    # A native fault (SIGSEGV, SIGILL in a kernel) writes where it was in Python to the log, here
+    # and in the processes this one starts (vLLM's engine core), where it said only that it died.
+    faulthandler.enable()
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     if title:  # `ps` (and a chaos test) can tell the roles apart
         import setproctitle
 

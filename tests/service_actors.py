@@ -135,6 +135,19 @@ class Noisy(ForgeActor):
         return os.getpid()
 
 
+class Crashing(ForgeActor):
+    """Starts a process that dies of a native fault (as vLLM's engine core can), like its own."""
+
+    @endpoint
+    async def start_one(self) -> tuple[int, bool]:
+        import faulthandler
+        import subprocess
+        import sys
+
+        subprocess.run([sys.executable, "-c", "import ctypes; ctypes.string_at(0)"], check=False)
+        return os.getpid(), faulthandler.is_enabled()
+
+
 class Stand(ForgeActor):
     """Stands in for any role (takes its constructor's arguments, does nothing)."""
 

@@ -135,3 +135,38 @@ def test_a_warning_per_sample_in_a_spawned_process_is_one_console_line(tmp_path)
     assert len(console) == 2 and "'answer 0'" in console[0] and "code_tests" in console[1], console
     (log,) = (tmp_path / "logs").glob("rewards-*.log")
     assert log.read_text().count("APIConnectionError") == 50
+
+
+CRASH = """
+import asyncio, sys
+from forge import logs
+from service_actors import Crashing
+
+logs.capture(sys.argv[1])
+
+async def main():
+    crashing = await Crashing.options().as_actor()
+    try:
+        return await crashing.start_one.call_one()
+    finally:
+        await crashing.shutdown()
+
+print(*asyncio.run(main()))
+"""
+
+
+def test_a_native_crash_in_a_spawned_process_leaves_its_python_stack_in_the_log(tmp_path):
+    """A process of a role, or one it starts (vLLM's engine core), that dies of a native fault
+    (SIGSEGV, SIGILL) writes where it was in Python to the role's log, not just its death."""
+    out = subprocess.run(
+        [sys.executable, "-c", CRASH, str(tmp_path / "logs")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=as_a_user(os.environ),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    pid, enabled = out.stdout.split()
+    log = (tmp_path / "logs" / f"crashing-{pid}.log").read_text()
+    assert enabled == "True" and "Fatal Python error: Segmentation fault" in log and "string_at" in log, log
