@@ -30,10 +30,10 @@ print(f"forge: done {pid}")
 """
 
 
-def run_script(tmp_path, where: str, **env: str) -> subprocess.CompletedProcess:
-    """SCRIPT in tmp_path, as a user runs forge (plus `env`), capturing to `where`."""
+def run_script(tmp_path, where: str, script: str = SCRIPT, **env: str) -> subprocess.CompletedProcess:
+    """`script` in tmp_path, as a user runs forge (plus `env`), capturing to `where`."""
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, where],
+        [sys.executable, "-c", script, where],
         capture_output=True,
         text=True,
         timeout=120,
@@ -98,15 +98,7 @@ print("refused" if other.returncode and "Permission denied" in other.stderr else
 def test_another_local_user_cannot_write_to_the_console_relay(tmp_path):
     """The named pipe whose lines reach the console (from the run's processes) is this user's
     alone: another local user's process cannot open it to print lines that look like forge's."""
-    out = subprocess.run(
-        [sys.executable, "-c", RELAY, str(tmp_path / "logs")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-        env=as_a_user(os.environ),
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_script(tmp_path, str(tmp_path / "logs"), RELAY)
     assert out.stdout.strip() == "refused" and "fake" not in out.stderr, (out.stdout, out.stderr)
 
 
@@ -158,15 +150,6 @@ print(*asyncio.run(main()))
 def test_a_native_crash_in_a_spawned_process_leaves_its_python_stack_in_the_log(tmp_path):
     """A process of a role, or one it starts (vLLM's engine core), that dies of a native fault
     (SIGSEGV, SIGILL) writes where it was in Python to the role's log, not just its death."""
-    out = subprocess.run(
-        [sys.executable, "-c", CRASH, str(tmp_path / "logs")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=as_a_user(os.environ),
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    pid, enabled = out.stdout.split()
+    pid, enabled = run_script(tmp_path, str(tmp_path / "logs"), CRASH).stdout.split()
     log = (tmp_path / "logs" / f"crashing-{pid}.log").read_text()
     assert enabled == "True" and "Fatal Python error: Segmentation fault" in log and "string_at" in log, log
