@@ -49,6 +49,11 @@ class Reduce(StrEnum):
     P99 = "p99"
 
 
+def _nan_or(pick: Any, a: float, b: float) -> float:
+    """`pick(a, b)`, NaN if either is (Python's max and min keep or drop a NaN by its place)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else pick(a, b)
+
+
 @dataclass
 class _Acc:
     """Running state of one key in one process; merges exactly across processes."""
@@ -65,8 +70,7 @@ class _Acc:
         self.n += 1
         self.sum += v
         self.sumsq += v * v
-        self.max = max(self.max, v)
-        self.min = min(self.min, v)
+        self.max, self.min = _nan_or(max, self.max, v), _nan_or(min, self.min, v)
         if self.reduce in (Reduce.P50, Reduce.P99):
             self.values.append(v)
 
@@ -76,8 +80,7 @@ class _Acc:
         self.n += other.n
         self.sum += other.sum
         self.sumsq += other.sumsq
-        self.max = max(self.max, other.max)
-        self.min = min(self.min, other.min)
+        self.max, self.min = _nan_or(max, self.max, other.max), _nan_or(min, self.min, other.min)
         self.values += other.values
 
     def value(self) -> float:

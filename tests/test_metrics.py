@@ -1,4 +1,5 @@
 import json
+import math
 import sys
 import time
 
@@ -329,3 +330,21 @@ def test_wandb_keeps_rows_written_after_a_later_step(tmp_path):
     w.close()
     logged = wandb_log(tmp_path, b"tokens_per_s")
     assert b"tokens_per_s" in logged and b"eval/accuracy" in logged and b"entropy" in logged
+
+
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_a_nan_is_the_max_and_min_of_what_holds_one(reduce):
+    """A NaN recorded (a step's grad_norm) is what MAX and MIN report, in any order and across
+    processes, never hidden behind the other values."""
+    from forge.metrics import Reduce, _Acc
+
+    for order in ([1.0, math.nan, 2.0], [math.nan, 1.0], [1.0, math.nan]):
+        acc = _Acc(Reduce(reduce))
+        for v in order:
+            acc.add(v)
+        assert math.isnan(acc.value()), order
+    one, other = _Acc(Reduce(reduce)), _Acc(Reduce(reduce))
+    one.add(1.0)
+    other.add(math.nan)
+    one.merge("k", other)
+    assert math.isnan(one.value())
