@@ -61,8 +61,9 @@ def test_generation_quick_writes_json(tmp_path):
             marks=pytest.mark.slow,
         ),
         ("trainer", ("bare_torchtitan_step_s", "forge_train_step_s")),
-        ("logprobs", ("peak_memory_ratio", "step_time_ratio")),
-        ("prefix", ()),
+        # slow: 1-2 min each; chunked logprobs and prefix sharing are tested in their own files
+        pytest.param("logprobs", ("peak_memory_ratio", "step_time_ratio"), marks=pytest.mark.slow),
+        pytest.param("prefix", (), marks=pytest.mark.slow),
         pytest.param("gateway", ("tiny_fraction_of_direct", "added_latency_ms_p99"), marks=pytest.mark.slow),
         ("sandbox", ("fraction_of_bare", "bash_fraction_of_bare", "fraction_of_bare_fresh")),
         pytest.param(
