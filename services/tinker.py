@@ -178,6 +178,11 @@ def _adam_params(adam: types.AdamParams) -> dict[str, float]:
     return params
 
 
+def _check_optimizer(config: types.OptimizerConfig | None) -> None:
+    if config is not None and config.type != "adamw":
+        raise UserError(f"optimizer_config: {config.type!r} is not supported (forge: adamw)")
+
+
 def _size(where: Path) -> int:
     """The bytes of a checkpoint's files (those its expiry deletes meanwhile count 0)."""
     total = 0
@@ -265,6 +270,8 @@ class TinkerFront:
         ]
         routes += [Route(f"{API}/{p}", self._wrap(h), methods=["GET"]) for p, h in get.items()]
         routes.append(Route(f"{API}/sessions/{{session_id}}/finish", self._wrap(self.finish), methods=["POST"]))
+        every = ["GET", "POST", "PUT", "PATCH", "DELETE"]  # the SDK's other calls: named, not a bare 404
+        routes.append(Route(f"{API}/{{call:path}}", self._wrap(self.unserved, self.json_bytes), methods=every))
         return Starlette(routes=routes)
 
     def _wrap(
@@ -368,8 +375,9 @@ class TinkerFront:
             "pjwt_auth_enabled": False,
             "proto_compress_fwdbwd": False,
             "fwdbwd_max_chunk_len": self.cfg.max_datums,
-            # the SDK's estimate (4 bytes a token + the tensors) stays under the server's limit
-            "fwdbwd_max_chunk_bytes_count": self.cfg.max_request_bytes // 2,
+            # The SDK's estimate (4 bytes a token + the tensors) stays under the server's byte limit,
+            # and, at 16 bytes a token at least (an int64 target and a float32 input), its token limit.
+            "fwdbwd_max_chunk_bytes_count": min(self.cfg.max_request_bytes // 2, 16 * self.cfg.max_tokens),
             "sample_use_retrieve_futures": False,
             "custom_loss_server_side": False,
             "sample_join_sampling_session": False,
@@ -377,6 +385,9 @@ class TinkerFront:
 
     async def dynamic_config(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    async def unserved(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
+        raise Refused(404, f"{request.method} {request.url.path} is not served by forge tinker")
 
     async def healthz(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
         return {"status": "ok"}
@@ -551,8 +562,7 @@ class TinkerFront:
         session = self._session(req.session_id, owner)
         self._check_base(req.base_model)
         lora = req.lora_config or types.LoraConfig(rank=self.cfg.max_lora_rank)
-        if req.optimizer_config.type != "adamw":
-            raise UserError(f"optimizer_config: {req.optimizer_config.type!r} is not supported (forge: adamw)")
+        _check_optimizer(req.optimizer_config)
         if not 0 < lora.rank <= self.cfg.max_lora_rank:
             raise UserError(f"lora_config.rank: {lora.rank}; this server takes 1 to {self.cfg.max_lora_rank}")
         if lora.seed is not None and not -(2**63) <= lora.seed < 2**64:  # what a torch generator takes
@@ -782,6 +792,7 @@ class TinkerFront:
             raise UserError("load_weights: give model_id and seq_id, or session_id and model_seq_id")
         session = self._session(req.session_id, owner)
         self._check_base(req.base_model)
+        _check_optimizer(req.optimizer_config)
         where, meta = self._resolve(req.path, owner, "weights")
         key = ("create", session.id, req.model_seq_id)
         if key in self.keys:

@@ -281,11 +281,12 @@ def encode_sample(completions: list[Completion], req: types.SampleRequest) -> by
         )
     found = completions[0].prompt_logprobs if completions else None
     topk = req.topk_prompt_logprobs
+    if found is not None and req.prompt_logprobs_last_n is not None:  # the top-k too: the last N only
+        blank = len(found) - max(0, min(req.prompt_logprobs_last_n, len(found)))
+        found = [None] * blank + found[blank:]
     if found is not None and req.prompt_logprobs:
         ids = completions[0].prompt_ids
         row = np.asarray([math.nan if p is None else p.get(t, math.nan) for p, t in zip(found, ids)], dtype="<f4")
-        if req.prompt_logprobs_last_n is not None:
-            row[: -req.prompt_logprobs_last_n] = math.nan
         out.prompt_logprobs = row.tobytes()
     if found is not None and topk > 0:
         ids, lps = np.zeros((len(found), topk), dtype="<i4"), np.full((len(found), topk), NO_LOGPROB, dtype="<f4")

@@ -7,16 +7,22 @@ import asyncio
 import json
 import socket
 import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from tinker import TrainingClient, types
 from tinker.proto import tinker_public_pb2 as pb
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_sample_response
 
 from forge.schema import LoRAConfig
+from forge.types import Completion
 from services.schema import TinkerConfig
 from services.tinker import TinkerFront
+from services.tinker_wire import encode_sample
 
 PROTO = {"content-type": "application/x-protobuf"}
 VOCAB = 100
@@ -619,3 +625,92 @@ def test_a_negative_clip_norm_or_weight_decay_is_a_400_naming_it(loop, front, fi
     r = loop.run_until_complete(scenario())
     assert r.status_code == 400 and f"adam_params.{field}" in r.json()["detail"], r.text
     assert steps == []
+
+
+@pytest.mark.parametrize("last_n", [2, 0, 9])
+def test_prompt_logprobs_last_n_also_blanks_the_earlier_top_k(last_n):
+    """`prompt_logprobs_last_n` scores the last N prompt tokens only, its top-k too (the SDK's
+    SampleRequest): the positions before them are None in both (0: all of them)."""
+    prompt = [3, 4, 5, 6, 7]
+    found = [None] + [{t: -1.0, 9: -0.5} for t in prompt[1:]]
+    done = Completion(prompt, [8], [-0.1], "", "stop", prompt_logprobs=found)
+    req = types.SampleRequest(
+        prompt=types.ModelInput.from_ints(prompt),
+        sampling_params=types.SamplingParams(max_tokens=1),
+        prompt_logprobs=True,
+        topk_prompt_logprobs=2,
+        prompt_logprobs_last_n=last_n,
+    )
+    out = deserialize_sample_response(encode_sample([done], req))
+    kept = min(last_n, 4)  # the first prompt token has none
+    assert out.prompt_logprobs == [None] * (5 - kept) + [-1.0] * kept
+    assert out.topk_prompt_logprobs[: 5 - kept] == [None] * (5 - kept)
+    assert out.topk_prompt_logprobs[5 - kept :] == [[(9, -0.5), (t, -1.0)] for t in prompt[5 - kept :]]
+
+
+def test_a_model_loaded_from_a_checkpoint_with_another_optimizer_is_a_400_naming_it(loop, front):
+    """create_training_client_from_state(path, optimizer=DimuonOptimizerConfig()): forge trains
+    with AdamW only, so the optimizer the client asks for is refused, as create_model refuses it,
+    and no model is made."""
+    f, trainer, _ = serve(loop, front)
+
+    async def go():
+        async with client(f) as c:
+            _, made = await new_model(c, f)
+            h = await c.post("/save_weights", json={"model_id": made["model_id"], "path": "w", "seq_id": 1})
+            path = (await wait(c, h.json()["request_id"]))["path"]
+            sid = await session(c)
+            body = {"session_id": sid, "model_seq_id": 0, "path": path, "optimizer": False}
+            return await c.post("/load_weights", json={**body, "optimizer_config": {"type": "dimuon", "version": 1}})
+
+    r = loop.run_until_complete(go())
+    assert r.status_code == 400 and "optimizer_config" in r.json()["detail"] and "dimuon" in r.json()["detail"], r.text
+    assert len(trainer.tenants) == 1
+
+
+def test_the_sdk_cuts_a_large_forward_backward_into_chunks_the_server_takes(loop, front):
+    """A forward_backward of more tokens than tinker.max_tokens (an RL batch: 1024 datums of 300
+    tokens): the SDK cuts it by client/config's byte budget, and each of its chunks is taken."""
+    f, trainer, _ = serve(loop, front)
+
+    async def go():
+        async with client(f) as c:
+            cfg = types.ClientConfigResponse.model_validate((await c.post("/client/config", json={})).json())
+            _, made = await new_model(c, f)
+            data = [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints([1] * 300),
+                    loss_fn_inputs={"target_tokens": [5] * 300, "weights": [1.0] * 300},
+                )
+                for _ in range(1024)
+            ]
+            sdk = SimpleNamespace(holder=SimpleNamespace(_client_config=cfg))
+            chunks = list(TrainingClient._chunked_requests_generator(sdk, data))
+            out = []
+            for seq, chunk in enumerate(chunks, 1):
+                fb = types.ForwardBackwardInput(data=chunk.data, loss_fn="cross_entropy")
+                req = types.ForwardBackwardRequest(forward_backward_input=fb, model_id=made["model_id"], seq_id=seq)
+                body = forward_backward_request_to_proto(req).SerializeToString()
+                out.append(await c.post("/forward_backward", content=body, headers=PROTO))
+            return out
+
+    answers = loop.run_until_complete(go())
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.status_code != 200][:1]
+
+
+def test_an_endpoint_forge_does_not_serve_is_named(loop, front):
+    """The SDK's calls forge does not serve (save_weights_external, RestClient.delete_checkpoint, ...)
+    answer an error naming the call, not a bare "Not Found" a user reads as a missing checkpoint;
+    without a key, a 401 as everywhere."""
+    f, *_ = serve(loop, front, api_keys=["tml-a"])
+
+    async def go():
+        async with client(f) as c:
+            gone = await c.delete("/training_runs/m/checkpoints/weights/w", headers={"X-API-Key": "tml-a"})
+            run = await c.post("/save_weights_external", json={"model_id": "m"}, headers={"X-API-Key": "tml-a"})
+            return gone, run, await c.get("/training_runs/m")
+
+    gone, run, anonymous = loop.run_until_complete(go())
+    assert gone.status_code == 404 and "DELETE /api/v1/training_runs/m/checkpoints/weights/w" in gone.text, gone.text
+    assert run.status_code == 404 and "not served" in run.text, run.text
+    assert anonymous.status_code == 401, anonymous.text
