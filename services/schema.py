@@ -664,6 +664,9 @@ class TinkerConfig:
     # request_deadline_s, or its connection is closed; connections past max_connections are closed.
     request_deadline_s: float = 30.0  # seconds for a request to arrive whole
     max_connections: int = 1024  # connections held at once
+    # The bodies of the requests being read and handled at once, together (each one's bytes count
+    # until its answer): past it a request gets 503, the SDK retries.
+    max_body_bytes_in_flight: int = 1 << 30
     max_datums: int = 1024  # per forward_backward request
     max_tokens: int = 65536  # per forward_backward request, over its datums
     # The trainer's passes over a request hold at most this many tokens (their activations; the
@@ -687,7 +690,7 @@ class TinkerConfig:
         limits = ("max_lora_rank", "lora_alpha", "session_timeout_s", "poll_s", "max_sessions", "max_models")
         limits += ("max_models_per_session", "max_samplers_per_session", "max_inflight_per_session")
         limits += ("max_request_bytes", "max_datums", "max_tokens", "tokens_per_pass", "max_seq_len", "max_samples")
-        limits += ("request_deadline_s", "max_connections")
+        limits += ("request_deadline_s", "max_connections", "max_body_bytes_in_flight")
         check_ranges(self, "tinker.", "> 0", limits)
 
 

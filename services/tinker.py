@@ -220,6 +220,7 @@ class TinkerFront:
         self.limits = Limits(cfg.max_datums, cfg.max_tokens, cfg.max_seq_len)
         # A JSON body's bytes: its fields, and a prompt of max_model_len tokens (16 bytes a token: "123456, ")
         self.json_bytes = min(cfg.max_request_bytes, (64 << 10) + 16 * max_model_len)
+        self.body_bytes = 0  # of the requests being read and handled (max_body_bytes_in_flight)
         self.sessions: dict[str, Session] = {}
         self.futures: dict[str, Pending] = {}
         self.keys: dict[tuple[Any, ...], str] = {}  # a request's logical key -> its future (retries)
@@ -281,9 +282,10 @@ class TinkerFront:
         bytes; None: max_request_bytes), its errors as HTTP answers."""
 
         async def endpoint(request: Request) -> Response:
+            held = [0]  # this request's bytes in self.body_bytes, until its answer
             try:
                 owner = self._owner(request)
-                body = await self._body(request, limit) if request.method == "POST" else b""
+                body = await self._body(request, held, limit) if request.method == "POST" else b""
                 out = await handler(request, owner, body)
             except Refused as e:
                 return JSONResponse({"detail": str(e)}, status_code=e.status)
@@ -293,6 +295,8 @@ class TinkerFront:
             except Exception as e:  # a service call failed: the client may try again
                 log.warning("forge tinker: %s failed: %s", request.url.path, e)
                 return JSONResponse({"detail": f"{type(e).__name__}: {e}"}, status_code=500)
+            finally:
+                self.body_bytes -= held[0]
             if isinstance(out, Response):
                 return out
             return JSONResponse(_json_safe(out))  # a diverged step's grad norm is still its answer
@@ -311,9 +315,10 @@ class TinkerFront:
                 return hashlib.sha256(key.encode()).hexdigest()[:32]
         raise Refused(401, "missing or unknown X-API-Key")
 
-    async def _body(self, request: Request, limit: int | None = None) -> bytes:
+    async def _body(self, request: Request, held: list[int], limit: int | None = None) -> bytes:
         """The request's body, at most `limit` bytes (default `max_request_bytes`; read no further),
-        not compressed."""
+        not compressed; its bytes counted in `held[0]` and `body_bytes`, within
+        max_body_bytes_in_flight."""
         if request.headers.get("content-encoding", "identity") != "identity":
             raise Refused(415, "compressed bodies are not taken (client/config proto_compress_fwdbwd is false)")
         if limit is None:
@@ -327,6 +332,14 @@ class TinkerFront:
             size += len(chunk)
             if size > limit:
                 raise Refused(413, f"request body over {limit} bytes ({why})")
+            held[0] += len(chunk)
+            self.body_bytes += len(chunk)
+            if self.body_bytes > self.cfg.max_body_bytes_in_flight:
+                raise Refused(
+                    503,
+                    f"request bodies over {self.cfg.max_body_bytes_in_flight} bytes at once "
+                    "(tinker.max_body_bytes_in_flight); retry",
+                )
             chunks.append(chunk)
         return b"".join(chunks)
 

@@ -714,3 +714,31 @@ def test_an_endpoint_forge_does_not_serve_is_named(loop, front):
     assert gone.status_code == 404 and "DELETE /api/v1/training_runs/m/checkpoints/weights/w" in gone.text, gone.text
     assert run.status_code == 404 and "not served" in run.text, run.text
     assert anonymous.status_code == 401, anonymous.text
+
+
+def test_bodies_being_read_at_once_are_bounded_server_wide(loop, front):
+    """Many clients each sending a body of up to max_request_bytes at once (1,024 connections of
+    16 MiB: 16 GiB) are bounded together: past `max_body_bytes_in_flight` a request gets a 503
+    naming it (the SDK retries), before its body is held; the others go on."""
+    f, *_ = serve(loop, front, max_request_bytes=1 << 20, max_body_bytes_in_flight=1 << 20)
+    gate = asyncio.Event()
+
+    async def body():
+        yield b"\0" * (600 << 10)
+        await gate.wait()
+        yield b"\0"
+
+    async def scenario():
+        async with client(f) as c, client(f) as other:
+            posts = [
+                asyncio.ensure_future(x.post("/forward_backward", content=body(), headers=PROTO)) for x in (c, other)
+            ]
+            await asyncio.sleep(2)  # both bodies' first 600 KiB sent
+            gate.set()
+            return await asyncio.gather(*posts, return_exceptions=True)
+
+    answers = loop.run_until_complete(scenario())
+    statuses = sorted(getattr(a, "status_code", None) or 0 for a in answers)
+    refused = [a for a in answers if getattr(a, "status_code", None) == 503]
+    assert len(refused) == 1 and "tinker.max_body_bytes_in_flight" in refused[0].json()["detail"], answers
+    assert statuses[0] == 400 and f.body_bytes == 0  # the other read whole (and refused as protobuf)
