@@ -36,6 +36,12 @@ class IndexedPrompts(BaseNode[Sample]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        if initial_state and "index" not in initial_state:  # a mixture's (forge/mixture.py)
+            names = ", ".join(initial_state.get("sources", {}))
+            raise ConfigError(
+                f"config key 'dataset.mix': the checkpoint's prompts are a mixture's ({names}), this run's one "
+                "source; to go on from it, list that source alone in dataset.mix (it keeps its place)"
+            )
         self.index = initial_state["index"] if initial_state else 0
 
     def next(self) -> Sample:
@@ -95,7 +101,9 @@ class RowPrompts(IndexedPrompts):
         count = "endless" if size is None else size
         # A field may index its column ({test_list[0]}): the column is the name before [ or .
         texts = [m["content"] for m in cfg.chat] or [cfg.template]
-        fields = [name for text in texts for _, name, _, _ in string.Formatter().parse(text) if name]
+        fields = [name for text in texts for _, name, _, _ in string.Formatter().parse(text) if name is not None]
+        if "" in fields:
+            raise ConfigError(f"config key '{key}': its prompt has a field `{{}}` that names no column of {columns}")
         prompt = {cfg.messages_key} if cfg.messages_key else {re.split(r"[.\[]", name)[0] for name in fields}
         self.prompt_columns = sorted(prompt)
         wanted = prompt | {cfg.answer_key} | ({cfg.tools_key} if cfg.tools_key else set())
@@ -124,10 +132,9 @@ class RowPrompts(IndexedPrompts):
 
     def sample(self, i: int) -> Sample:
         row, at = self.row(i)
-        answer = row[self.cfg.answer_key]
         return Sample(
             prompt=self._prompt(row, at),
-            answer="" if answer is None else str(answer),
+            answer=answer_text(row[self.cfg.answer_key]),
             task=self.name,
             meta=self.meta(row),
             tools=self._tools(row, at) if self.cfg.tools_key else None,
@@ -138,8 +145,18 @@ class RowPrompts(IndexedPrompts):
         if empty:  # else its prompt would hold the text "None"
             raise ConfigError(f"config key '{self.key}': row {at} of {self.where} has no value in column(s) {empty}")
         if self.cfg.chat:
-            return [{"role": m["role"], "content": m["content"].format(**row)} for m in self.cfg.chat]
-        return self._messages(row, at) if self.cfg.messages_key else self.cfg.template.format(**row)
+            return [{"role": m["role"], "content": self._format(m["content"], row, at)} for m in self.cfg.chat]
+        return self._messages(row, at) if self.cfg.messages_key else self._format(self.cfg.template, row, at)
+
+    def _format(self, text: str, row: dict[str, Any], at: int) -> str:
+        """`text` with row `at`'s columns in; a field the row's value does not fit (an index past
+        its list, a format spec for another type) names the row."""
+        try:
+            return text.format(**row)
+        except (IndexError, KeyError, AttributeError, TypeError, ValueError) as e:
+            raise ConfigError(
+                f"config key '{self.key}': row {at} of {self.where} does not fit {text[:80]!r}: {type(e).__name__}: {e}"
+            ) from None
 
     def _messages(self, row: dict[str, Any], at: int) -> list[dict[str, Any]]:
         messages = row[self.cfg.messages_key]
@@ -158,6 +175,14 @@ class RowPrompts(IndexedPrompts):
                 f"config key '{self.key}.tools_key': row {at} of {self.where} holds {e} in column '{self.cfg.tools_key}', "
                 "not a list of OpenAI tools ({type: function, function: {name, ...}})"
             ) from None
+
+
+def answer_text(answer: Any) -> str:
+    """A row's answer as the text rewards compare: a whole number in a float column (the reader
+    makes 72 a float beside a 5.5) as written, 72; none as ""."""
+    if isinstance(answer, float) and answer.is_integer() and abs(answer) < 2**53:
+        return str(int(answer))
+    return "" if answer is None else str(answer)
 
 
 def as_tools(raw: Any) -> list[dict[str, Any]] | None:

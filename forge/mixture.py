@@ -122,6 +122,10 @@ class Mixture(BaseNode[Sample]):
         # config weight; one removed is dropped.
         held = state.get("weights", {})
         self.weights = {name: held.get(name, weight) for name, weight in self.initial.items()}
+        if not any(self.weights.values()):  # the removed sources held all the weight: nothing to draw by
+            self.weights = dict(self.initial)
+            config = ", ".join(f"{n}={w:g}" for n, w in self.weights.items())
+            self.say(f"forge: the checkpoint's mix weights are all 0 for these sources; the config's instead: {config}")
         self.stamp = state.get("file_stamp")
         saved = state.get("sources", {})
         for name, stream in self.streams.items():
@@ -185,6 +189,8 @@ class Mixture(BaseNode[Sample]):
             why = str(e) if isinstance(e, NotWeights) else type(e).__name__
             self.say(f"forge: mix weights from {self.watch} refused: unreadable ({why}); the run keeps them")
             return
+        if isinstance(weights, dict):  # a name YAML reads as a number (2024.jsonl's stem) is its text
+            weights = {str(k): v for k, v in weights.items()}
         self.set_weights(weights if weights is not None else {}, str(self.watch))
 
     def between_steps(self) -> None:

@@ -6,6 +6,7 @@ forge.data.prompt_source makes prompt streams of both."""
 
 from __future__ import annotations
 
+import codecs
 import csv
 import difflib
 import json
@@ -17,6 +18,7 @@ from typing import Any
 
 import datasets
 import reasoning_gym
+from datasets.exceptions import DatasetGenerationError
 from huggingface_hub import constants as hub_constants
 from reasoning_gym.factory import DATASETS as GYM_TASKS
 
@@ -61,11 +63,13 @@ def read_file(path: str, key: str) -> datasets.Dataset:
     kind = FORMATS[Path(path).suffix]
     if Path(path).stat().st_size == 0:
         raise ConfigError(f"config key '{key}.path': {path} is empty")
-    options = _csv_options(path) if kind == "csv" else {}
     try:
+        options = _csv_options(path) if kind == "csv" else {}
         return datasets.load_dataset(kind, data_files=path, split="train", **options)
     except Exception as e:  # a bad file raises what its format's reader does: StopIteration, KeyError, ArrowInvalid...
-        where = bad_line(path) if Path(path).suffix == ".jsonl" else ""
+        where = bad_line(path) if Path(path).suffix == ".jsonl" else bad_csv_line(path) if kind == "csv" else ""
+        if isinstance(e, DatasetGenerationError) and e.__cause__:  # its own text says only that it failed
+            e = e.__cause__
         raise ConfigError(
             f"config key '{key}.path': {path}: cannot read it as {kind} ({type(e).__name__}: {_first_line(e)[:200]})"
             f"{where}"
@@ -87,9 +91,23 @@ def bad_line(path: str) -> str:
                 return f"; line {n}: nested too deep"
             if not raw.strip():
                 return f"; line {n} is blank"
+            if raw.startswith(codecs.BOM_UTF8):  # json.loads reads past it; the file's reader does not
+                return f"; line {n} starts with a byte order mark (BOM): save the file as UTF-8 without one"
             if not isinstance(row, dict):
                 return f"; line {n}: a {type(row).__name__}, not an object of columns"
     return ""
+
+
+def bad_csv_line(path: str) -> str:
+    """What is wrong with CSV file `path` beyond what its reader names, for its error: "; line N:
+    not UTF-8", "; no rows below its header", or ""."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                raw.decode()
+            except UnicodeDecodeError as e:
+                return f"; line {n}: not UTF-8 (byte {e.start})"
+    return "; no rows below its header" if n == 1 else ""
 
 
 def _csv_options(path: str) -> dict[str, Any]:

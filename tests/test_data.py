@@ -92,6 +92,17 @@ def test_a_file_datasets_cannot_read_is_a_config_error_naming_the_key_and_file(t
         FilePrompts(DatasetConfig(path=str(path)), key="eval.dataset")
 
 
+def test_json_lines_integer_answers_beside_a_fractional_one_keep_their_text(tmp_path):
+    """The reader makes a column of integers and one 5.5 all floats: 72 stays "72" (the `exact`
+    reward compares text), not "72.0"."""
+    path = tmp_path / "q.jsonl"
+    rows = [{"question": "a", "answer": 72}, {"question": "b", "answer": 5.5}, {"question": "c", "answer": -3}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    node = FilePrompts(DatasetConfig(path=str(path)))
+    node.reset()
+    assert dict((s.prompt, s.answer) for s in (next(node) for _ in range(3))) == {"a": "72", "b": "5.5", "c": "-3"}
+
+
 def test_a_csv_files_cells_are_read_as_written(tmp_path):
     """A CSV cell is its text: "02134" keeps its zero, an integer column with an empty cell does
     not read "3" as "3.0", and "NA" (sodium) is text; only an empty cell has no value."""
@@ -111,6 +122,7 @@ def test_a_csv_files_cells_are_read_as_written(tmp_path):
         (b'{"question": "\xff\xfe", "answer": "3"}\n', "line 4: not UTF-8"),
         (b'{"question": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "line 4: nested too deep"),
         (b'["x", "3"]\n', "line 4: a list, not an object of columns"),
+        (b'\xef\xbb\xbf{"question": "x", "answer": "3"}\n', "line 4 starts with a byte order mark"),
     ],
 )
 def test_a_json_lines_error_names_the_line(tmp_path, line, why):
@@ -122,6 +134,67 @@ def test_a_json_lines_error_names_the_line(tmp_path, line, why):
     with pytest.raises(ConfigError, match=f"config key 'dataset.path': {path}: cannot read it as json") as e:
         FilePrompts(DatasetConfig(path=str(path)))
     assert why in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        (b"caf\xe9,3\n", "line 5: not UTF-8"),  # Latin-1, as a spreadsheet may save it
+        (b"x,3,4\n", "line 5"),  # a field more than the header names
+    ],
+)
+def test_a_csv_error_names_the_line(tmp_path, line, why):
+    """A bad line among many in a CSV: the error names the file and the line, not only that
+    `datasets` failed to generate the dataset."""
+    path = tmp_path / "bad.csv"
+    path.write_bytes(b"question,answer\n" + b"1+1=,2\n" * 3 + line + b"2+2=,4\n")
+    with pytest.raises(ConfigError, match=f"config key 'dataset.path': {path}: cannot read it as csv") as e:
+        FilePrompts(DatasetConfig(path=str(path)))
+    assert why in str(e.value)
+
+
+def test_a_csv_whose_header_has_a_huge_cell_is_a_config_error(tmp_path):
+    """A CSV without a header row reads its first row as one: a cell over the csv module's field
+    limit there is an error naming the file, not a bare csv.Error."""
+    path = tmp_path / "long.csv"
+    path.write_text("x" * 200_000 + ",1\nq,2\n")
+    with pytest.raises(ConfigError, match=f"config key 'dataset.path': {path}: cannot read it as csv"):
+        FilePrompts(DatasetConfig(path=str(path)))
+
+
+def test_a_csv_of_only_its_header_has_no_rows(tmp_path):
+    path = tmp_path / "empty.csv"
+    path.write_text("question,answer\n")
+    with pytest.raises(ConfigError, match=f"config key 'dataset.path': {path}: .*no rows below its header"):
+        FilePrompts(DatasetConfig(path=str(path)))
+
+
+@pytest.mark.parametrize(
+    "keys", [{"template": "{tests[0]}"}, {"chat": [{"role": "user", "content": "Pass {tests[0]}"}]}]
+)
+def test_a_row_the_template_cannot_format_is_an_error_naming_the_row(tmp_path, keys):
+    """A template that indexes a column fails on a row whose list is empty as an error naming the
+    row, not a bare IndexError."""
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"tests": t, "answer": "1"}) + "\n" for t in (["a"], [])))
+    node = FilePrompts(DatasetConfig(path=str(path), **keys))
+    node.reset()
+    errors = []
+    for _ in range(2):
+        try:
+            next(node)
+        except ConfigError as e:
+            errors.append(str(e))
+    assert len(errors) == 1 and f"row 1 of {path}" in errors[0] and "{tests[0]}" in errors[0], errors
+
+
+@pytest.mark.parametrize("keys", [{"template": "Solve: {}"}, {"chat": [{"role": "user", "content": "{question} {}"}]}])
+def test_a_template_field_that_names_no_column_fails_when_the_source_loads(tmp_path, keys):
+    """`{}` formats no column of any row: an error before the run, not at every draw."""
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    with pytest.raises(ConfigError, match="config key 'dataset': .*a field `{}` that names no column"):
+        FilePrompts(DatasetConfig(path=str(path), **keys))
 
 
 def test_chat_format_prompts(tmp_path):

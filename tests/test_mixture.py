@@ -380,3 +380,39 @@ def test_a_resume_with_a_source_added_or_removed_goes_on():
     fewer = mixture({"reverse": 1.0})
     fewer.reset(state)
     assert fewer.weights == {"reverse": 1.0} and next(fewer).task == "reverse"
+
+
+def test_a_resume_whose_remaining_sources_were_all_paused_takes_the_config_weights():
+    """A source removed from `dataset.mix` on resume that held all the weight (the others paused
+    at 0) leaves no weight to draw by: the run takes the config's weights, saying so, instead of
+    failing every draw."""
+    old = mixture({"reverse": 1.0, "sort": 1.0})
+    old.reset()
+    old.set_weights({"reverse": 0.0})
+    [next(old) for _ in range(5)]
+    lines = []
+    fewer = mixture({"reverse": 2.0}, say=lines.append)
+    fewer.reset(old.get_state())
+    assert fewer.weights == {"reverse": 2.0} and next(fewer).task == "reverse"
+    assert len(lines) == 1 and "reverse=2" in lines[0], lines
+
+
+def test_a_source_named_by_a_number_takes_its_weight_from_the_file(tmp_path):
+    """A source whose name reads as a number in YAML (data/2024.jsonl's stem) is named as written
+    in the watched file, unquoted: `{2024: 2}` is its weight."""
+    lines, path = [], tmp_path / "mix.yaml"
+    node = Mixture({"2024": TaskPrompts("add"), "sort": TaskPrompts("sort")}, {"2024": 1.0, "sort": 1.0}, watch=path)
+    node.say = lines.append
+    path.write_text("{2024: 2}\n")
+    node.between_steps()
+    assert node.weights == {"2024": 2.0, "sort": 1.0}, lines
+
+
+def test_a_mixtures_checkpoint_resumed_as_one_source_says_how_to_go_on():
+    """A run resumed with `dataset.mix` replaced by one source: an error naming the key and the
+    way on (a mixture of that source alone keeps its place), not a KeyError."""
+    old = mixture({"reverse": 1.0, "sort": 1.0})
+    old.reset()
+    [next(old) for _ in range(5)]
+    with pytest.raises(ConfigError, match=r"config key 'dataset.mix'.*reverse, sort"):
+        TaskPrompts("reverse").load_state_dict(old.state_dict())
