@@ -416,9 +416,19 @@ class TinkerFront:
         parse(types.CreateSessionRequest, body)
         if len(self.sessions) >= self.cfg.max_sessions:
             raise Refused(429, f"the server holds {self.cfg.max_sessions} sessions (tinker.max_sessions)")
+        self._within_share(owner, "sessions", [s.owner for s in self.sessions.values()])
         sid = f"sess-{secrets.token_hex(12)}"
         self.sessions[sid] = Session(sid, owner, time.monotonic())
         return {"session_id": sid, "type": "create_session"}
+
+    def _within_share(self, owner: str, what: str, owners: list[str]) -> None:
+        """A 429 once `owner` holds its share of the server's `what` (tinker.max_<what> over the
+        number of API keys): one key's clients never hold all of them, the other keys' none."""
+        share = max(1, getattr(self.cfg, f"max_{what}") // max(1, len(self.cfg.api_keys)))
+        if owners.count(owner) >= share:
+            raise Refused(
+                429, f"this API key holds {share} {what}, its share of tinker.max_{what} over the server's keys"
+            )
 
     def _session(self, sid: str, owner: str) -> Session:
         """`owner`'s open session `sid`; another owner's is as unknown as one that never was."""
@@ -563,6 +573,7 @@ class TinkerFront:
             raise Refused(429, f"session holds {len(session.models)} models (tinker.max_models_per_session)")
         if len(self.models) >= self.cfg.max_models:
             raise Refused(429, f"the server holds {len(self.models)} models (tinker.max_models)")
+        self._within_share(session.owner, "models", [self.sessions[m.session].owner for m in self.models.values()])
         model = Model(f"{session.id}:train:{seq}", session.id, 0, set())
         if model.id in self.models:
             raise UserError(f"model {model.id} exists (model_seq_id {seq} was used)")

@@ -61,6 +61,7 @@ def server(tiny_model_dir, tmp_path_factory):
     """One `forge tinker` for the module: two API keys (two owners), small limits to attack."""
     runs = tmp_path_factory.mktemp("tinker")
     limits = ["tinker.max_request_bytes=2000000", "tinker.max_seq_len=200", "tinker.max_samples=16"]
+    limits += ["tinker.max_models=32"]  # each key holds half: KEY_A's tests make many, closed at their timeout
     keys = f"tinker.api_keys=[{KEY_A},{KEY_B}]"
     proc, url, log = forge_tinker(tiny_model_dir, runs, keys, "tinker.session_timeout_s=20", "tinker.seed=7", *limits)
     yield url, runs, log, proc

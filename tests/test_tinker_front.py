@@ -742,3 +742,31 @@ def test_bodies_being_read_at_once_are_bounded_server_wide(loop, front):
     refused = [a for a in answers if getattr(a, "status_code", None) == 503]
     assert len(refused) == 1 and "tinker.max_body_bytes_in_flight" in refused[0].json()["detail"], answers
     assert statuses[0] == 400 and f.body_bytes == 0  # the other read whole (and refused as protobuf)
+
+
+def test_one_key_holds_only_its_share_of_the_servers_sessions_and_models(loop, front):
+    """With several API keys, one key's clients cannot take every session or model the server
+    holds (the others would get 429 until they closed): each key holds at most its share, the
+    caps divided by the number of keys."""
+    keys = ["tml-" + c * 28 for c in "ab"]
+    f, *_ = serve(loop, front, api_keys=keys, max_sessions=4, max_models=2)
+    SESSION = {"tags": [], "user_metadata": {}, "sdk_version": "x"}
+
+    async def scenario():
+        a, b = (httpx.AsyncClient(base_url=f"{f.base_url}/api/v1", headers={"X-API-Key": k}) for k in keys)
+        async with a, b:
+            a_sessions = [await a.post("/create_session", json=SESSION) for _ in range(3)]
+            b_session = await b.post("/create_session", json=SESSION)
+            sid = a_sessions[0].json()["session_id"]
+            a_models = [await create(a, f, sid, seq) for seq in (0, 1)]
+            b_model = await create(b, f, b_session.json()["session_id"])
+            return (
+                [r.status_code for r in a_sessions],
+                b_session.status_code,
+                [r.status_code for r in a_models],
+                b_model,
+            )
+
+    a_sessions, b_session, a_models, b_model = loop.run_until_complete(scenario())
+    assert a_sessions == [200, 200, 429] and b_session == 200
+    assert a_models == [200, 429] and b_model.status_code == 200, b_model.text
