@@ -573,7 +573,9 @@ class TinkerFront:
             raise Refused(429, f"session holds {len(session.models)} models (tinker.max_models_per_session)")
         if len(self.models) >= self.cfg.max_models:
             raise Refused(429, f"the server holds {len(self.models)} models (tinker.max_models)")
-        self._within_share(session.owner, "models", [self.sessions[m.session].owner for m in self.models.values()])
+        # a closing session's models (its entry gone, theirs going) no longer count
+        held = [s.owner for m in self.models.values() if (s := self.sessions.get(m.session)) is not None]
+        self._within_share(session.owner, "models", held)
         model = Model(f"{session.id}:train:{seq}", session.id, 0, set())
         if model.id in self.models:
             raise UserError(f"model {model.id} exists (model_seq_id {seq} was used)")
