@@ -700,8 +700,10 @@ class Gateway:
         app = build_app(args, supported_tasks=("generate",), model_config=vllm_config.model_config)
         # vLLM's per-request middleware does nothing the gateway serves (Prometheus's HTTP metrics
         # for a /metrics route it refuses, elastic-EP scaling, CORS with no origin allowed) and
-        # cost its Python on every call (py-spy on `forge bench gateway`).
+        # cost its Python on every call (py-spy on `forge bench gateway`). build_app has already
+        # built the stack from them: rebuild it.
         app.user_middleware = []
+        app.middleware_stack = app.build_middleware_stack()
         await init_app_state(self.engine_client, app.state, args, supported_tasks=("generate",))
         sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

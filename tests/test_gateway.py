@@ -11,6 +11,7 @@ import openai
 import pytest
 import torch
 from conftest import as_a_user
+from fastapi import APIRouter
 
 MODEL_NAME = "tiny"  # the fixture `served` (conftest.py) serves the tiny model under this name
 ADD_TOOL = {
@@ -63,8 +64,12 @@ def test_ctrl_c_stays_the_runs(loop, served):
 def test_the_gateway_runs_no_middleware_for_what_it_does_not_serve(served):
     """vLLM's app comes with per-request middleware (Prometheus's HTTP metrics, elastic-EP
     scaling, CORS) for routes and features the gateway does not serve; each call paid for it."""
-    gw = served[0]
-    assert gw._server.config.app.app.user_middleware == [] and not gw._server.config.proxy_headers
+    layer, layers = served[0]._server.config.app.app.middleware_stack, []
+    while layer is not None and not isinstance(layer, APIRouter):  # the layers a request goes through
+        layers.append(type(layer).__name__)
+        layer = layer.app
+    assert layers == ["ServerErrorMiddleware", "ExceptionMiddleware", "AsyncExitStackMiddleware"]
+    assert not served[0]._server.config.proxy_headers
 
 
 def test_chat_logprobs_n_models_and_completions(loop, served):
