@@ -58,8 +58,9 @@ def read_small(path: Path, limit: int = WEIGHTS_FILE_LIMIT) -> str:
 
 def source_stream(source: MixSource, seed: int, key: str = "dataset.mix") -> IndexedPrompts:
     """One mixture source's prompt stream, as a single-source run of it would read it."""
-    try:
-        return prompt_source(source.source(), source.task, seed)
+    try:  # its rows' errors, raised as they are drawn, name `key`; its config's (checked as a
+        # single source's, naming `dataset`) are renamed
+        return prompt_source(source.source(), source.task, seed, key)
     except ConfigError as e:
         raise ConfigError(under(str(e), key)) from None
 

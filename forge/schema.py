@@ -274,7 +274,7 @@ def set_keys(cfg: DatasetConfig) -> set[str]:
 
 def under(message: str, key: str) -> str:
     """A source's error message with its keys named under `key` (dataset.x -> dataset.mix[0].x)."""
-    return re.sub(r"'dataset(?=[.'])", f"'{key}", message)
+    return re.sub(r"'dataset(?=[.'])(?!\.mix\[)", f"'{key}", message)  # not one named under it already
 
 
 def check_mix(cfg: DatasetConfig) -> None:

@@ -416,3 +416,18 @@ def test_a_mixtures_checkpoint_resumed_as_one_source_says_how_to_go_on():
     [next(old) for _ in range(5)]
     with pytest.raises(ConfigError, match=r"config key 'dataset.mix'.*reverse, sort"):
         TaskPrompts("reverse").load_state_dict(old.state_dict())
+
+
+def test_a_bad_row_of_a_mixture_source_names_its_entry(tmp_path):
+    """A row that fails when drawn (no value in a prompt column) names the mixture's entry, as
+    the source's load errors do, not the single-source `dataset` key the run has no value for."""
+    rows = tmp_path / "train.jsonl"
+    rows.write_text(json.dumps({"question": None, "answer": "a"}) + "\n")
+    cfg = load_config(CONFIG, [f"dataset.mix=[{{task: add}}, {{path: {rows}}}]", "eval.every=0"], Config)
+    node = build_prompts(cfg.dataset, cfg.task, cfg.seed)
+    with pytest.raises(ConfigError, match=r"config key 'dataset.mix\[1\]': row 0 of .*train.jsonl has no value"):
+        for _ in range(40):
+            next(node)
+    rows.write_text("")
+    with pytest.raises(ConfigError, match=r"config key 'dataset.mix\[1\].path': .* is empty"):
+        build_prompts(cfg.dataset, cfg.task, cfg.seed)
