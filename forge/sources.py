@@ -65,7 +65,7 @@ def read_file(path: str, key: str) -> datasets.Dataset:
         raise ConfigError(f"config key '{key}.path': {path} is empty")
     try:
         options = _csv_options(path) if kind == "csv" else {}
-        return datasets.load_dataset(kind, data_files=path, split="train", **options)
+        rows = datasets.load_dataset(kind, data_files=path, split="train", **options)
     except Exception as e:  # a bad file raises what its format's reader does: StopIteration, KeyError, ArrowInvalid...
         where = bad_line(path) if Path(path).suffix == ".jsonl" else bad_csv_line(path) if kind == "csv" else ""
         if isinstance(e, DatasetGenerationError) and e.__cause__:  # its own text says only that it failed
@@ -74,6 +74,42 @@ def read_file(path: str, key: str) -> datasets.Dataset:
             f"config key '{key}.path': {path}: cannot read it as {kind} ({type(e).__name__}: {_first_line(e)[:200]})"
             f"{where}"
         ) from None
+    decimals = [c for c, f in rows.features.items() if getattr(f, "dtype", "").startswith("float")]
+    if kind == "json" and decimals:
+        where = rounded_integer(path, decimals)
+        if where:
+            raise ConfigError(f"config key '{key}.path': {path}: {where}: write it as a string (in quotes)")
+    return rows
+
+
+def rounded_integer(path: str, columns: list[str]) -> str:
+    """Where JSON file `path` has an integer Arrow rounds: it reads a column of numbers as float64
+    when one is a decimal or past int64 (an answer 2**64 - 1 as 1.8446744073709552e19), and
+    float64 holds integers exactly only up to 2**53. "line N: ..." (a .json file's: "row N"), or ""."""
+    with open(path, "rb") as f:
+        lines = Path(path).suffix == ".jsonl"
+        rows = (json.loads(raw) for raw in f) if lines else iter(json.load(f))
+        for n, row in enumerate(rows, 1):
+            for c in columns:
+                value = row.get(c) if isinstance(row, dict) else None
+                if isinstance(value, int) and abs(value) > 2**53:
+                    return f"{'line' if lines else 'row'} {n}: {value} in column '{c}' reads as a float64, rounded"
+    return ""
+
+
+class _WideInteger(ValueError):
+    """An integer of a JSON text that Arrow cannot hold as one."""
+
+
+class _WideInteger(ValueError):
+    """An integer of a JSON text that Arrow cannot hold as one."""
+
+
+def _int64(text: str) -> int:
+    value = int(text)
+    if not -(2**63) <= value < 2**63:
+        raise _WideInteger(text)
+    return value
 
 
 def bad_line(path: str) -> str:
@@ -82,7 +118,9 @@ def bad_line(path: str) -> str:
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
-                row = json.loads(raw) if raw.strip() else None
+                row = json.loads(raw, parse_int=_int64) if raw.strip() else None
+            except _WideInteger as e:
+                return f"; line {n}: {e} is past 64-bit integers (Arrow's): write it as a string (in quotes)"
             except UnicodeDecodeError as e:
                 return f"; line {n}: not UTF-8 (byte {e.start})"
             except json.JSONDecodeError as e:

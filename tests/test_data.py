@@ -123,6 +123,10 @@ def test_a_csv_files_cells_are_read_as_written(tmp_path):
         (b'{"question": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "line 4: nested too deep"),
         (b'["x", "3"]\n', "line 4: a list, not an object of columns"),
         (b'\xef\xbb\xbf{"question": "x", "answer": "3"}\n', "line 4 starts with a byte order mark"),
+        (
+            b'{"question": "x", "answer": 18446744073709551616}\n',
+            "line 4: 18446744073709551616 is past 64-bit integers",
+        ),
     ],
 )
 def test_a_json_lines_error_names_the_line(tmp_path, line, why):
@@ -134,6 +138,22 @@ def test_a_json_lines_error_names_the_line(tmp_path, line, why):
     with pytest.raises(ConfigError, match=f"config key 'dataset.path': {path}: cannot read it as json") as e:
         FilePrompts(DatasetConfig(path=str(path)))
     assert why in str(e.value)
+
+
+def test_an_integer_arrow_would_round_is_an_error_not_a_float(tmp_path):
+    """Arrow reads a column of numbers as float64 when one is a decimal or past int64: the answer
+    18446744073709551615 would be graded as 1.8446744073709552e19."""
+    path = tmp_path / "big.jsonl"
+    for rows, line in (([1, 2**64 - 1], 2), ([0.5, 2**63 - 1], 2), ([2**60 + 1, 0.5], 1)):
+        path.write_text("".join(json.dumps({"question": "q", "answer": a}) + "\n" for a in rows))
+        with pytest.raises(ConfigError, match=f"line {line}: {rows[line - 1]} in column 'answer' reads as a float64"):
+            FilePrompts(DatasetConfig(path=str(path)))
+    path.write_text(json.dumps({"question": "q", "answer": 0.5, "id": 2**62}) + "\n")  # int64: exact
+    assert FilePrompts(DatasetConfig(path=str(path))).rows["id"] == [2**62]
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps([{"question": "q", "answer": 0.5}, {"question": "q", "answer": 2**64 - 1}]))
+    with pytest.raises(ConfigError, match="row 2: 18446744073709551615 in column 'answer'"):
+        FilePrompts(DatasetConfig(path=str(path)))
 
 
 @pytest.mark.parametrize(
