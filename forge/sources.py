@@ -12,6 +12,7 @@ import difflib
 import json
 import logging
 import random
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -85,20 +86,27 @@ def read_file(path: str, key: str) -> datasets.Dataset:
 def rounded_integer(path: str, columns: list[str]) -> str:
     """Where JSON file `path` has an integer Arrow rounds: it reads a column of numbers as float64
     when one is a decimal or past int64 (an answer 2**64 - 1 as 1.8446744073709552e19), and
-    float64 holds integers exactly only up to 2**53. "line N: ..." (a .json file's: "row N"), or ""."""
-    with open(path, "rb") as f:
-        lines = Path(path).suffix == ".jsonl"
-        rows = (json.loads(raw) for raw in f) if lines else iter(json.load(f))
-        for n, row in enumerate(rows, 1):
-            for c in columns:
-                value = row.get(c) if isinstance(row, dict) else None
-                if isinstance(value, int) and abs(value) > 2**53:
-                    return f"{'line' if lines else 'row'} {n}: {value} in column '{c}' reads as a float64, rounded"
+    float64 holds integers exactly only up to 2**53. "line N: ..." (a JSON document's: "row N"), or ""."""
+    unit, rows = _json_rows(path)
+    for n, row in rows:
+        for c in columns:
+            value = row.get(c) if isinstance(row, dict) else None
+            if isinstance(value, int) and abs(value) > 2**53:
+                return f"{unit} {n}: {value} in column '{c}' reads as a float64, rounded"
     return ""
 
 
-class _WideInteger(ValueError):
-    """An integer of a JSON text that Arrow cannot hold as one."""
+def _json_rows(path: str) -> tuple[str, Iterator[tuple[int, Any]]]:
+    """The rows of a JSON file read by `datasets`, numbered by "row" (one JSON document: a list of
+    rows, or one row) or by "line" (JSON lines, whatever the file's suffix)."""
+    text = Path(path).read_bytes()
+    if Path(path).suffix != ".jsonl":
+        try:
+            doc = json.loads(text)
+            return "row", enumerate(doc if isinstance(doc, list) else [doc], 1)
+        except json.JSONDecodeError:
+            pass  # a .json file of JSON lines, which `datasets` reads as such
+    return "line", ((n, json.loads(raw)) for n, raw in enumerate(text.splitlines(), 1) if raw.strip())
 
 
 class _WideInteger(ValueError):

@@ -154,6 +154,11 @@ def test_an_integer_arrow_would_round_is_an_error_not_a_float(tmp_path):
     path.write_text(json.dumps([{"question": "q", "answer": 0.5}, {"question": "q", "answer": 2**64 - 1}]))
     with pytest.raises(ConfigError, match="row 2: 18446744073709551615 in column 'answer'"):
         FilePrompts(DatasetConfig(path=str(path)))
+    path.write_text('{"question": "q", "answer": 0.5}\n{"question": "q", "answer": 3}\n')  # JSON lines in a .json
+    assert FilePrompts(DatasetConfig(path=str(path))).rows["answer"] == [0.5, 3.0]
+    path.write_text('{"question": "q", "answer": 0.5}\n{"question": "q", "answer": 9007199254740993}\n')
+    with pytest.raises(ConfigError, match="line 2: 9007199254740993 in column 'answer' reads as a float64"):
+        FilePrompts(DatasetConfig(path=str(path)))
 
 
 @pytest.mark.parametrize(
