@@ -674,6 +674,10 @@ class TinkerConfig:
     tokens_per_pass: int = 8192
     max_seq_len: int = 4096  # one datum
     max_samples: int = 64  # num_samples of one sample request
+    # A key's checkpoints on the run's disk (those not expired): a save past either is refused
+    # until some are deleted (RestClient.delete_checkpoint) or expire.
+    max_checkpoints_per_key: int = 1000  # checkpoints a key keeps (a save over one of its names takes no new place)
+    max_checkpoint_bytes_per_key: int = 16 << 30  # their bytes; checked before a save, which may pass them
     # Sample requests that bring no seed draw one from this seeded stream (a run's samples are
     # then the seed's); null: vLLM's own randomness.
     seed: int | None = None
@@ -691,6 +695,7 @@ class TinkerConfig:
         limits += ("max_models_per_session", "max_samplers_per_session", "max_inflight_per_session")
         limits += ("max_request_bytes", "max_datums", "max_tokens", "tokens_per_pass", "max_seq_len", "max_samples")
         limits += ("request_deadline_s", "max_connections", "max_body_bytes_in_flight")
+        limits += ("max_checkpoints_per_key", "max_checkpoint_bytes_per_key")
         check_ranges(self, "tinker.", "> 0", limits)
 
 

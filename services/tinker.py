@@ -271,6 +271,8 @@ class TinkerFront:
         ]
         routes += [Route(f"{API}/{p}", self._wrap(h), methods=["GET"]) for p, h in get.items()]
         routes.append(Route(f"{API}/sessions/{{session_id}}/finish", self._wrap(self.finish), methods=["POST"]))
+        one = f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}"
+        routes.append(Route(one, self._wrap(self.delete_checkpoint), methods=["DELETE"]))
         every = ["GET", "POST", "PUT", "PATCH", "DELETE"]  # the SDK's other calls: named, not a bare 404
         routes.append(Route(f"{API}/{{call:path}}", self._wrap(self.unserved, self.json_bytes), methods=every))
         return Starlette(routes=routes)
@@ -754,6 +756,7 @@ class TinkerFront:
 
         async def run() -> dict[str, Any]:
             self._checkpoint(model, "weights", req.path, req.overwrite)  # again: an earlier request may have made it
+            await asyncio.to_thread(self._check_room, owner, where)
             await _save_into(where, lambda part: self.trainer.save_tenant.route(model.id, str(part)))
             self._write_meta(where, model, owner, "weights", ttl)
             return {"path": path, "type": "save_weights"}
@@ -778,6 +781,7 @@ class TinkerFront:
         ttl = self._ttl(req.ttl_seconds)
 
         async def save() -> dict[str, Any]:
+            await asyncio.to_thread(self._check_room, owner, where)
             tensors, lora = await self.trainer.tenant_adapter.route(model.id)
             await _save_into(
                 where, lambda part: asyncio.to_thread(write_adapter, part, tensors, lora, str(self.model_dir))
@@ -931,13 +935,37 @@ class TinkerFront:
 
     # ---- checkpoints -----------------------------------------------------------------
 
-    def _checkpoints(self, owner: str, run_id: str | None = None) -> list[dict[str, Any]]:
-        out = []
+    def _owned(self, owner: str, run_id: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
+        """`owner`'s checkpoints (their directories and metadata), those expired left out."""
+        found = []
         for meta_file in sorted(self.root.glob(f"{run_id or '*'}/*/*/{META}")):
             meta = self._read_meta(meta_file)
             if meta is None or meta.get("owner") != owner:  # another's, or one no listing can show
                 continue
-            where = meta_file.parent
+            if meta.get("expires") is None or meta["expires"] >= time.time():
+                found.append((meta_file.parent, meta))
+        return found
+
+    def _check_room(self, owner: str, where: Path) -> None:
+        """A UserError when `owner`'s checkpoints, other than the one at `where` (a save replaces
+        it), are as many or hold as many bytes as a key may keep."""
+        others = [w for w, _ in self._owned(owner) if w != where]
+        free = "delete some (RestClient.delete_checkpoint) or save with a ttl_seconds"
+        if len(others) >= self.cfg.max_checkpoints_per_key:
+            raise UserError(
+                f"{len(others)} checkpoints are saved under this key "
+                f"(tinker.max_checkpoints_per_key: {self.cfg.max_checkpoints_per_key}); {free}"
+            )
+        held = sum(_size(w) for w in others)
+        if held >= self.cfg.max_checkpoint_bytes_per_key:
+            raise UserError(
+                f"this key's checkpoints hold {held} bytes "
+                f"(tinker.max_checkpoint_bytes_per_key: {self.cfg.max_checkpoint_bytes_per_key}); {free}"
+            )
+
+    def _checkpoints(self, owner: str, run_id: str | None = None) -> list[dict[str, Any]]:
+        out = []
+        for where, meta in self._owned(owner, run_id):
             kind, model_id = where.parent.name, where.parent.parent.name
             out.append(
                 {
@@ -957,6 +985,13 @@ class TinkerFront:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}", run_id):
             raise UserError(f"no training run {run_id!r}")
         return {"checkpoints": self._checkpoints(owner, run_id), "cursor": None}
+
+    async def delete_checkpoint(self, request: Request, owner: str, body: bytes) -> Response:
+        """RestClient.delete_checkpoint: the caller's checkpoint `kind/name` of run `run_id`, gone."""
+        p = request.path_params
+        where, _ = self._resolve(f"tinker://{p['run_id']}/{p['kind']}/{p['name']}", owner, p["kind"], to_load=False)
+        await asyncio.to_thread(shutil.rmtree, where, True)
+        return Response(status_code=204)
 
     async def list_checkpoints(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
         found = self._checkpoints(owner)

@@ -147,9 +147,11 @@ def test_save_then_resume_in_a_new_process_continues_where_it_stopped(server, tm
     tc2.forward_backward(second, "cross_entropy").result()
     tc2.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert abs(tc2.forward(probe, "cross_entropy").result().metrics["loss:sum"] - went_on) > 1e-3
-    listed = tinker.RestClient(base_url=url, api_key=KEY_A).list_user_checkpoints().result()
-    assert path in [c.tinker_path for c in listed.checkpoints]
+    rest = tinker.RestClient(base_url=url, api_key=KEY_A)
+    assert path in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
     assert (runs / "tinker_tiny" / "tinker").is_dir()
+    rest.delete_checkpoint_from_tinker_path(path).result()  # the SDK's own call: the checkpoint is gone
+    assert path not in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
 
 
 def test_two_clients_in_two_processes_each_sample_with_their_own_adapter(server):

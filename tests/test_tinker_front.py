@@ -699,19 +699,20 @@ def test_the_sdk_cuts_a_large_forward_backward_into_chunks_the_server_takes(loop
 
 
 def test_an_endpoint_forge_does_not_serve_is_named(loop, front):
-    """The SDK's calls forge does not serve (save_weights_external, RestClient.delete_checkpoint, ...)
+    """The SDK's calls forge does not serve (save_weights_external, RestClient.unpublish_checkpoint, ...)
     answer an error naming the call, not a bare "Not Found" a user reads as a missing checkpoint;
     without a key, a 401 as everywhere."""
     f, *_ = serve(loop, front, api_keys=["tml-a"])
 
     async def go():
         async with client(f) as c:
-            gone = await c.delete("/training_runs/m/checkpoints/weights/w", headers={"X-API-Key": "tml-a"})
+            gone = await c.delete("/training_runs/m/checkpoints/weights/w/publish", headers={"X-API-Key": "tml-a"})
             run = await c.post("/save_weights_external", json={"model_id": "m"}, headers={"X-API-Key": "tml-a"})
             return gone, run, await c.get("/training_runs/m")
 
     gone, run, anonymous = loop.run_until_complete(go())
-    assert gone.status_code == 404 and "DELETE /api/v1/training_runs/m/checkpoints/weights/w" in gone.text, gone.text
+    assert gone.status_code == 404, gone.text
+    assert "DELETE /api/v1/training_runs/m/checkpoints/weights/w/publish" in gone.text, gone.text
     assert run.status_code == 404 and "not served" in run.text, run.text
     assert anonymous.status_code == 401, anonymous.text
 
@@ -770,3 +771,87 @@ def test_one_key_holds_only_its_share_of_the_servers_sessions_and_models(loop, f
     a_sessions, b_session, a_models, b_model = loop.run_until_complete(scenario())
     assert a_sessions == [200, 200, 429] and b_session == 200
     assert a_models == [200, 429] and b_model.status_code == 200, b_model.text
+
+
+async def saved(c: httpx.AsyncClient, model_id: str, seq: int, name: str, overwrite: bool = False) -> dict:
+    """A save_weights of `name`, waited for: its answer, or its error."""
+    body = {"model_id": model_id, "path": name, "seq_id": seq, "overwrite": overwrite}
+    r = (await c.post("/save_weights", json=body)).json()
+    return await wait(c, r["request_id"]) if "request_id" in r else r
+
+
+def test_a_keys_checkpoints_are_bounded_and_deleting_one_frees_its_place(loop, front):
+    """One key's clients saving checkpoint after checkpoint (new names, each a directory on the run's
+    disk) are refused past `max_checkpoints_per_key`, naming it, while another key saves on; a
+    save that replaces one of its own takes no new place, and RestClient.delete_checkpoint's
+    DELETE frees one (another key's checkpoint is as unknown to it as one that never was)."""
+    keys = ["tml-" + c * 28 for c in "ab"]
+    f, *_ = serve(loop, front, api_keys=keys, max_checkpoints_per_key=2)
+
+    async def scenario():
+        a, b = (httpx.AsyncClient(base_url=f"{f.base_url}/api/v1", headers={"X-API-Key": k}) for k in keys)
+        async with a, b:
+            (_, ma), (_, mb) = await new_model(a, f), await new_model(b, f)
+            a_id, b_id = ma["model_id"], mb["model_id"]
+            out = {"a1": await saved(a, a_id, 1, "one"), "a2": await saved(a, a_id, 2, "two")}
+            out["a3"] = await saved(a, a_id, 3, "three")
+            out["a1 again"] = await saved(a, a_id, 4, "one", overwrite=True)
+            out["b1"] = await saved(b, b_id, 1, "one")
+            out["b deletes a's"] = await b.delete(f"/training_runs/{a_id}/checkpoints/weights/two")
+            out["a deletes"] = await a.delete(f"/training_runs/{a_id}/checkpoints/weights/two")
+            out["a deletes again"] = await a.delete(f"/training_runs/{a_id}/checkpoints/weights/two")
+            out["a3 again"] = await saved(a, a_id, 5, "three")
+            out["a listed"] = sorted(c["checkpoint_id"] for c in (await a.get("/checkpoints")).json()["checkpoints"])
+            return out
+
+    out = loop.run_until_complete(scenario())
+    assert out["a1"]["path"].endswith("/weights/one") and out["a2"]["path"].endswith("/weights/two"), out
+    assert "tinker.max_checkpoints_per_key" in out["a3"]["error"] and "delete" in out["a3"]["error"], out["a3"]
+    assert out["a1 again"]["path"].endswith("/weights/one") and out["b1"]["path"].endswith("/weights/one"), out
+    assert out["b deletes a's"].status_code == 400 and "no checkpoint" in out["b deletes a's"].text
+    assert out["a deletes"].status_code == 204, out["a deletes"].text
+    assert out["a deletes again"].status_code == 400 and "no checkpoint" in out["a deletes again"].text
+    assert out["a3 again"]["path"].endswith("/weights/three"), out["a3 again"]
+    assert out["a listed"] == ["weights/one", "weights/three"]
+
+
+def test_a_keys_checkpoint_bytes_are_bounded_for_sampler_saves_too(loop, front):
+    """Past `max_checkpoint_bytes_per_key` of saved checkpoints (training or sampler) a save is
+    refused, naming it; the checkpoint a save replaces does not count against it."""
+    f, *_ = serve(loop, front, max_checkpoint_bytes_per_key=1)
+
+    async def sampler(c, model_id: str, seq: int, name: str) -> dict:
+        body = {"model_id": model_id, "path": name, "seq_id": seq}
+        return await wait(c, (await c.post("/save_weights_for_sampler", json=body)).json()["request_id"])
+
+    async def scenario():
+        async with client(f) as c:
+            _, made = await new_model(c, f)
+            m = made["model_id"]
+            first = await sampler(c, m, 1, "s")
+            return first, await sampler(c, m, 2, "s"), await sampler(c, m, 3, "t"), await saved(c, m, 4, "w")
+
+    first, replaced, second, weights = loop.run_until_complete(scenario())
+    assert first["path"].endswith("/sampler_weights/s") and replaced["path"] == first["path"], (first, replaced)
+    for refused in (second, weights):
+        assert "tinker.max_checkpoint_bytes_per_key" in refused["error"], refused
+
+
+@pytest.mark.parametrize(
+    "checkpoint", ["weights/..", "weights/a%2F..%2F..%2Fx", "models/x", "sampler_weights/-x", "weights/w/publish"]
+)
+def test_a_delete_of_no_checkpoint_is_refused_and_deletes_nothing(loop, front, checkpoint):
+    """A DELETE naming no checkpoint of the caller (a path out of the run directory, another kind,
+    a name no save makes, a call forge does not serve) deletes nothing."""
+    f, *_ = serve(loop, front)
+
+    async def scenario():
+        async with client(f) as c:
+            _, made = await new_model(c, f)
+            await saved(c, made["model_id"], 1, "w")
+            r = await c.delete(f"/training_runs/{made['model_id']}/checkpoints/{checkpoint}")
+            return r, sorted(p.name for p in f.root.rglob("*") if p.is_dir())
+
+    r, dirs = loop.run_until_complete(scenario())
+    assert r.status_code in (400, 404), r.text
+    assert "w" in dirs and "weights" in dirs, dirs
