@@ -194,6 +194,12 @@ def _size(where: Path) -> int:
     return total
 
 
+def _expired(meta: dict[str, Any] | None) -> bool:
+    """Whether a checkpoint's ttl_seconds have passed (its files may not be reaped yet)."""
+    expires = (meta or {}).get("expires")
+    return expires is not None and expires < time.time()
+
+
 def _category(e: BaseException) -> str:
     return "user" if isinstance(e, (UserError, ValueError, KeyError)) else "server"
 
@@ -713,7 +719,7 @@ class TinkerFront:
         if name is None or not NAME.fullmatch(name):
             raise UserError(f"path {name!r}: a checkpoint name is 1-128 letters, digits, '.', '_' or '-'")
         where = self.root / model.id / kind / name
-        if where.exists() and not overwrite:
+        if where.exists() and not overwrite and not _expired(self._read_meta(where / META)):
             raise UserError(f"checkpoint tinker://{model.id}/{kind}/{name} exists (overwrite=True replaces it)")
         return where, f"tinker://{model.id}/{kind}/{name}"
 
@@ -744,8 +750,7 @@ class TinkerFront:
     def _expire(self) -> None:
         """Delete the checkpoints whose ttl_seconds have passed."""
         for meta_file in self.root.glob(f"*/*/*/{META}"):
-            expires = (self._read_meta(meta_file) or {}).get("expires")
-            if expires is not None and expires < time.time():
+            if _expired(self._read_meta(meta_file)):
                 shutil.rmtree(meta_file.parent, ignore_errors=True)
 
     async def save_weights(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
@@ -799,8 +804,7 @@ class TinkerFront:
             raise UserError(f"path {path!r}: expected tinker://MODEL_ID/{kind}/NAME")
         where = self.root / found.group(1) / kind / found.group(3)
         meta = self._read_meta(where / META)
-        expired = meta is not None and meta.get("expires") is not None and meta["expires"] < time.time()
-        if meta is None or meta.get("owner") != owner or expired:
+        if meta is None or meta.get("owner") != owner or _expired(meta):
             raise UserError(f"no checkpoint {path!r}")
         base = meta.setdefault("base_model", self.base_model)
         if to_load and base != self.base_model:  # the run directory outlived a server of another model
@@ -942,7 +946,7 @@ class TinkerFront:
             meta = self._read_meta(meta_file)
             if meta is None or meta.get("owner") != owner:  # another's, or one no listing can show
                 continue
-            if meta.get("expires") is None or meta["expires"] >= time.time():
+            if not _expired(meta):
                 found.append((meta_file.parent, meta))
         return found
 

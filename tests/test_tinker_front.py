@@ -855,3 +855,20 @@ def test_a_delete_of_no_checkpoint_is_refused_and_deletes_nothing(loop, front, c
     r, dirs = loop.run_until_complete(scenario())
     assert r.status_code in (400, 404), r.text
     assert "w" in dirs and "weights" in dirs, dirs
+
+
+def test_an_expired_checkpoints_name_is_free_before_its_files_are_reaped(loop, front):
+    """A checkpoint whose ttl_seconds passed is gone to every call (listing, loading), so a save
+    of its name with overwrite=False is made, not refused as "exists", before the reaper has
+    deleted its files."""
+    f, *_ = serve(loop, front)
+
+    async def scenario():
+        async with client(f) as c:
+            _, made = await new_model(c, f)
+            body = {"model_id": made["model_id"], "path": "x", "seq_id": 1, "ttl_seconds": 1}
+            await wait(c, (await c.post("/save_weights", json=body)).json()["request_id"])
+            await asyncio.sleep(1.2)
+            return await saved(c, made["model_id"], 2, "x")
+
+    assert loop.run_until_complete(scenario()).get("path", "").endswith("/weights/x")
