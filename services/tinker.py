@@ -194,6 +194,12 @@ def _size(where: Path) -> int:
     return total
 
 
+def _store_meta(where: Path, meta: dict[str, Any]) -> None:
+    part = where / f"{META}.part"  # whole or absent: a server killed mid-write leaves no cut one
+    part.write_text(json.dumps(meta))
+    part.replace(where / META)
+
+
 def _expired(meta: dict[str, Any] | None) -> bool:
     """Whether a checkpoint's ttl_seconds have passed (its files may not be reaped yet)."""
     expires = (meta or {}).get("expires")
@@ -279,6 +285,7 @@ class TinkerFront:
         routes.append(Route(f"{API}/sessions/{{session_id}}/finish", self._wrap(self.finish), methods=["POST"]))
         one = f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}"
         routes.append(Route(one, self._wrap(self.delete_checkpoint), methods=["DELETE"]))
+        routes.append(Route(f"{one}/ttl", self._wrap(self.set_checkpoint_ttl, self.json_bytes), methods=["PUT"]))
         every = ["GET", "POST", "PUT", "PATCH", "DELETE"]  # the SDK's other calls: named, not a bare 404
         routes.append(Route(f"{API}/{{call:path}}", self._wrap(self.unserved, self.json_bytes), methods=every))
         return Starlette(routes=routes)
@@ -293,7 +300,7 @@ class TinkerFront:
             held = [0]  # this request's bytes in self.body_bytes, until its answer
             try:
                 owner = self._owner(request)
-                body = await self._body(request, held, limit) if request.method == "POST" else b""
+                body = await self._body(request, held, limit) if request.method in ("POST", "PUT") else b""
                 out = await handler(request, owner, body)
             except Refused as e:
                 return JSONResponse({"detail": str(e)}, status_code=e.status)
@@ -734,9 +741,7 @@ class TinkerFront:
         now = time.time()
         meta = {"owner": owner, "kind": kind, "rank": model.rank, "modules": sorted(model.modules), "time": now}
         meta["expires"] = now + ttl_s if ttl_s else None
-        part = where / f"{META}.part"  # whole or absent: a server killed mid-write leaves no cut one
-        part.write_text(json.dumps({**meta, "base_model": self.base_model}))
-        part.replace(where / META)
+        _store_meta(where, {**meta, "base_model": self.base_model})
 
     @staticmethod
     def _read_meta(meta_file: Path) -> dict[str, Any] | None:
@@ -990,11 +995,33 @@ class TinkerFront:
             raise UserError(f"no training run {run_id!r}")
         return {"checkpoints": self._checkpoints(owner, run_id), "cursor": None}
 
-    async def delete_checkpoint(self, request: Request, owner: str, body: bytes) -> Response:
-        """RestClient.delete_checkpoint: the caller's checkpoint `kind/name` of run `run_id`, gone."""
+    def _addressed(self, request: Request, owner: str) -> tuple[Path, dict[str, Any]]:
+        """The caller's checkpoint its URL names (`.../checkpoints/KIND/NAME`), and its metadata."""
         p = request.path_params
-        where, _ = self._resolve(f"tinker://{p['run_id']}/{p['kind']}/{p['name']}", owner, p["kind"], to_load=False)
+        return self._resolve(f"tinker://{p['run_id']}/{p['kind']}/{p['name']}", owner, p["kind"], to_load=False)
+
+    async def delete_checkpoint(self, request: Request, owner: str, body: bytes) -> Response:
+        """RestClient.delete_checkpoint: the caller's checkpoint, gone."""
+        where, _ = self._addressed(request, owner)
         await asyncio.to_thread(shutil.rmtree, where, True)
+        return Response(status_code=204)
+
+    async def set_checkpoint_ttl(self, request: Request, owner: str, body: bytes) -> Response:
+        """RestClient.set_checkpoint_ttl_from_tinker_path: the caller's checkpoint expires
+        `ttl_seconds` from now (null: it is kept)."""
+        where, meta = self._addressed(request, owner)
+        fields = json.loads(body or b"null")
+        if not isinstance(fields, dict) or set(fields) != {"ttl_seconds"}:
+            raise UserError('the body is {"ttl_seconds": seconds, or null}')
+        ttl = fields["ttl_seconds"]
+        if ttl is not None and type(ttl) is not int:
+            raise UserError(f"ttl_seconds: {ttl!r}; a whole number of seconds, or null")
+        meta["expires"] = time.time() + self._ttl(ttl) if ttl is not None else None
+        try:
+            _store_meta(where, meta)
+        except FileNotFoundError:  # deleted (or expired and reaped) since it was found
+            p = request.path_params
+            raise UserError(f"no checkpoint 'tinker://{p['run_id']}/{p['kind']}/{p['name']}'") from None
         return Response(status_code=204)
 
     async def list_checkpoints(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:

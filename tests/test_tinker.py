@@ -150,7 +150,10 @@ def test_save_then_resume_in_a_new_process_continues_where_it_stopped(server, tm
     rest = tinker.RestClient(base_url=url, api_key=KEY_A)
     assert path in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
     assert (runs / "tinker_tiny" / "tinker").is_dir()
-    rest.delete_checkpoint_from_tinker_path(path).result()  # the SDK's own call: the checkpoint is gone
+    rest.set_checkpoint_ttl_from_tinker_path(path, 3600).result()  # the SDK's own calls
+    (listed,) = [c for c in rest.list_user_checkpoints().result().checkpoints if c.tinker_path == path]
+    assert listed.expires_at is not None
+    rest.delete_checkpoint_from_tinker_path(path).result()
     assert path not in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
 
 

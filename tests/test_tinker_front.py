@@ -872,3 +872,40 @@ def test_an_expired_checkpoints_name_is_free_before_its_files_are_reaped(loop, f
             return await saved(c, made["model_id"], 2, "x")
 
     assert loop.run_until_complete(scenario()).get("path", "").endswith("/weights/x")
+
+
+def test_a_checkpoints_ttl_is_set_or_removed_by_its_owner_only(loop, front):
+    """RestClient.set_checkpoint_ttl's PUT: a ttl makes a kept checkpoint expire that many seconds
+    from now, null keeps one that would have expired; a ttl out of range, of another type or
+    another key's checkpoint is a 400 naming it, and changes nothing."""
+    keys = ["tml-" + c * 28 for c in "ab"]
+    f, *_ = serve(loop, front, api_keys=keys)
+
+    async def scenario():
+        a, b = (httpx.AsyncClient(base_url=f"{f.base_url}/api/v1", headers={"X-API-Key": k}) for k in keys)
+        async with a, b:
+            _, made = await new_model(a, f)
+            m = made["model_id"]
+            await saved(a, m, 1, "kept")
+            body = {"model_id": m, "path": "brief", "seq_id": 2, "ttl_seconds": 2}
+            await wait(a, (await a.post("/save_weights", json=body)).json()["request_id"])
+            out = {"b's": await b.put(f"/training_runs/{m}/checkpoints/weights/kept/ttl", json={"ttl_seconds": 1})}
+            for bad in (0, "1", 1.5, 10**12):
+                out[f"ttl {bad!r}"] = await a.put(
+                    f"/training_runs/{m}/checkpoints/weights/kept/ttl", json={"ttl_seconds": bad}
+                )
+            out["other field"] = await a.put(f"/training_runs/{m}/checkpoints/weights/kept/ttl", json={"ttl": 1})
+            out["set"] = await a.put(f"/training_runs/{m}/checkpoints/weights/kept/ttl", json={"ttl_seconds": 1})
+            out["removed"] = await a.put(
+                f"/training_runs/{m}/checkpoints/weights/brief/ttl", json={"ttl_seconds": None}
+            )
+            await asyncio.sleep(2.2)
+            out["listed"] = sorted(c["checkpoint_id"] for c in (await a.get("/checkpoints")).json()["checkpoints"])
+            return out
+
+    out = loop.run_until_complete(scenario())
+    assert out["b's"].status_code == 400 and "no checkpoint" in out["b's"].text, out["b's"].text
+    for k in ("ttl 0", "ttl '1'", "ttl 1.5", f"ttl {10**12!r}", "other field"):
+        assert out[k].status_code == 400 and "ttl_seconds" in out[k].text, (k, out[k].text)
+    assert out["set"].status_code == 204 and out["removed"].status_code == 204, (out["set"].text, out["removed"].text)
+    assert out["listed"] == ["weights/brief"], out["listed"]
