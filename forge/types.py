@@ -92,6 +92,7 @@ def reward_range(low: float, high: float) -> Callable[[F], F]:
 
 # The largest reward: advantages are made in float32, where a larger value is inf.
 MAX_REWARD = float(torch.finfo(torch.float32).max)
+GREEDY_BELOW = 1e-5  # vLLM samples a request whose temperature is below this greedily
 
 
 def check_reward(value: float, where: str, bounds: tuple[float, float] | None = None) -> float:
@@ -187,23 +188,27 @@ class Episode:
     # One of the samples a multi-turn episode was recorded as, its turns in a line (services/gateway.py):
     # (the episode's id, this sample's place in it); None: a whole episode, or samples that branch.
     part: tuple[str, int] | None = None
+    # Each token's sampling temperature, at which its gen_logprob is and the trainer's logprobs
+    # are computed (1 on tokens not sampled); None: 1 everywhere.
+    temperatures: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
-        for name in ("loss_mask", "gen_logprobs", "routed_experts"):
+        for name in ("loss_mask", "gen_logprobs", "routed_experts", "temperatures"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"Episode.{name} has {len(value)} entries for {n} tokens")
 
     @classmethod
     def from_completion(cls, c: Completion, **kw: Any) -> Episode:
-        p = len(c.prompt_ids)
+        p, t = len(c.prompt_ids), logprob_temperature(c.sampling.get("temperature", 1.0))
         return cls(
             tokens=list(c.prompt_ids) + list(c.token_ids),
             loss_mask=[0] * p + [1] * len(c.token_ids),
             gen_logprobs=[0.0] * p + list(c.logprobs),
             policy_version=c.policy_version,
             routed_experts=c.routed_experts,
+            temperatures=None if t == 1.0 else [1.0] * p + [t] * len(c.token_ids),
             **kw,
         )
 
@@ -214,6 +219,12 @@ class Episode:
     @property
     def num_response_tokens(self) -> int:
         return sum(self.loss_mask)
+
+
+def logprob_temperature(temperature: float | None) -> float:
+    """The temperature a sampled token's logprob is at: its request's, or 1 for a greedy request
+    (vLLM computes a greedy request's logprobs from the plain logits)."""
+    return 1.0 if temperature is None or temperature < GREEDY_BELOW else float(temperature)
 
 
 def continued(episodes: Sequence[Episode]) -> torch.Tensor:
@@ -250,6 +261,9 @@ class Batch:
     # long, on rows where episodes share their group's prompt (collate's `share_prefix`): the
     # segment of each token, which says what it attends to (`sees`); None: `positions` say it.
     segments: torch.Tensor | None = None
+    # float, each token's sampling temperature (Episode.temperatures), where some episode was
+    # sampled at another than 1; None: 1 everywhere.
+    temperatures: torch.Tensor | None = None
 
     @property
     def num_episodes(self) -> int:
@@ -309,6 +323,9 @@ def collate(
         gen_logprobs=torch.zeros(shape),
         doc_ids=torch.full(shape, -1, dtype=torch.long),
     )
+    tempered = any(e.temperatures is not None for e in episodes)
+    if tempered:
+        b["temperatures"] = torch.ones(shape)
     # Padding continues the row's last positions and segment, so it starts no episode of its own.
     positions = torch.arange(width).repeat(len(rows), 1)
     segments = torch.zeros(shape, dtype=torch.long)
@@ -322,6 +339,8 @@ def collate(
                 b["advantages"][r, s] = ep.advantage
                 b["gen_logprobs"][r, s] = torch.tensor(ep.gen_logprobs[t])
                 b["doc_ids"][r, s] = p.episode
+                if ep.temperatures is not None:
+                    b["temperatures"][r, s] = torch.tensor(ep.temperatures[t])
             positions[r, col:] = torch.arange(p.start, p.start + width - col)
             segments[r, col:] = p.segment
             col = s.stop

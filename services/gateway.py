@@ -41,7 +41,7 @@ import torch
 
 from forge.http_bounds import bounded_http
 from forge.schema import ADAPTER_CONFIG
-from forge.types import Episode
+from forge.types import Episode, logprob_temperature
 from services.generator import Generator, engine_args
 from services.schema import GatewayConfig, GeneratorConfig
 
@@ -70,6 +70,7 @@ class Turn:
     versions: tuple[int, int]
     # Each choice's routing record (a MoE with routing replay): [prompt + its tokens, layers, top_k].
     routed_experts: list[Any] | None = None
+    temperature: float = 1.0  # the request's sampling temperature (0: greedy)
 
 
 @dataclass
@@ -121,6 +122,7 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
     # Each token's routing, as the first turn that computed it recorded it (a MoE with routing
     # replay); dropped for the whole sequence if one of its turns has no record.
     routing: torch.Tensor | None = None
@@ -136,6 +138,7 @@ class _Sequence:
         self.tokens += new_prompt + sampled
         self.mask += [0] * len(new_prompt) + [1] * len(sampled)
         self.logprobs += [0.0] * len(new_prompt) + turn.logprobs[choice]
+        self.temperatures += [1.0] * len(new_prompt) + [logprob_temperature(turn.temperature)] * len(sampled)
         self.versions.append(turn.versions[0])
         self.turns.append(t)
         self._route(turn.routed_experts[choice] if turn.routed_experts else None, start)
@@ -160,6 +163,7 @@ class _Sequence:
             gen_logprobs=self.logprobs,
             policy_version=min(self.versions),
             routed_experts=self.routing,
+            temperatures=self.temperatures if any(t != 1.0 for t in self.temperatures) else None,
         )
 
 
@@ -214,7 +218,7 @@ class _Sampled:
             self.logprobs[c.index] = before[1] + lps
             self.finish[c.index] = c.finish_reason
 
-    def turn(self, prompt_ids: list[int], versions: list[int], routing: list[Any]) -> Turn:
+    def turn(self, prompt_ids: list[int], versions: list[int], routing: list[Any], temperature: float) -> Turn:
         n = sorted(self.tokens)
         return Turn(
             prompt_ids=list(prompt_ids),
@@ -223,6 +227,7 @@ class _Sampled:
             finish_reasons=[self.finish[i] for i in n],
             versions=tuple(versions),
             routed_experts=routing if any(r is not None for r in routing) else None,
+            temperature=temperature,
         )
 
 
@@ -294,7 +299,7 @@ class _ServiceEngine:
                 call.cancel()
                 await asyncio.shield(_quietly(target.abort.route(request_id)))
         if session is not None:
-            session.record_turn(sampled.turn(prompt["prompt_token_ids"], versions, routing))
+            session.record_turn(sampled.turn(prompt["prompt_token_ids"], versions, routing, params.temperature))
 
     async def abort(self, request_id: str | Any) -> None:
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):

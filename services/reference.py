@@ -18,7 +18,8 @@ from forge.types import Batch
 
 class Reference(ForgeActor):
     """Frozen torchtitan model; `logprobs` runs `chunk_rows` rows at a time (their activations)
-    and its head a chunk of tokens at a time (titan.token_logprobs)."""
+    and its head a chunk of tokens at a time (titan.token_logprobs), each token's distribution
+    at its sampling temperature (Batch.temperatures), as the policy's are in the trainer."""
 
     @classmethod
     def check_args(cls, model: str | Path, chunk_rows: int = 8) -> None:
@@ -43,5 +44,10 @@ class Reference(ForgeActor):
         b = batch.to(self.device)
         with torch.no_grad():
             return token_logprobs(
-                self.model, b.input_ids, chunk_rows=self.chunk_rows, positions=b.positions, segments=b.segments
+                self.model,
+                b.input_ids,
+                chunk_rows=self.chunk_rows,
+                positions=b.positions,
+                segments=b.segments,
+                temperatures=b.temperatures,
             )[0].cpu()

@@ -395,17 +395,19 @@ def _logprobs(
     chunk_tokens: int,
     with_entropy: bool,
     segments: torch.Tensor | None = None,
+    temperatures: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[rows, len(targets)] logprobs of `targets`, the model's outputs at positions 0.. predicting
-    them: from its last hidden states and its head in chunks (forge.losses.logprobs), or, for a
-    head the chunks cannot stand in for (adapters, hooks), from the model's own logits."""
+    them (at each target's sampling temperature, where given): from its last hidden states and
+    its head in chunks (forge.losses.logprobs), or, for a head the chunks cannot stand in for
+    (adapters, hooks), from the model's own logits."""
     n = targets.shape[1]
     if chunk_tokens > 0 and chunkable(model.lm_head):
         with _hidden_states(model):
             hidden = _forward(model, ids, positions, segments)[:, :n]
-        return head_logprobs(model.lm_head, hidden, targets, chunk_tokens, with_entropy)
+        return head_logprobs(model.lm_head, hidden, targets, chunk_tokens, with_entropy, temperatures)
     logits = _forward(model, ids, positions, segments)[:, :n]
-    return head_logprobs(torch.nn.Identity(), logits, targets, 0, with_entropy)
+    return head_logprobs(torch.nn.Identity(), logits, targets, 0, with_entropy, temperatures)
 
 
 def token_logprobs(
@@ -417,13 +419,15 @@ def token_logprobs(
     routed_experts: torch.Tensor | None = None,
     chunk_tokens: int = LOGPROB_CHUNK,
     segments: torch.Tensor | None = None,
+    temperatures: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token t | tokens < t) for every t, token-aligned ([rows, seq], 0 at t=0), and
     optionally the entropy of each of those next-token distributions (no grad). On packed rows
     (`positions`, see `collate`) each episode sees only itself; with `segments` (a group's prompt
     shared), each segment what Batch.segments says, and a segment's first token gets 0 (its
     logprob is its episode's, where its prompt is: loss tokens come after). A MoE replays `routed_experts`
-    (the generator's routing, Batch.routed_experts) where given.
+    (the generator's routing, Batch.routed_experts) where given. With `temperatures`
+    (Batch.temperatures, token-aligned), token t's distribution is at its sampling temperature.
 
     The head and its log-softmax run `chunk_tokens` tokens at a time, forward and backward
     (forge.losses.logprobs; 0: all at once); `chunk_rows` bounds the rows in one forward
@@ -435,8 +439,9 @@ def token_logprobs(
         ids = input_ids[start : start + step]
         pos = positions[start : start + step] if positions is not None else None
         seg = segments[start : start + step] if segments is not None else None
+        temps = temperatures[start : start + step, 1:] if temperatures is not None else None
         route_as(model, routed_experts[start : start + step] if routed_experts is not None else None)
-        lp, ent = _logprobs(model, ids, pos, ids[:, 1:], chunk_tokens, with_entropy, seg)
+        lp, ent = _logprobs(model, ids, pos, ids[:, 1:], chunk_tokens, with_entropy, seg, temps)
         # An episode's first token has no logprob, packed or not (its "context" is another episode).
         lps.append(_first_zero(lp, pos, seg))
         if with_entropy:

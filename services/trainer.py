@@ -195,6 +195,7 @@ class Trainer(ForgeActor):
                 positions=mb.positions,
                 routed_experts=mb.routed_experts,
                 segments=mb.segments,
+                temperatures=mb.temperatures,
             )
             loss = self.loss_fn(lp, mb, importance_weight(lp, mb, loss_cfg), loss_cfg) * share
             loss.backward()
@@ -304,7 +305,9 @@ class Trainer(ForgeActor):
         if self.peft is None or not wanted or mb.ref_logprobs is not None:
             return
         with torch.no_grad(), adapters_off(self.model):
-            mb.ref_logprobs = token_logprobs(self.model, mb.input_ids, positions=mb.positions, segments=mb.segments)[0]
+            mb.ref_logprobs = token_logprobs(
+                self.model, mb.input_ids, positions=mb.positions, segments=mb.segments, temperatures=mb.temperatures
+            )[0]
 
     def _step_sums(self, mb: Batch, lp: torch.Tensor, ent: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the step's metrics (see train_step), its max |delta| last."""
@@ -327,7 +330,12 @@ class Trainer(ForgeActor):
         with torch.no_grad():
             b = batch.to(self.device)
             return token_logprobs(
-                self.model, b.input_ids, positions=b.positions, routed_experts=b.routed_experts, segments=b.segments
+                self.model,
+                b.input_ids,
+                positions=b.positions,
+                routed_experts=b.routed_experts,
+                segments=b.segments,
+                temperatures=b.temperatures,
             )[0].cpu()
 
     # ---- tenants: several adapters on this model, one at a time (a Tinker client each) ----

@@ -193,10 +193,14 @@ def test_tool_call_round_trip(loop, served, tiny_model_dir):
     assert record.new_sample_at == [] and len(record.samples()) == 1
 
 
+TEMPERATURES = (1.0, 0.5, 0.8)
+
+
 def test_three_turns_are_one_sample_with_the_generators_tokens_and_logprobs(loop, served, letters, tiny_model_dir):
     """The recording of a 3-turn chat is what the generator sampled (ids and logprobs as the
     responses report them); the turns extend each other, so they are one sequence whose
-    sampled-token logprobs equal an fp32 transformers forward of it (1e-4)."""
+    sampled-token logprobs equal an fp32 transformers forward of it (1e-4), each turn's tokens
+    at the temperature the agent asked for it (which the episode carries to the trainer)."""
     gw, *_ = served
     tok, allowed = letters
 
@@ -204,14 +208,14 @@ def test_three_turns_are_one_sample_with_the_generators_tokens_and_logprobs(loop
         sid = gw.open_session()
         c = client(gw, sid)
         messages, responses = [], []
-        for question in ("rev abc=", "sort dcba=", "rev xyz="):
+        for question, temperature in zip(("rev abc=", "sort dcba=", "rev xyz="), TEMPERATURES):
             messages.append({"role": "user", "content": question})
             r = await chat(
                 c,
                 messages,
                 max_tokens=6,
                 logprobs=True,
-                temperature=1.0,
+                temperature=temperature,
                 extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
             )
             responses.append(r)
@@ -235,7 +239,12 @@ def test_three_turns_are_one_sample_with_the_generators_tokens_and_logprobs(loop
     # The tokens were sampled from the allowed ones only: that is the distribution to compare with.
     masked = torch.full_like(logits, float("-inf"))
     masked[:, allowed] = logits[:, allowed]
-    lp = torch.log_softmax(masked, -1).gather(-1, ids[0, 1:, None])[:, 0]
+    temperatures = [1.0] * len(episode.tokens)
+    for turn, t in zip(record.turns, TEMPERATURES):  # each turn's sampled tokens, where they are
+        start = len(turn.prompt_ids)
+        temperatures[start : start + len(turn.token_ids[0])] = [t] * len(turn.token_ids[0])
+    assert episode.temperatures == temperatures
+    lp = torch.log_softmax(masked / torch.tensor(temperatures[1:])[:, None], -1).gather(-1, ids[0, 1:, None])[:, 0]
     mask = torch.tensor(episode.loss_mask[1:], dtype=torch.bool)
     assert (lp[mask] - torch.tensor(episode.gen_logprobs[1:])[mask]).abs().max().item() <= 1e-4
 

@@ -216,6 +216,29 @@ def test_logprobs_match_transformers_fp32(loop, gen, tiny_model_dir):
     assert worst <= 1e-4, worst
 
 
+def test_the_trainers_logprobs_of_a_sample_at_a_temperature_are_the_generators(loop, gen, tiny_model_dir):
+    """On-policy, completions sampled at temperature 0.7 (and greedily, whose logprobs are at 1)
+    have the logprobs in the trainer that the generator recorded: their episodes carry the
+    temperature into the batch, so the importance weight is 1, not that of the plain distribution."""
+    from forge.types import Episode, collate
+    from services import titan
+
+    async def main():
+        tempered = await gen.generate.route(PROMPTS[0], n=4, sampling={"temperature": 0.7, "max_tokens": 24})
+        greedy = await gen.generate.route(PROMPTS[1], sampling={"temperature": 0, "max_tokens": 24})
+        return tempered + greedy
+
+    episodes = [Episode.from_completion(c) for c in loop.run_until_complete(main())]
+    assert episodes[-1].temperatures is None and set(episodes[0].temperatures) == {1.0, 0.7}
+    batch = collate(episodes, pad_id=0)
+    with torch.no_grad():
+        lp, _ = titan.token_logprobs(
+            titan.load_hf_model(tiny_model_dir), batch.input_ids, temperatures=batch.temperatures
+        )
+    mask = batch.loss_mask.bool()
+    assert (lp[mask] - batch.gen_logprobs[mask]).abs().max().item() <= 1e-4
+
+
 def test_reload_equals_fresh_engine(loop, gen, tmp_path, tiny_model_dir):
     """A staged swap gives what an engine started on the new weights gives; weights staging
     cannot take (a tensor missing) are reloaded in place by vLLM, with the same result."""

@@ -80,6 +80,26 @@ def test_chunked_logprobs_entropy_and_gradients_equal_the_plain_ones(chunk):
         assert plain.shape == chunked.shape and (plain - chunked).abs().max().item() <= 1e-5 * scale
 
 
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_each_tokens_distribution_is_at_its_sampling_temperature(chunk):
+    """With per-token temperatures (the generator's logprobs are log_softmax(logits / T)): the
+    logprobs, entropies and gradients are those of autograd through logits / T, in chunks or not."""
+    temps = torch.tensor([0.7, 1.0, 1.3]).repeat_interleave(TOKENS // 3).view(3, -1)
+    head, hidden, targets = _case()
+    weights = torch.linspace(-1, 1, TOKENS).view(3, -1)
+    lp, ent = head_logprobs(head, hidden, targets, chunk, with_entropy=True, temperatures=temps)
+    (lp * weights).sum().backward()
+    want_head, want_hidden, _ = _case()
+    logp = torch.log_softmax(want_head(want_hidden) / temps[..., None], -1)
+    want = logp.gather(-1, targets[..., None])[..., 0]
+    (want * weights).sum().backward()
+    assert (lp - want).abs().max().item() <= 1e-5 and (ent - -(logp.exp() * logp).sum(-1)).abs().max() <= 1e-4
+    assert (hidden.grad - want_hidden.grad).abs().max().item() <= 1e-5
+    scale = want_head.weight.grad.abs().max().item()
+    assert (head.weight.grad - want_head.weight.grad).abs().max().item() <= 1e-5 * max(1.0, scale)
+    assert (lp - head_logprobs(head, hidden, targets, chunk)[0]).abs()[0].min() > 0  # not the plain ones
+
+
 def test_under_no_grad_nothing_is_recomputed_and_the_values_are_the_same():
     head, hidden, targets = _case()
     with torch.no_grad():

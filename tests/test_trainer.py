@@ -382,3 +382,44 @@ def test_every_family_sums_its_ranks_gradients(tiny_hf_dir):
 
     one, two = asyncio.run(grad_norm(1)), asyncio.run(grad_norm(2))
     assert two == pytest.approx(one, rel=1e-4)
+
+
+def test_a_batch_sampled_at_a_temperature_is_on_policy_at_it(tiny_model_dir):
+    """Episodes whose tokens were sampled at temperature 0.5 carry it into the batch: the trainer's
+    logprobs (its endpoint's and its step's) and the reference's are those of the logits over it,
+    so on-policy the importance ratio is 1, not that of the distribution at 1."""
+    from services import titan
+    from services.reference import Reference
+
+    g = torch.Generator().manual_seed(1)
+    eps = [
+        Episode(
+            tokens=torch.randint(6, 100, (12,), generator=g).tolist(),
+            loss_mask=[0] * 4 + [1] * 8,
+            gen_logprobs=[0.0] * 12,
+            advantage=1.0,
+            temperatures=[1.0] * 4 + [0.5] * 8,
+        )
+        for _ in range(3)
+    ]
+    batch = collate(eps, pad_id=0)
+    with torch.no_grad():
+        want = titan.token_logprobs(
+            titan.load_hf_model(tiny_model_dir), batch.input_ids, temperatures=batch.temperatures
+        )
+    batch = on_policy(batch, want[0])
+
+    async def main():
+        cfg = TrainerConfig(lr=1e-3, loss=LossConfig(name="reinforce"))
+        trainer = await Trainer.options().as_service(str(tiny_model_dir), cfg, None)
+        ref = await Reference.options().as_service(str(tiny_model_dir))
+        try:
+            got = await trainer.logprobs.route(batch), await ref.logprobs.route(batch)
+            return got, (await trainer.train_step.route(batch))[1]
+        finally:
+            await trainer.shutdown()
+            await ref.shutdown()
+
+    got, metrics = asyncio.run(main())
+    assert max((g - want[0]).abs().max().item() for g in got) <= 1e-5
+    assert metrics["is_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
