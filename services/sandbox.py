@@ -555,6 +555,14 @@ class SandboxPool:
                 "RLIMIT_NPROC": c.max_processes,
                 "RLIMIT_NOFILE": c.max_open_files,
                 "RLIMIT_FSIZE": c.max_file_MB << 20,
+                # Pinned, not the host's (a run could raise its soft limit to the host's hard one):
+                # no core dumps (a host's core_pattern may pipe them to a root helper), no real-time
+                # priority (a real-time task escapes the cgroup's CPU share) or higher nice, and
+                # POSIX message queues at Linux's default bytes.
+                "RLIMIT_CORE": 0,
+                "RLIMIT_RTPRIO": 0,
+                "RLIMIT_NICE": 0,
+                "RLIMIT_MSGQUEUE": 819200,
             },
             "argv": argv,
             "python": req.language == "python" and not self.cfg.fresh_interpreter,

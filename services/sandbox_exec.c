@@ -49,6 +49,7 @@
 #define MSG_CTRUNC 8
 #define MSG_CMSG_CLOEXEC 0x40000000
 #define BPF_MAXINSNS 4096
+#define IPC_RMID 0
 
 typedef unsigned long size_t;
 typedef unsigned long long u64;
@@ -396,6 +397,45 @@ static void collect_sockets(void) {
     }
 }
 
+/* A run's SysV objects (shared memory, message queues, semaphores) outlive its processes: its
+ * IPC namespace is freed some ms after the last of them ends (a workqueue, after an RCU grace
+ * period), and until then a segment's pages stay charged to the slot's memory, where the next
+ * run (another episode) would run out of memory at a use its limit allows. Nothing is attached
+ * once every process is gone, so removing them frees their memory now. */
+static void remove_kind(const char *file, long nr, int sem) {
+    static char buf[65536];
+    for (int pass = 0; pass < 1000; pass++) { /* a pass removes the objects its read holds whole */
+        long fd = sys(__NR_openat, AT_FDCWD, file, O_RDONLY | O_CLOEXEC), n = 0, got, found = 0;
+        if (fd < 0) return;
+        while (n < (long)sizeof buf - 1 && (got = sys(__NR_read, fd, buf + n, sizeof buf - 1 - n)) > 0) n += got;
+        sys(__NR_close, fd);
+        long i = 0;
+        while (i < n && buf[i] != '\n') i++; /* the header */
+        for (;;) {
+            long end = ++i;
+            while (end < n && buf[end] != '\n') end++;
+            if (end >= n) break; /* no whole line left */
+            buf[end] = 0;
+            char *p = buf + i;
+            while (*p == ' ') p++;
+            while (*p && *p != ' ') p++; /* the key */
+            while (*p == ' ') p++;
+            long id = integer(p);
+            if (sem) sys(nr, id, 0, IPC_RMID); /* semctl(id, semnum, cmd) */
+            else sys(nr, id, IPC_RMID, 0);
+            found++;
+            i = end;
+        }
+        if (!found) return;
+    }
+}
+
+static void remove_sysv(void) {
+    remove_kind("/proc/sysvipc/shm", __NR_shmctl, 0);
+    remove_kind("/proc/sysvipc/msg", __NR_msgctl, 0);
+    remove_kind("/proc/sysvipc/sem", __NR_semctl, 1);
+}
+
 struct iovec_ {
     void *base;
     size_t len;
@@ -445,8 +485,7 @@ static int receive(int fds[MAX_FDS], int *nfds) {
 }
 
 /* A run's process: its fds at 0-3 or 0-4 and its set-up pipe at 5 (moved above them first, so
- * none overwrites another), its own SysV IPC namespace, then the program as a run of the
- * helper's starts it. */
+ * none overwrites another), then the program as a run of the helper's starts it. */
 static void __attribute__((noreturn)) serve_program(struct spec *s, int words, int fds[MAX_FDS], int nfds, unsigned short len, char **envp) {
     int high[MAX_FDS];
     for (int i = 0; i < nfds; i++) high[i] = (int)sys(__NR_fcntl, fds[i], F_DUPFD_CLOEXEC, 16);
@@ -459,7 +498,6 @@ static void __attribute__((noreturn)) serve_program(struct spec *s, int words, i
     int n = words > 1 ? (int)integer(WORDS[1]) : -1;
     if (n < 0 || 2 + 2 * n >= words) fail("the request", -22);
     s->cwd = WORDS[0], s->nrlimits = n, s->rlimits = WORDS + 2, s->argv = WORDS + 2 + 2 * n;
-    check(sys(__NR_unshare, CLONE_NEWIPC), "unshare (SysV IPC)");
     run_program(s, FILTER, len, envp);
     leave(SETUP_FAILED);
 }
@@ -475,6 +513,9 @@ static void serve_one(struct spec *s, unsigned short len, char **envp) {
         sys(__NR_write, last, "1", 1);
         sys(__NR_close, last);
     }
+    /* The run's own SysV IPC namespace, which this server enters with it: after the run it
+     * removes what the run left there (remove_sysv), which only a process inside can. */
+    check(sys(__NR_unshare, CLONE_NEWIPC), "unshare (SysV IPC)");
     long child = sys(__NR_clone, SIGCHLD, 0, 0, 0, 0);
     if (child == 0) serve_program(s, words, fds, nfds, len, envp);
     int code = child > 0 ? 0 : tell(fds[nfds - 1], "fork", child); /* this run's set-up failed; the server serves on */
@@ -485,6 +526,7 @@ static void serve_one(struct spec *s, unsigned short len, char **envp) {
     while ((r = sys(__NR_wait4, -1, 0, __WALL, 0)) != -10) { /* until ECHILD */
         if (r < 0 && r != -4) leave(SETUP_FAILED);
     }
+    remove_sysv();
     collect_sockets();
     renew_tmpfs(s);
     check(sys(__NR_write, CONTROL_FD, &code, sizeof code), "answer the pool");

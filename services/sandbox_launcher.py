@@ -86,13 +86,14 @@ def exit_code(pid: int) -> int:
 
 def settle() -> None:
     """For pid 1 of a run's namespace, its program gone: every other process killed and reaped,
-    and the sockets the run left in flight collected (services/sandbox_exec.c `collect_sockets`
-    says why: they outlive the namespace, in the slot's network namespace and memory)."""
+    its SysV objects removed and the sockets the run left in flight collected (services/sandbox_exec.c
+    `remove_sysv` and `collect_sockets` say why: each outlives the run, in the slot's memory)."""
     with contextlib.suppress(OSError):
         os.kill(-1, signal.SIGKILL)  # from pid 1: every other process of the namespace
     with contextlib.suppress(ChildProcessError):
         while True:
             os.wait()
+    remove_sysv()
     for _ in range(250):
         with open("/proc/net/unix") as f:
             if len(f.readlines()) <= 1:
@@ -101,6 +102,21 @@ def settle() -> None:
         for end in ends:
             end.close()
         time.sleep(0.002)
+
+
+IPC_RMID = 0
+SYSV_REMOVE = {"shm": lambda i: libc.shmctl(i, IPC_RMID, None), "msg": lambda i: libc.msgctl(i, IPC_RMID, None)}
+SYSV_REMOVE["sem"] = lambda i: libc.semctl(i, 0, IPC_RMID)
+
+
+def remove_sysv() -> None:
+    """Every SysV object of this (the run's) IPC namespace, removed: nothing is attached now, so
+    their memory is freed at once, not when the namespace is (see sandbox_exec.c `remove_sysv`)."""
+    for kind, remove in SYSV_REMOVE.items():
+        with open(f"/proc/sysvipc/{kind}") as f:
+            ids = [int(line.split()[1]) for line in f.readlines()[1:]]
+        for i in ids:
+            remove(i)
 
 
 NETNS: dict[int, int] = {}  # slot uid -> an fd of its network namespace

@@ -1352,3 +1352,61 @@ def test_a_run_its_server_cannot_fork_is_that_run_s_set_up_error(loop):
 
     first, after, alive = loop.run_until_complete(scenario())
     assert (first.stdout, after.stdout, alive) == ("one\n", "three\n", [True])
+
+
+LEAVE_SHM = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+size = 160 << 20
+sid = libc.shmget(0, ctypes.c_size_t(size), 0o1600)  # IPC_PRIVATE, never removed
+addr = libc.shmat(sid, None, 0)
+ctypes.memset(addr, 1, size)  # its pages, charged to the slot's memory
+libc.shmdt(ctypes.c_void_p(addr))
+print(sid)
+"""
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "exec'd"])
+def test_shared_memory_a_run_leaves_is_not_charged_to_the_next(loop, fresh):
+    """A run that leaves a SysV shared-memory segment of its slot's memory: its IPC namespace is
+    freed only some ms after its last process ends, and until then the segment stays charged to
+    the slot, where the next run (another episode) would run out of memory at a use its limit
+    allows. The run's SysV objects are removed before its result returns."""
+    from services import sandbox as sb
+
+    cfg = SandboxConfig(workers=1, uid_base=61697, fresh_interpreter=fresh, memory_limit_MB=256)
+
+    async def scenario() -> list[int]:
+        pool = sb.SandboxPool(cfg)
+        await pool.start()
+        try:
+            if pool.cgroups is None or "memory" not in pool.cgroups.dirs:
+                pytest.skip("no memory cgroup on this machine")
+            slot = pool.cgroups.dirs["memory"] / str(pool.uids[0])
+            usage = slot / ("memory.current" if (slot / "memory.current").exists() else "memory.usage_in_bytes")
+            charged = []
+            for _ in range(3):
+                await pool.run("print('warm')", "python")
+                before = int(usage.read_text())
+                left = await pool.run(LEAVE_SHM, "python")
+                assert left.status == "ok", left
+                charged.append((int(usage.read_text()) - before) >> 20)  # as the next run would start
+            return charged
+        finally:
+            await pool.stop()
+
+    charged = loop.run_until_complete(scenario())
+    assert max(charged) < 64, charged  # MB of the 160 the runs left
+
+
+def test_a_run_cannot_raise_the_limits_of_core_dumps_or_priorities(loop, sandbox):
+    """Limits a run could raise to their host's hard values are pinned: core dumps (a host's
+    core_pattern may hand them to a root helper), real-time priority (a real-time task escapes
+    the cgroup's CPU share), nice, POSIX message queues' bytes."""
+    code = (
+        "import resource as r\n"
+        "print([r.getrlimit(getattr(r, n)) for n in ('RLIMIT_CORE', 'RLIMIT_RTPRIO', 'RLIMIT_NICE', 'RLIMIT_MSGQUEUE')])\n"
+    )
+    out = run(loop, sandbox, code)
+    assert out.stdout == f"{[(0, 0), (0, 0), (0, 0), (819200, 819200)]}\n", out
