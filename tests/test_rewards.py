@@ -45,6 +45,16 @@ def test_final_number(text, number):
     assert final_number(text) == number
 
 
+def test_exact_pays_nothing_against_a_row_without_an_answer():
+    """A row whose answer is null or empty (a dataset's missing cell) would pay an empty
+    completion 1.0: the reward fails for that sample instead, naming why."""
+    from services.rewards.builtin import exact
+
+    assert exact(RewardInput({"prompt": "p", "answer": "4"}, "4")) == 1.0
+    with pytest.raises(ValueError, match="the row has no answer"):
+        exact(RewardInput({"prompt": "p", "answer": ""}, ""))
+
+
 def test_math_reward():
     assert math_reward("2 + 5 = 7\n#### 7", "Two plus five is 7.") == {"reward": 1.0, "correct": 1.0}
     assert math_reward("#### 7", "#### 7.0")["reward"] == 1.0

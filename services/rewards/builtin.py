@@ -20,7 +20,10 @@ def inline(fn: Callable[[RewardInput], Any]) -> Callable[[RewardInput], Any]:
 
 @inline
 def exact(s: RewardInput) -> float:
-    """1 for exactly the answer, else 0: the verifiable reward of RLVR."""
+    """1 for exactly the answer, else 0: the verifiable reward of RLVR. A row without an answer (a
+    null or empty cell) fails: an empty completion would be exactly it."""
+    if not s.answer.strip():
+        raise ValueError("the row has no answer (its answer column is empty): nothing to compare with")
     return float(s.completion.strip() == s.answer)
 
 
