@@ -265,7 +265,8 @@ class GRPOConfig(RunConfig):
                 self.dataset.chat,
                 self.dataset.tools_key,
             )
-            held.answer_key = self.dataset.answer_key
+            if held.answer_key == DatasetConfig.answer_key:  # its own, where it names one
+                held.answer_key = self.dataset.answer_key
 
     def _validate_eval_mix(self) -> None:
         """A mixture's evals: each source's own held-out set (services/evals.py `held_out_of`); a
@@ -290,13 +291,14 @@ class GRPOConfig(RunConfig):
                     f"held-out rows too (an entry {{name: {source.source_name}, {source.kind}: ...}})"
                 )
             if own is not None and not own.messages_key and not own.chat and own.template == DatasetConfig.template:
-                own.template, own.messages_key, own.chat, own.tools_key, own.answer_key = (  # the source's format
+                own.template, own.messages_key, own.chat, own.tools_key = (  # the source's format
                     source.template,
                     source.messages_key,
                     source.chat,
                     source.tools_key,
-                    source.answer_key,
                 )
+                if own.answer_key == DatasetConfig.answer_key:  # its own, where it names one
+                    own.answer_key = source.answer_key
 
     def _check_sources(self) -> None:
         """Load the run's and the eval's sources once (a file's or dataset's rows, a generator's

@@ -95,6 +95,25 @@ def test_held_out_prompts_differ_from_training_and_files_keep_their_columns(tmp_
     assert sorted((s.prompt, s.answer) for s in samples) == [(f"say {i}", str(i)) for i in range(5)]
 
 
+def test_an_evals_own_answer_key_is_kept_when_it_takes_the_runs_prompt_format(tmp_path):
+    """The held-out file takes the run's template when it gives none; its own answer_key (another
+    column than the run's) is still what its samples are scored against, alone or in a mixture."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"q": f"say {i}", "a": f"{i} long", "short": str(i)}) + "\n" for i in range(4)))
+    run = [f"dataset.path={rows}", "dataset.template='{q}'", "dataset.answer_key=a", "eval.prompts=0"]
+    cfg = load_config(
+        "configs/grpo_tiny.yaml", [*run, f"eval.dataset.path={rows}", "eval.dataset.answer_key=short"], Config
+    )
+    assert sorted((s.prompt, s.answer) for s in held_out(cfg.eval, cfg.task)) == [
+        (f"say {i}", str(i)) for i in range(4)
+    ]
+    mix = [f"dataset.mix=[{{path: {rows}, template: '{{q}}', answer_key: a}}]", "eval.prompts=0"]
+    held = f"eval.dataset.mix=[{{path: {rows}, name: rows, answer_key: short}}]"
+    cfg = load_config("configs/grpo_tiny.yaml", [*mix, held], Config)
+    samples = held_out(cfg.eval, cfg.task, cfg.dataset.mix)
+    assert sorted((s.prompt, s.answer) for s in samples) == [(f"say {i}", str(i)) for i in range(4)]
+
+
 @pytest.mark.parametrize(
     "config", ["configs/grpo_tiny.yaml", pytest.param("configs/sft_tiny.yaml", marks=pytest.mark.slow)]
 )  # 40 s each (an engine apiece); make test runs the GRPO one
