@@ -165,6 +165,11 @@ class RowPrompts(IndexedPrompts):
                 f"config key '{self.key}.messages_key': row {at} of {self.where} holds {str(messages)[:60]!r} in "
                 f"column '{self.cfg.messages_key}', not a list of chat messages ({{role, content}})"
             )
+        if messages and messages[-1].get("role") == "assistant":  # the policy would answer after its answer
+            raise ConfigError(
+                f"config key '{self.key}.messages_key': row {at} of {self.where} ends with the assistant's turn "
+                f"in column '{self.cfg.messages_key}' (a conversation to learn from, for SFT?): a prompt ends before it"
+            )
         return present(messages)
 
     def _tools(self, row: dict[str, Any], at: int) -> list[dict[str, Any]] | None:

@@ -240,6 +240,12 @@ def test_chat_format_prompts(tmp_path):
         FilePrompts(DatasetConfig(path=str(raw), messages_key="prompt"))
     with pytest.raises(ConfigError, match="dataset.messages_key, dataset.template: each makes the prompt"):
         DatasetConfig(path=str(path), messages_key="prompt", template="{prompt}").validate()
+    # A conversation that ends with the assistant's turn (an SFT file: its answer in the prompt)
+    done = tmp_path / "done.jsonl"
+    turns = [{"role": "user", "content": "6 times 7?"}, {"role": "assistant", "content": "42"}]
+    done.write_text(json.dumps({"prompt": turns, "answer": "42"}) + "\n")
+    with pytest.raises(ConfigError, match="row 0 of .*done.jsonl ends with the assistant's turn"):
+        FilePrompts(DatasetConfig(path=str(done), messages_key="prompt"))
 
 
 @pytest.mark.parametrize(
