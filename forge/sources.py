@@ -65,8 +65,10 @@ def read_file(path: str, key: str) -> datasets.Dataset:
     if Path(path).stat().st_size == 0:
         raise ConfigError(f"config key '{key}.path': {path} is empty")
     try:
-        options = _csv_options(path) if kind == "csv" else {}
+        options = _csv_options(path, key) if kind == "csv" else {}
         rows = datasets.load_dataset(kind, data_files=path, split="train", **options)
+    except ConfigError:
+        raise
     except Exception as e:  # a bad file raises what its format's reader does: StopIteration, KeyError, ArrowInvalid...
         where = bad_line(path) if Path(path).suffix == ".jsonl" else bad_csv_line(path) if kind == "csv" else ""
         if isinstance(e, DatasetGenerationError) and e.__cause__:  # its own text says only that it failed
@@ -156,15 +158,28 @@ def bad_csv_line(path: str) -> str:
     return "; no rows below its header" if n == 1 else ""
 
 
-def _csv_options(path: str) -> dict[str, Any]:
+def _csv_options(path: str, key: str) -> dict[str, Any]:
     """A CSV's cells as the text written: pandas would read an answer "02134" as 2134, a column of
     integers with one empty cell as floats ("3" as "3.0"), and "NA" or "null" as no value. Only an
-    empty cell is none. A header whose names repeat or are empty (pandas renames those) keeps the
-    inferred types."""
+    empty cell is none. Each row has a field per column of its header, whose names are there
+    and differ: else pandas shifts the columns (a row a field longer takes its first as an index),
+    gives a short row's last cells no value, or renames columns, and says nothing."""
     with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:  # -sig: as pandas, past a BOM
-        header = next(csv.reader(f), [])
-    if not all(header) or len(set(header)) != len(header):
-        return {}
+        rows = csv.reader(f)
+        header = next(rows, [])
+        cannot = f"config key '{key}.path': {path}: cannot read it as csv"
+        unnamed = [i + 1 for i, name in enumerate(header) if not name]
+        if unnamed:
+            raise ConfigError(f"{cannot}: its header's column {unnamed[0]} has no name (a comma at its end?)")
+        twice = sorted({name for name in header if header.count(name) > 1})
+        if twice:
+            raise ConfigError(f"{cannot}: its header names column {twice[0]!r} twice")
+        for row in rows:
+            if row and len(row) != len(header):  # a blank line holds no row
+                raise ConfigError(
+                    f"{cannot}: line {rows.line_num} has {len(row)} fields where its header names {len(header)} "
+                    f"({', '.join(header)[:200]}): quote a cell that holds a comma"
+                )
     text = datasets.Features({name: datasets.Value("string") for name in header})
     return {"features": text, "keep_default_na": False, "na_values": [""]}
 

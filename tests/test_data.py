@@ -178,6 +178,29 @@ def test_a_csv_error_names_the_line(tmp_path, line, why):
     assert why in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        (
+            "question,answer\nWhat is 1,000 plus 2?,1002\nWhat is 5 plus 5?,10\n",
+            "line 2 has 3 fields where its header names 2",
+        ),
+        ("question,answer\n2+2=,4\n3+3=\n", "line 3 has 1 fields where its header names 2"),
+        ("question,answer,\n2+2=,4,\n", "its header's column 3 has no name"),
+        ("question,answer,answer\n2+2=,4,5\n", "its header names column 'answer' twice"),
+    ],
+)
+def test_a_csv_whose_rows_do_not_fit_its_header_is_an_error_not_shifted_columns(tmp_path, text, why):
+    """Rows a field longer than the header (a comma left unquoted in every question) would be read
+    with their first field as an index, every column one to the right; a short row's last cells
+    as no value; an unnamed or repeated column renamed: each names its line or the header."""
+    path = tmp_path / "q.csv"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"config key 'dataset.path': {path}: cannot read it as csv") as e:
+        FilePrompts(DatasetConfig(path=str(path), template="{question}"))
+    assert why in str(e.value)
+
+
 def test_a_csv_whose_header_has_a_huge_cell_is_a_config_error(tmp_path):
     """A CSV without a header row reads its first row as one: a cell over the csv module's field
     limit there is an error naming the file, not a bare csv.Error."""
