@@ -49,7 +49,8 @@ class IndexedPrompts(BaseNode[Sample]):
         return self.sample(i)
 
     def get_state(self) -> dict[str, Any]:
-        return {"index": self.index}
+        # its name too: a run resumed as a mixture that lists this source goes on from its place
+        return {"index": self.index, "source": getattr(self, "name", None)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # a run's checkpoint part (forge/run.py)
         self.reset(state)
@@ -81,7 +82,7 @@ class TaskPrompts(IndexedPrompts):
 
     def __init__(self, task: str, seed: int = 0):
         super().__init__(seed)
-        self.task = get_task(task)
+        self.task, self.name = get_task(task), task
 
     def sample(self, i: int) -> Sample:
         return self.task.sample(random.Random(f"{self.seed}:{i}"))

@@ -9,8 +9,9 @@ run's seed), its samples tagged with the source's name (`Sample.task`, then `Epi
 rewards, metrics and evals are kept per source. New weights come from `set_weights` or from
 `dataset.mix_file`, re-read between steps when it changes; each change is a console line, and
 every step records the weights in force (`mix/weight/NAME`). A checkpoint holds the draw count,
-the weights, the watched file's stamp (mtime, size, inode; or the error its stat gave) and each source's position: a resumed run draws the same
-next prompts under the same weights.
+the weights (and the config's), the watched file's stamp (mtime, size, inode; or the error its
+stat gave) and each source's position: a resumed run draws the same next prompts under the same
+weights, but for a source whose config weight changed since, which takes the new one.
 """
 
 from __future__ import annotations
@@ -117,12 +118,17 @@ class Mixture(BaseNode[Sample]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        state = initial_state or {}
+        state = self._as_mixtures(initial_state or {})
         self.draws = state.get("draws", 0)
         # The config's sources now: one added since the checkpoint starts at its beginning and its
-        # config weight; one removed is dropped.
-        held = state.get("weights", {})
+        # config weight; one removed is dropped; one whose config weight changed since takes it.
+        held, config = state.get("weights", {}), state.get("config_weights", {})
         self.weights = {name: held.get(name, weight) for name, weight in self.initial.items()}
+        changed = {n: w for n, w in self.initial.items() if n in config and config[n] != w}
+        if changed:
+            self.weights.update(changed)
+            now = ", ".join(f"{n}={w:g}" for n, w in changed.items())
+            self.say(f"forge: mix weights from the config, changed since the checkpoint: {now}")
         if not any(self.weights.values()):  # the removed sources held all the weight: nothing to draw by
             self.weights = dict(self.initial)
             config = ", ".join(f"{n}={w:g}" for n, w in self.weights.items())
@@ -139,10 +145,25 @@ class Mixture(BaseNode[Sample]):
         sample = next(self.streams[name])
         return tagged(sample, self.sources[name]) if name in self.sources else sample
 
+    def _as_mixtures(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state`, or a single source's checkpoint (forge/data.py IndexedPrompts) as this
+        mixture's: that source goes on from its place, the others from their starts."""
+        if "index" not in state:
+            return state
+        name, names = state.get("source"), ", ".join(self.names)
+        if name not in self.streams:
+            raise ConfigError(
+                f"config key 'dataset.mix': the checkpoint's prompts are one source's ({name!r}, at prompt "
+                f"{state['index']}), none of this mixture's ({names}); list it in dataset.mix, named so"
+            )
+        self.say(f"forge: source {name!r} goes on from prompt {state['index']} of the checkpoint; {names} by weight")
+        return {"sources": {name: state}}
+
     def get_state(self) -> dict[str, Any]:
         return {
             "draws": self.draws,
             "weights": dict(self.weights),
+            "config_weights": dict(self.initial),
             "file_stamp": self.stamp,
             "sources": {name: stream.state_dict() for name, stream in self.streams.items()},
         }

@@ -431,3 +431,36 @@ def test_a_bad_row_of_a_mixture_source_names_its_entry(tmp_path):
     rows.write_text("")
     with pytest.raises(ConfigError, match=r"config key 'dataset.mix\[1\].path': .* is empty"):
         build_prompts(cfg.dataset, cfg.task, cfg.seed)
+
+
+def test_a_weight_the_config_changed_for_the_resume_is_taken_and_said():
+    """`forge run --resume RUN dataset.mix[1].weight=0`: the config's new weight for that source
+    is the one in force (said on the console); the others keep the checkpoint's, set at run time."""
+    old = mixture({"reverse": 1.0, "sort": 1.0})
+    old.reset()
+    old.set_weights({"reverse": 3.0})
+    [next(old) for _ in range(5)]
+    lines = []
+    new = mixture({"reverse": 1.0, "sort": 0.0}, say=lines.append)
+    new.reset(old.get_state())
+    assert new.weights == {"reverse": 3.0, "sort": 0.0}
+    assert {next(new).task for _ in range(200)} == {"reverse"}
+    assert len(lines) == 1 and "sort=0" in lines[0] and "config" in lines[0], lines
+
+
+def test_a_single_sources_checkpoint_resumed_as_a_mixture_goes_on_where_it_was():
+    """A run on one source resumed with that source and another in `dataset.mix`: the source goes
+    on from its place (not from its first prompt again), the new one from its start, said on the
+    console; a checkpoint of a source the mixture does not have is an error naming the key."""
+    alone = TaskPrompts("reverse")
+    drawn = [next(alone).prompt for _ in range(7)]
+    lines = []
+    mix = mixture({"reverse": 1.0, "sort": 1.0}, say=lines.append)
+    mix.reset(alone.state_dict())
+    after = [s.prompt for s in (next(mix) for _ in range(60)) if s.task == "reverse"]
+    again = TaskPrompts("reverse")
+    assert after[:3] == [next(again).prompt for _ in range(10)][7:10] and not set(after[:3]) & set(drawn)
+    assert len(lines) == 1 and "reverse" in lines[0], lines
+    other = mixture({"add": 1.0, "sort": 1.0})
+    with pytest.raises(ConfigError, match=r"config key 'dataset.mix'.*'reverse'"):
+        other.reset(alone.state_dict())
