@@ -273,10 +273,15 @@ async def distill(cfg: Config, s: Roles, batch: Batch, episodes: list) -> None:
 
 def record_batch(episodes: list, trained_on: int, metrics: dict[str, float], per_source: bool = False) -> None:
     """A step's metrics: the trainer's, and the episodes' (with `per_source`, also each data
-    source's reward and accuracy: reward/NAME, accuracy/NAME)."""
+    source's reward and accuracy: reward/NAME, accuracy/NAME). An episode recorded as several
+    samples (`Episode.part`) has one reward, counted once; staleness is each sample's."""
     for key, value in metrics.items():
         record_metric(key, value)
     for e in episodes:
+        record_metric("staleness_mean", trained_on - e.policy_version)
+        record_metric("staleness_max", trained_on - e.policy_version, Reduce.MAX)
+        if e.part is not None and e.part[1] > 0:  # its episode's reward is its first sample's
+            continue
         record_metric("reward_mean", e.reward)
         record_metric("reward_std", e.reward, Reduce.STD)
         if per_source:
@@ -285,8 +290,6 @@ def record_batch(episodes: list, trained_on: int, metrics: dict[str, float], per
             record_metric("accuracy", e.score.correct)
             if per_source:
                 record_metric(f"accuracy/{e.task}", e.score.correct)
-        record_metric("staleness_mean", trained_on - e.policy_version)
-        record_metric("staleness_max", trained_on - e.policy_version, Reduce.MAX)
 
 
 async def recover(e: ReplicaRestored, run: Run, loops: RolloutLoops, buffer: Any) -> None:

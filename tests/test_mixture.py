@@ -320,6 +320,21 @@ def test_per_source_rewards_and_accuracy_beside_the_overall_ones():
     assert not [k for k in reduce_states([_drain()]) if "/" in k]  # one source: the overall ones alone
 
 
+def test_an_episode_recorded_as_several_samples_counts_once_in_the_rewards():
+    """A multi-turn episode the gateway recorded as two samples (`Episode.part`) has one reward:
+    the step's reward mean and accuracy count it once, not once per sample."""
+    parts = [
+        Episode([1, 2], [0, 1], [0.0, 0.0], score=Score(1.0, correct=1.0), part=("x", k), policy_version=k)
+        for k in (0, 1)
+    ]
+    alone = Episode([1, 2], [0, 1], [0.0, 0.0], score=Score(0.0, correct=0.0))
+    _drain()
+    record_batch([*parts, alone], 2, {})
+    row = reduce_states([_drain()])
+    assert row["reward_mean"] == 0.5 and row["accuracy"] == 0.5, row
+    assert row["staleness_max"] == 2  # of each sample trained on, its own
+
+
 class Greedy:
     """A generator that answers each prompt right when it is a `reverse` one."""
 
