@@ -494,6 +494,13 @@ def _check_pair(row: dict[str, Any], keys: tuple[str, str, str], where: str) -> 
             raise ConfigError(f"{where}: column '{key}' is empty")
     if isinstance(row[keys[0]], str) and not all(isinstance(_completion(row[k]), str) for k in keys[1:]):
         raise ConfigError(f"{where}: the prompt is text, so '{keys[1]}' and '{keys[2]}' must be too, not messages")
+    chosen, rejected = (_completion(row[k]) for k in keys[1:])
+    if (
+        (chosen.strip() == rejected.strip())
+        if isinstance(chosen, str) and isinstance(rejected, str)
+        else chosen == rejected
+    ):
+        raise ConfigError(f"{where}: '{keys[1]}' and '{keys[2]}' are the same: the pair prefers nothing")
     for key in keys[1:]:
         roles = [m.get("role") for m in row[key]] if isinstance(row[key], list) else ["assistant"]
         if "assistant" not in roles:  # its tokens would hold no loss token, or be none at all

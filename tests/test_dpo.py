@@ -89,6 +89,10 @@ def test_toy_pairs_are_the_answer_and_a_wrong_one(tiny_model_dir, tmp_path):
             ],
             r"row 0: the prompt is text, so 'chosen' and 'rejected' must be too",
         ),
+        (  # a pair that prefers a completion to itself trains nothing, and counts as one not won
+            [{"prompt": "a=", "chosen": "b", "rejected": "c"}, {"prompt": "a=", "chosen": "b ", "rejected": "b"}],
+            r"row 1: 'chosen' and 'rejected' are the same",
+        ),
     ],
 )
 def test_a_broken_preference_row_is_named(tmp_path, tiny_model_dir, rows, message):
