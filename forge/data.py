@@ -115,6 +115,8 @@ class RowPrompts(IndexedPrompts):
             )
         if cfg.messages_key:
             self._messages(self.entry(0), 0)  # a column of plain strings fails here, not mid-run
+        else:
+            self._check_fields(texts, self.entry(0), 0)  # a column of lists, likewise
         if cfg.tools_key:
             self._tools(self.entry(0), 0)
 
@@ -149,9 +151,22 @@ class RowPrompts(IndexedPrompts):
             return [{"role": m["role"], "content": self._format(m["content"], row, at)} for m in self.cfg.chat]
         return self._messages(row, at) if self.cfg.messages_key else self._format(self.cfg.template, row, at)
 
+    def _check_fields(self, texts: list[str], row: dict[str, Any], at: int) -> None:
+        """A field that names a whole column of lists or objects would put its Python text in the
+        prompt ("['What is 0 plus 0?', ...]": a .json file of columns read as one row): refused."""
+        for text in texts:
+            for _, name, _, _ in string.Formatter().parse(text):
+                if name and isinstance(row.get(name), (list, dict)):
+                    raise ConfigError(
+                        f"config key '{self.key}': row {at} of {self.where} holds a {type(row[name]).__name__} in "
+                        f"column '{name}', which the prompt puts whole: index it ({{{name}[0]}}), or write a row "
+                        "per prompt (a .json file is a list of rows, or JSON lines)"
+                    )
+
     def _format(self, text: str, row: dict[str, Any], at: int) -> str:
         """`text` with row `at`'s columns in; a field the row's value does not fit (an index past
         its list, a format spec for another type) names the row."""
+        self._check_fields([text], row, at)
         try:
             return text.format(**row)
         except (IndexError, KeyError, AttributeError, TypeError, ValueError) as e:

@@ -587,3 +587,16 @@ def test_reasoning_gym_entry_the_generator_fails_on_is_replaced_by_the_next(monk
     monkeypatch.setattr(sources, "gym_generator", lambda *a: Broken(*a))
     with pytest.raises(RuntimeError, match="reasoning-gym basic_arithmetic: 20 entries in a row from 5 failed"):
         ReasoningGymPrompts(DatasetConfig(reasoning_gym=ARITHMETIC)).sample(5)
+
+
+def test_a_template_field_that_names_a_column_of_lists_is_an_error(tmp_path):
+    """A .json file of columns ({"question": [...], "answer": [...]}) reads as one row of lists:
+    its prompt would be the Python text of the whole list. Refused when the source loads, and
+    for a row drawn later whose cell is a list; an indexed field of a list column is taken."""
+    path = tmp_path / "cols.json"
+    path.write_text(json.dumps({"question": ["What is 0 plus 0?", "What is 1 plus 1?"], "answer": ["0", "2"]}))
+    with pytest.raises(ConfigError, match=r"row 0 of .*cols.json holds a list in column 'question'.*\{question\[0\]\}"):
+        FilePrompts(DatasetConfig(path=str(path), template="{question}"))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"q": ["a", "b"], "answer": "a"}) + "\n")
+    assert FilePrompts(DatasetConfig(path=str(rows), template="say {q[0]}")).next().prompt == "say a"
