@@ -189,6 +189,12 @@ class DrawnPrompts:
             state = {"stream": state, "in_flight": []}
         self.prompts.load_state_dict(state["stream"])
         self.replay, self.pending = list(state["in_flight"]), {}
+        names = getattr(self.prompts, "names", None)  # a mixture's sources now
+        if names is not None:  # one removed for the resume: its prompts are not drawn again
+            gone = sum(s.task not in names for s in self.replay)
+            self.replay = [s for s in self.replay if s.task in names]
+            if gone:
+                report("prompts in flight dropped", f"{gone} of sources no longer in dataset.mix")
 
 
 class RolloutLoops:

@@ -12,7 +12,7 @@ import pytest
 
 from forge.buffer import ReplayBuffer
 from forge.data import IndexedPrompts
-from forge.rollout import RolloutLoops, SingleTurn, make_group
+from forge.rollout import DrawnPrompts, RolloutLoops, SingleTurn, make_group
 from forge.tasks import Sample
 from forge.types import Completion, Episode, Score
 from forge.weight_sync import WeightSync
@@ -373,6 +373,27 @@ def test_a_resumed_run_draws_first_the_prompts_in_flight_when_it_stopped():
         assert resumed.draw()[1].prompt == str(saved["stream"]["index"])  # then the stream goes on
 
     asyncio.run(main())
+
+
+def test_prompts_in_flight_from_a_source_removed_for_the_resume_are_dropped():
+    """A mixture's prompts in flight at the checkpoint, from a source the resumed run's
+    `dataset.mix` no longer lists, are not drawn (the source was removed); the others are."""
+    from forge.data import TaskPrompts
+    from forge.mixture import Mixture
+    from forge.schema import MixSource
+
+    def mixture(names):
+        sources = {n: MixSource(task=n) for n in names}
+        return Mixture({n: TaskPrompts(n) for n in names}, dict.fromkeys(names, 1.0), sources=sources)
+
+    old = DrawnPrompts(mixture(["reverse", "sort"]))
+    old.prompts.reset()
+    drawn = [old.draw()[1] for _ in range(12)]
+    assert {s.task for s in drawn} == {"reverse", "sort"}
+    resumed = DrawnPrompts(mixture(["reverse"]))
+    resumed.load_state_dict(old.state_dict())
+    kept = [s for s in drawn if s.task == "reverse"]
+    assert [resumed.draw()[1] for _ in kept] == kept and resumed.replay == []
 
 
 @pytest.mark.parametrize("scores", [None, Score(1.0)])
