@@ -78,37 +78,38 @@ def read_file(path: str, key: str) -> datasets.Dataset:
             f"{where}"
         ) from None
     decimals = [c for c, f in rows.features.items() if getattr(f, "dtype", "").startswith("float")]
-    if kind == "json" and decimals:
-        where = rounded_integer(path, decimals)
-        if where:
-            raise ConfigError(f"config key '{key}.path': {path}: {where}: write it as a string (in quotes)")
-    return rows
+    return as_written(rows, path, decimals) if kind == "json" and decimals else rows
 
 
-def rounded_integer(path: str, columns: list[str]) -> str:
-    """Where JSON file `path` has an integer Arrow rounds: it reads a column of numbers as float64
-    when one is a decimal or past int64 (an answer 2**64 - 1 as 1.8446744073709552e19), and
-    float64 holds integers exactly only up to 2**53. "line N: ..." (a JSON document's: "row N"), or ""."""
-    unit, rows = _json_rows(path)
-    for n, row in rows:
+def as_written(rows: datasets.Dataset, path: str, columns: list[str]) -> datasets.Dataset:
+    """`rows` of JSON file `path` with its `columns` of numbers Arrow reads as float64 (one is a
+    decimal, or past int64) as the text written, as a CSV's cells are: float64 would make 72 "72.0"
+    in a prompt or a completion, an answer 0.00001 "1e-05" and 1.50 "1.5", and round integers past
+    2**53 (2**64 - 1 as 1.8446744073709552e19)."""
+    texts: dict[str, list[str | None]] = {c: [] for c in columns}
+    for row in _json_rows(path, parse_float=str):
         for c in columns:
             value = row.get(c) if isinstance(row, dict) else None
-            if isinstance(value, int) and abs(value) > 2**53:
-                return f"{unit} {n}: {value} in column '{c}' reads as a float64, rounded"
-    return ""
+            texts[c].append(None if value is None else str(value))
+    if any(len(t) != len(rows) for t in texts.values()):  # not rows as `datasets` read them: leave them
+        return rows
+    order = rows.column_names
+    for c, text in texts.items():
+        rows = rows.remove_columns(c).add_column(c, text)
+    return rows.select_columns(order)
 
 
-def _json_rows(path: str) -> tuple[str, Iterator[tuple[int, Any]]]:
-    """The rows of a JSON file read by `datasets`, numbered by "row" (one JSON document: a list of
-    rows, or one row) or by "line" (JSON lines, whatever the file's suffix)."""
+def _json_rows(path: str, **parse: Any) -> Iterator[Any]:
+    """The rows of a JSON file as `datasets` reads them (json.loads with `parse`): one JSON
+    document (a list of rows, or one row), or JSON lines, whatever the file's suffix."""
     text = Path(path).read_bytes()
     if Path(path).suffix != ".jsonl":
         try:
-            doc = json.loads(text)
-            return "row", enumerate(doc if isinstance(doc, list) else [doc], 1)
+            doc = json.loads(text, **parse)
+            return iter(doc if isinstance(doc, list) else [doc])
         except json.JSONDecodeError:
             pass  # a .json file of JSON lines, which `datasets` reads as such
-    return "line", ((n, json.loads(raw)) for n, raw in enumerate(text.splitlines(), 1) if raw.strip())
+    return (json.loads(raw, **parse) for raw in text.splitlines() if raw.strip())
 
 
 class _WideInteger(ValueError):
