@@ -11,6 +11,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 from torchdata.nodes import BaseNode
+from tqdm import tqdm
 
 from forge.config import ConfigError
 from forge.schema import (
@@ -43,6 +44,12 @@ class IndexedPrompts(BaseNode[Sample]):
                 "source; to go on from it, list that source alone in dataset.mix (it keeps its place)"
             )
         self.index = initial_state["index"] if initial_state else 0
+        held = (initial_state or {}).get("rows")
+        if held is not None and held != self.size:  # the epoch's order is the row count's
+            tqdm.write(
+                f"forge: {getattr(self, 'where', 'the data source')} has {self.size} rows, the checkpoint's had {held}: "
+                "this epoch's order is another from here (until the next, some prompts may repeat or be skipped)"
+            )
 
     def next(self) -> Sample:
         i, self.index = self.index, self.index + 1  # a bad row costs its own sample, not every retry
@@ -50,7 +57,7 @@ class IndexedPrompts(BaseNode[Sample]):
 
     def get_state(self) -> dict[str, Any]:
         # its name too: a run resumed as a mixture that lists this source goes on from its place
-        return {"index": self.index, "source": getattr(self, "name", None)}
+        return {"index": self.index, "source": getattr(self, "name", None), "rows": self.size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # a run's checkpoint part (forge/run.py)
         self.reset(state)

@@ -600,3 +600,19 @@ def test_a_template_field_that_names_a_column_of_lists_is_an_error(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"q": ["a", "b"], "answer": "a"}) + "\n")
     assert FilePrompts(DatasetConfig(path=str(rows), template="say {q[0]}")).next().prompt == "say a"
+
+
+def test_a_resume_on_a_file_whose_rows_changed_says_so(tmp_path, capsys):
+    """A run resumed after its data file lost a row (the user removed a bad one): the epoch's
+    order follows the row count, so it is another from there; said on the console."""
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(20)))
+    node = FilePrompts(DatasetConfig(path=str(path)))
+    node.reset()
+    [next(node) for _ in range(7)]
+    state = node.state_dict()
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(19)))
+    FilePrompts(DatasetConfig(path=str(path))).reset(state)
+    assert "has 19 rows, the checkpoint's had 20" in capsys.readouterr().out
+    FilePrompts(DatasetConfig(path=str(tmp_path / "q.jsonl"))).reset({**state, "rows": 19})
+    assert "rows" not in capsys.readouterr().out
