@@ -264,6 +264,10 @@ class Batch:
     # float, each token's sampling temperature (Episode.temperatures), where some episode was
     # sampled at another than 1; None: 1 everywhere.
     temperatures: torch.Tensor | None = None
+    # float, [episodes]: the loss tokens of the whole episode each is part of, where an episode
+    # was recorded as several samples (Episode.part): the per-episode losses weigh such an episode
+    # once, each sample by its share of its tokens (forge.losses); None: each sample is its episode.
+    episode_tokens: torch.Tensor | None = None
 
     @property
     def num_episodes(self) -> int:
@@ -349,10 +353,22 @@ def collate(
         **b,
         ref_logprobs=None,
         policy_versions=versions,
+        episode_tokens=_episode_tokens(episodes),
         positions=positions if pack_to or keep_together > 1 or shared else None,
         routed_experts=_routed_experts(episodes, rows, width),
         segments=segments if shared else None,
     )
+
+
+def _episode_tokens(episodes: Sequence[Episode]) -> torch.Tensor | None:
+    """Batch.episode_tokens: each sample's whole episode's loss tokens (its chain of `continued`
+    samples), or None when no sample goes on in another."""
+    goes_on = continued(episodes)
+    if not goes_on.any():
+        return None
+    own = torch.tensor([float(sum(e.loss_mask)) for e in episodes])
+    chain = torch.cat([torch.zeros(1, dtype=torch.long), (~goes_on[:-1]).long()]).cumsum(0)  # each one's chain
+    return torch.zeros(int(chain[-1]) + 1).index_add(0, chain, own)[chain]
 
 
 # Batch.segments: member k (k >= 1) of unit u is segment u x MEMBERS + k, the unit's shared

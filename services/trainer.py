@@ -752,14 +752,17 @@ def _micro_batches(b: Batch, n: int) -> list[Batch]:
 def _rows(b: Batch, rows: slice | torch.Tensor, width: int | None = None) -> Batch:
     """Rows of a padded batch, optionally cut to their first `width` columns, with the
     episodes they hold renumbered 0.. in order (doc_ids, policy_versions)."""
+    per_episode = ("policy_versions", "episode_tokens")
     keep = {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
-    for name, value in keep.items():  # all [rows, seq, ...] but policy_versions ([episodes])
-        if value is not None and name != "policy_versions":
+    for name, value in keep.items():  # all [rows, seq, ...] but those [episodes]
+        if value is not None and name not in per_episode:
             keep[name] = value[rows, :width]
     docs = keep["doc_ids"]
     held, renumbered = torch.unique(docs[docs >= 0], return_inverse=True)
     keep["doc_ids"] = torch.full_like(docs, -1).masked_scatter(docs >= 0, renumbered)
-    keep["policy_versions"] = b.policy_versions[held.to(b.policy_versions.device)]
+    for name in per_episode:
+        if keep[name] is not None:
+            keep[name] = keep[name][held.to(keep[name].device)]
     return Batch(**keep)
 
 

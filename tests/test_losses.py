@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forge.config import ConfigError
-from forge.losses import IS_CORRECTIONS, LOSSES, importance_weight, k3_kl, mismatch_sums
+from forge.losses import IS_CORRECTIONS, LOSSES, get_loss, importance_weight, k3_kl, loss_units, mismatch_sums
 from forge.losses import SCORE_LOSSES as LOSSES_BY_HEAD
 from forge.losses.advantages import (
     explained_variance,
@@ -538,3 +538,37 @@ def test_whitening_and_explained_variance_hold_any_reward_a_run_accepts():
         w = whiten(adv, own)
         assert w[:, 1].tolist() == pytest.approx([3**0.5, -(3**-0.5), -(3**-0.5), -(3**-0.5)], rel=1e-5)
         assert explained_variance(values, ret, own) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "dr_grpo"])
+def test_an_episode_recorded_as_several_samples_weighs_as_one(name):
+    """A multi-turn episode the gateway recorded as two samples (Episode.part: a turn re-rendered
+    its history) trains as the one sample it would be whole: the per-episode losses count it
+    once, each token's gradient as laid out whole; and split over micro-batches (the trainer's
+    shares of loss_units), the same."""
+    from services.trainer import _rows
+
+    whole = Episode([1, 5, 8, 6, 6, 6], [0, 1, 0, 1, 1, 1], [-1.0] * 6, advantage=1.0)
+    parts = [
+        Episode([1, 5], [0, 1], [-1.0] * 2, advantage=1.0, part=("x", 0)),
+        Episode([1, 5, 8, 6, 6, 6], [0, 0, 0, 1, 1, 1], [-1.0] * 6, advantage=1.0, part=("x", 1)),
+    ]
+    other = Episode([1, 7, 7], [0, 1, 1], [-1.0] * 3, advantage=-1.0)
+    cfg = LossConfig(name=name, norm_tokens=8)
+
+    def grads(episodes, split=False):
+        batch = collate(episodes, pad_id=0)
+        lp = batch.gen_logprobs.clone().requires_grad_()
+        micro = [batch] if not split else [_rows(batch, slice(i, i + 1)) for i in range(batch.input_ids.shape[0])]
+        total = sum(loss_units(name, mb) for mb in micro)
+        for i, mb in enumerate(micro):
+            rows = lp if not split else lp[i : i + 1]
+            loss = get_loss(name)(rows, mb, torch.ones_like(rows), cfg) * loss_units(name, mb) / total
+            loss.backward(retain_graph=True)
+        own = batch.loss_mask > 0
+        return [g for d in range(len(episodes)) for g in lp.grad[(batch.doc_ids == d) & own].tolist()], total
+
+    want, units = grads([whole, other])
+    for split in (False, True):
+        got, got_units = grads([*parts, other], split)
+        assert got == pytest.approx(want, abs=1e-6) and float(got_units) == pytest.approx(float(units)), (split, got)

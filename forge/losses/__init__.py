@@ -49,16 +49,21 @@ def _per_doc(x: torch.Tensor, batch: Batch) -> torch.Tensor:
     return x.new_zeros(max(batch.num_episodes, 1)).index_add(0, docs, (x * batch.loss_mask).flatten())
 
 
-def _mean_present(per_doc: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Mean over the episodes that have loss tokens (a mask, not indexing: no host sync)."""
-    present = (counts > 0).to(per_doc.dtype)
-    return (per_doc * present).sum() / present.sum().clamp(min=1)
+def _episode_shares(counts: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Each sample's share of its episode, [episodes]: 1 for a sample with loss tokens that is
+    its whole episode, its part of the loss tokens for one of an episode's several samples
+    (Batch.episode_tokens), 0 without loss tokens."""
+    if batch.episode_tokens is None:
+        return (counts > 0).to(counts.dtype)
+    return counts / batch.episode_tokens.to(counts.device, counts.dtype).clamp(min=1)
 
 
 def _doc_mean(x: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Mean over each episode's loss tokens, then over episodes."""
+    """Mean over each episode's loss tokens, then over episodes (an episode recorded as several
+    samples is one: each sample's tokens over the whole episode's)."""
     counts = _per_doc(torch.ones_like(x), batch)
-    return _mean_present(_per_doc(x, batch) / counts.clamp(min=1), counts)
+    shares = _episode_shares(counts, batch)
+    return (_per_doc(x, batch) / counts.clamp(min=1) * shares).sum() / shares.sum().clamp(min=1e-6)
 
 
 def _token_mean(x: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -83,7 +88,7 @@ def dr_grpo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: 
     """Dr.GRPO: like GRPO but summed over tokens and divided by a constant (no length bias)."""
     pg = _with_kl(is_weight * _clipped_pg(_ratio(logprobs), batch.advantages, cfg), logprobs, batch, cfg)
     norm = cfg.norm_tokens or batch.loss_mask.shape[1]
-    return (pg * batch.loss_mask).sum() / (max(batch.num_episodes, 1) * norm)
+    return (pg * batch.loss_mask).sum() / (loss_units("dr_grpo", batch).clamp(min=1e-6) * norm)
 
 
 def dapo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
@@ -104,7 +109,10 @@ def gspo(logprobs: torch.Tensor, batch: Batch, is_weight: torch.Tensor, cfg: Los
     log_w = torch.log(is_weight.clamp(min=1e-8)).detach()
     log_s = _per_doc((logprobs - logprobs.detach() + log_w) * kept, batch) / n_kept.clamp(min=1)
     adv = _per_doc(batch.advantages, batch) / counts.clamp(min=1)
-    seq = _mean_present(_clipped_pg(torch.exp(log_s), adv, cfg) * (n_kept > 0), counts)
+    # An episode recorded as several samples: each sample's own sequence ratio, weighed by its
+    # share of the episode (its ratio over the whole episode would need every sample in one pass).
+    shares = _episode_shares(counts, batch)
+    seq = (_clipped_pg(torch.exp(log_s), adv, cfg) * (n_kept > 0) * shares).sum() / shares.sum().clamp(min=1e-6)
     if cfg.kl_coef:
         seq = seq + cfg.kl_coef * _doc_mean(k3_kl(logprobs, batch.ref_logprobs, batch.loss_mask), batch)
     return seq
@@ -255,16 +263,18 @@ TOKEN_MEANS = {"dapo", "cispo", "reinforce", "sft", "value"}  # the rest average
 
 def loss_units(name: str, batch: Batch) -> torch.Tensor:
     """How many of what loss `name` averages over `batch` holds: loss tokens, or episodes (with
-    loss tokens; all of them for Dr.GRPO). The trainer weighs each micro-batch's loss by its
+    loss tokens; all of them for Dr.GRPO; an episode recorded as several samples once, each
+    sample its share of it). The trainer weighs each micro-batch's loss by its
     share of the step's units, so a step is the whole batch's mean however the rows are split
     over ranks, micro-batches and packed rows."""
     if name in TOKEN_MEANS:
         return batch.loss_mask.sum()
-    if name == "dr_grpo":
+    if name == "dr_grpo" and batch.episode_tokens is None:
         return batch.loss_mask.new_tensor(float(batch.num_episodes))
     if name in PREFERENCE_LOSSES or name in SCORE_LOSS_NAMES:
         return batch.loss_mask.new_tensor(float(batch.num_episodes // 2))
-    return (_per_doc(torch.ones_like(batch.loss_mask), batch) > 0).sum().to(batch.loss_mask.dtype)
+    # episodes with loss tokens; one recorded as several samples counts once over them
+    return _episode_shares(_per_doc(torch.ones_like(batch.loss_mask), batch), batch).sum()
 
 
 def get_loss(name: str) -> LossFn:
