@@ -14,7 +14,7 @@ from services.schema import TrainerConfig
 from services.trainer import Trainer
 
 
-def fixed_batch(rows: int = 4) -> Batch:
+def fixed_batch(rows: int = 4, **episode: list) -> Batch:
     g = torch.Generator().manual_seed(0)
     eps = [
         Episode(
@@ -22,6 +22,7 @@ def fixed_batch(rows: int = 4) -> Batch:
             loss_mask=[0] * 4 + [1] * 8,
             gen_logprobs=[0.0] * 12,
             advantage=1.0,
+            **episode,
         )
         for _ in range(rows)
     ]
@@ -391,18 +392,7 @@ def test_a_batch_sampled_at_a_temperature_is_on_policy_at_it(tiny_model_dir):
     from services import titan
     from services.reference import Reference
 
-    g = torch.Generator().manual_seed(1)
-    eps = [
-        Episode(
-            tokens=torch.randint(6, 100, (12,), generator=g).tolist(),
-            loss_mask=[0] * 4 + [1] * 8,
-            gen_logprobs=[0.0] * 12,
-            advantage=1.0,
-            temperatures=[1.0] * 4 + [0.5] * 8,
-        )
-        for _ in range(3)
-    ]
-    batch = collate(eps, pad_id=0)
+    batch = fixed_batch(3, temperatures=[1.0] * 4 + [0.5] * 8)
     with torch.no_grad():
         want = titan.token_logprobs(
             titan.load_hf_model(tiny_model_dir), batch.input_ids, temperatures=batch.temperatures
