@@ -335,6 +335,16 @@ class SandboxPool:
             )
         if missing:
             log.warning("forge: sandbox.isolation=unsafe_local: runs without %s", "; ".join(missing))
+        slots, host = self.cfg.workers * self.cfg.memory_limit_MB, _host_memory_mb()
+        if slots > host:  # each slot's limit holds, but memory pressure above them kills another's run
+            log.warning(
+                "forge: sandbox: its slots may hold %d MB (workers %d x memory_limit_MB %d), more than this "
+                "host's %d MB: out of memory, the kernel kills the largest run of any slot, another episode's",
+                slots,
+                self.cfg.workers,
+                self.cfg.memory_limit_MB,
+                host,
+            )
 
     async def stop(self) -> None:
         """Stop the launcher and the slots' servers, remove the programs kept in the slots'
@@ -943,6 +953,12 @@ def _passed(report: dict | None, total: int) -> int:
 def _program_exit(report: dict | None) -> int | None:
     code = report.get("program_exit") if isinstance(report, dict) else None
     return code if type(code) is int else None
+
+
+def _host_memory_mb() -> int:
+    """This host's memory (MemTotal), in MB."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) >> 10 for line in f if line.startswith("MemTotal:"))
 
 
 def _read_report(fd: int) -> dict | None:

@@ -1410,3 +1410,19 @@ def test_a_run_cannot_raise_the_limits_of_core_dumps_or_priorities(loop, sandbox
     )
     out = run(loop, sandbox, code)
     assert out.stdout == f"{[(0, 0), (0, 0), (0, 0), (819200, 819200)]}\n", out
+
+
+def test_slots_that_may_hold_more_memory_than_the_host_are_said(loop, caplog):
+    """Each slot's memory limit holds, but slots that may together hold more than the host has
+    leave the kernel to kill the largest run of any slot (another episode's) under pressure: said
+    when the sandbox starts, with the numbers."""
+    from services import sandbox as sb
+
+    async def start() -> None:
+        pool = sb.SandboxPool(SandboxConfig(workers=2, uid_base=61699, memory_limit_MB=64 << 20))
+        await pool.start()
+        await pool.stop()
+
+    with caplog.at_level("WARNING"):
+        loop.run_until_complete(start())
+    assert "may hold 134217728 MB (workers 2 x memory_limit_MB 67108864)" in caplog.text, caplog.text
