@@ -9,7 +9,7 @@ run's seed), its samples tagged with the source's name (`Sample.task`, then `Epi
 rewards, metrics and evals are kept per source. New weights come from `set_weights` or from
 `dataset.mix_file`, re-read between steps when it changes; each change is a console line, and
 every step records the weights in force (`mix/weight/NAME`). A checkpoint holds the draw count,
-the weights (and the config's), the watched file's stamp (mtime, size, inode; or the error its
+the weights (and the config's), the watched file's stamp (mtime, size, inode, its text's digest; or the error its
 stat gave) and each source's position: a resumed run draws the same next prompts under the same
 weights, but for a source whose config weight changed since, which takes the new one.
 """
@@ -17,6 +17,7 @@ weights, but for a source whose config weight changed since, which takes the new
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import random
 import stat
@@ -198,14 +199,21 @@ class Mixture(BaseNode[Sample]):
                 self.stamp = ["error", e.errno]
                 self.say(f"forge: mix weights from {self.watch} refused: unreadable ({e.strerror}); the run keeps them")
             return
-        # the size too: `echo ... > file` empties it first, and a coarse clock may give the
-        # emptied file and the written one the same mtime
-        stamp = [st.st_mtime_ns, st.st_size, st.st_ino]
+        # its text's digest too: a coarse clock may give two writes (`echo ... > file` empties it
+        # first) the same mtime, and the same size
+        stamp: list[Any] = [st.st_mtime_ns, st.st_size, st.st_ino]
+        try:
+            text = read_small(self.watch)
+            stamp.append(hashlib.sha256(text.encode()).hexdigest())
+        except (OSError, ValueError) as e:  # said below, once per stamp
+            text, unread = None, e
         if stamp == self.stamp:
             return
         self.stamp = stamp
         try:  # as config files are read (PyYAML alone reads 1e-3 as a string), JSON too
-            weights = OmegaConf.to_container(OmegaConf.create(read_small(self.watch)))
+            if text is None:
+                raise unread
+            weights = OmegaConf.to_container(OmegaConf.create(text))
         except (OSError, ValueError, RecursionError, yaml.YAMLError, OmegaConfBaseException) as e:
             # ValueError: not UTF-8, NotWeights, an integer of more digits than Python converts
             why = str(e) if isinstance(e, NotWeights) else type(e).__name__

@@ -123,6 +123,10 @@ def test_the_watched_file_is_read_as_config_files_are_and_re_read_once_written(t
     os.utime(path, ns=(emptied, emptied))  # a coarse clock's stamp
     node.between_steps()
     assert node.weights == {"reverse": 1e-05, "sort": 5.0}, lines
+    path.write_text("sort: 7\n")  # the same size, written within the same tick
+    os.utime(path, ns=(emptied, emptied))
+    node.between_steps()
+    assert node.weights == {"reverse": 1e-05, "sort": 7.0}, lines
 
 
 @pytest.mark.parametrize(
