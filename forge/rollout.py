@@ -126,11 +126,20 @@ def finite_advantages(rewards: list[float], std_normalize: bool) -> list[float]:
     return advantages.tolist()
 
 
+def ranked_rewards(scores: list[Score]) -> list[float]:
+    """A group's rewards to rank it by: a sample whose reward failed (scored 0) never ranks above
+    one whose reward did not, whatever their range (a reward model's scores may all be below 0,
+    where a completion made too long for it would otherwise win its group)."""
+    scored = [s.reward for s in scores if not s.failed]
+    floor = min(scored, default=0.0)
+    return [min(s.reward, floor) if s.failed else s.reward for s in scores]
+
+
 def make_group(
     completions: list[Completion], scores: list[Score], std_normalize: bool = True, task: str = ""
 ) -> list[Episode]:
     """Episodes of one prompt (of data source `task`) with their scores and group-relative advantages."""
-    advantages = finite_advantages([s.reward for s in scores], std_normalize)
+    advantages = finite_advantages(ranked_rewards(scores), std_normalize)
     return [
         Episode.from_completion(c, score=s, advantage=a, task=task) for c, s, a in zip(completions, scores, advantages)
     ]

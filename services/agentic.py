@@ -27,7 +27,7 @@ from forge.config import import_object
 from forge.console import report
 from forge.env import EpisodeStats, run_env_episode
 from forge.metrics import Reduce, record_metric
-from forge.rollout import RolloutError, finite_advantages, within
+from forge.rollout import RolloutError, finite_advantages, ranked_rewards, within
 from forge.tasks import Sample
 from forge.types import Episode, Score
 from services.envs import RemoteEnv
@@ -68,7 +68,7 @@ class AgenticRollouts:
         if len(ok) < self.fewest or (len(ok) < len(results) and self.cfg.on_failure == "drop"):
             record_metric("groups_dropped", 1, Reduce.SUM)
             return []
-        advantages = finite_advantages([r.score.reward for r in ok], self.std_normalize)
+        advantages = finite_advantages(ranked_rewards([r.score for r in ok]), self.std_normalize)
         out = []
         for r, a in zip(ok, advantages):
             for sample in r.samples:

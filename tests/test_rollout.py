@@ -323,6 +323,19 @@ def test_a_group_whose_advantages_are_not_finite_fails():
     assert [e.advantage for e in make_group([c] * 2, [Score(1.0), Score(0.0)])] == pytest.approx([1, -1], abs=1e-5)
 
 
+def test_a_sample_whose_reward_failed_never_ranks_above_one_scored():
+    """A reward model's scores are logits, all below 0 here; a completion made too long for it
+    fails its reward (scored 0, marked). It must not be its group's best: it ranks with the
+    lowest of the others, and a group of [0, 1] rewards ranks as it did."""
+    c = Completion([1], [2], [-0.1], "x", "stop")
+    scores = [Score(-0.3), Score(-0.1), Score(0.0, error="reward_model: ValueError: longer than its context")]
+    advantages = [e.advantage for e in make_group([c] * 3, scores)]
+    assert advantages[2] == pytest.approx(min(advantages)) and advantages[1] == max(advantages), advantages
+    bounded = [Score(1.0), Score(0.5), Score(0.0, error="math: ValueError")]
+    plain = [Score(1.0), Score(0.5), Score(0.0)]
+    assert [e.advantage for e in make_group([c] * 3, bounded)] == [e.advantage for e in make_group([c] * 3, plain)]
+
+
 class NumberedPrompts(IndexedPrompts):
     def sample(self, i):
         return Sample(prompt=str(i), answer="", task="t")
