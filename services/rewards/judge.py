@@ -20,6 +20,16 @@ from forge.types import RewardInput, RewardUnavailable
 from services.rewards.builtin import after_thinking
 from services.schema import JudgeConfig
 
+FENCE = re.compile(r"<(/?response)", re.IGNORECASE)
+
+
+def as_text(completion: str) -> str:
+    """A completion as text the judge reads inside its fence: it cannot close the default rubric's
+    <response> fence (and write rubric text of its own after it), nor write a chat template's
+    special tokens (<|im_start|>...: a forged earlier turn), which an OpenAI server reads as
+    tokens in a message's text."""
+    return FENCE.sub(r"&lt;\1", completion).replace("<|", "<\u200b|")
+
 
 class Judge:
     """The `judge` reward function: a RewardInput in, the judge's score / max_score out."""
@@ -35,7 +45,7 @@ class Judge:
         import openai
 
         prompt = self.cfg.rubric.format(
-            **{**s.task, "prompt": s.prompt, "answer": s.answer, "completion": s.completion}
+            **{**s.task, "prompt": s.prompt, "answer": s.answer, "completion": as_text(s.completion)}
         )
         try:
             if self.client is None:
@@ -54,8 +64,19 @@ class Judge:
                 max_tokens=self.cfg.max_tokens,
                 extra_body=self.cfg.extra_body or None,
             )
+        except (openai.BadRequestError, openai.UnprocessableEntityError) as e:
+            # the sample's own request (too long for the judge's context): the sample fails, scored
+            # as a wrong one; unavailable would drop its group and spare it
+            raise ValueError(f"the judge refused the request this sample made: {e}") from e
         except openai.APIError as e:  # connection, timeout, HTTP status: the judge failed, not the answer
             raise RewardUnavailable("judge", f"judge at {self.cfg.base_url}: {type(e).__name__}: {e}") from e
+        if r.choices[0].finish_reason == "length" and self.pattern.search(s.completion):
+            # cut short, its last score may be one it quotes from the response, not its verdict
+            raise RewardUnavailable(
+                "judge",
+                f"the judge's answer was cut at rewards.judge.max_tokens ({self.cfg.max_tokens}), "
+                "and the response writes a score it may be quoting",
+            )
         text = r.choices[0].message.content or ""
         found = self.verdict(text)
         try:
