@@ -8,7 +8,8 @@ The rubric is a template the sample fills in; `pattern` finds the score in the j
 (its last match outside any <think>...</think>: a judge that quotes the response or reasons
 first may repeat a score the response wrote), divided by `max_score`. The judge is
 infrastructure: an unreachable endpoint, a timeout, an HTTP error after `retries`, or an answer
-with no score makes the reward unavailable (`RewardUnavailable("judge")`), never a wrong answer.
+with no score makes the reward unavailable (`RewardUnavailable("judge")`), never a wrong answer;
+but a 400 or 422, which the sample's own request caused (too long for the judge), fails the sample.
 """
 
 from __future__ import annotations
