@@ -233,6 +233,8 @@ class TinkerFront:
         # A JSON body's bytes: its fields, and a prompt of max_model_len tokens (16 bytes a token: "123456, ")
         self.json_bytes = min(cfg.max_request_bytes, (64 << 10) + 16 * max_model_len)
         self.body_bytes = 0  # of the requests being read and handled (max_body_bytes_in_flight)
+        # one save at a time per key: its quota is checked and its checkpoint written under it
+        self.saving: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self.sessions: dict[str, Session] = {}
         self.futures: dict[str, Pending] = {}
         self.keys: dict[tuple[Any, ...], str] = {}  # a request's logical key -> its future (retries)
@@ -304,7 +306,7 @@ class TinkerFront:
                 out = await handler(request, owner, body)
             except Refused as e:
                 return JSONResponse({"detail": str(e)}, status_code=e.status)
-            except ValueError as e:  # UserError, and what the SDK's types or json refuse
+            except (ValueError, RecursionError) as e:  # UserError, what the SDK's types or json refuse
                 console.report("tinker request refused", str(e))
                 return JSONResponse({"detail": str(e)}, status_code=400)
             except Exception as e:  # a service call failed: the client may try again
@@ -766,9 +768,10 @@ class TinkerFront:
 
         async def run() -> dict[str, Any]:
             self._checkpoint(model, "weights", req.path, req.overwrite)  # again: an earlier request may have made it
-            await asyncio.to_thread(self._check_room, owner, where)
-            await _save_into(where, lambda part: self.trainer.save_tenant.route(model.id, str(part)))
-            self._write_meta(where, model, owner, "weights", ttl)
+            async with self.saving[owner]:
+                await asyncio.to_thread(self._check_room, owner, where)
+                await _save_into(where, lambda part: self.trainer.save_tenant.route(model.id, str(part)))
+                self._write_meta(where, model, owner, "weights", ttl)
             return {"path": path, "type": "save_weights"}
 
         return self._ordered(model, req.seq_id, run)
@@ -791,12 +794,13 @@ class TinkerFront:
         ttl = self._ttl(req.ttl_seconds)
 
         async def save() -> dict[str, Any]:
-            await asyncio.to_thread(self._check_room, owner, where)
-            tensors, lora = await self.trainer.tenant_adapter.route(model.id)
-            await _save_into(
-                where, lambda part: asyncio.to_thread(write_adapter, part, tensors, lora, str(self.model_dir))
-            )
-            self._write_meta(where, model, owner, "sampler_weights", ttl)
+            async with self.saving[owner]:
+                await asyncio.to_thread(self._check_room, owner, where)
+                tensors, lora = await self.trainer.tenant_adapter.route(model.id)
+                await _save_into(
+                    where, lambda part: asyncio.to_thread(write_adapter, part, tensors, lora, str(self.model_dir))
+                )
+                self._write_meta(where, model, owner, "sampler_weights", ttl)
             return {"path": path, "type": "save_weights_for_sampler"}
 
         return self._ordered(model, req.seq_id, save)
@@ -993,7 +997,7 @@ class TinkerFront:
         run_id = request.path_params["run_id"]
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}", run_id):
             raise UserError(f"no training run {run_id!r}")
-        return {"checkpoints": self._checkpoints(owner, run_id), "cursor": None}
+        return {"checkpoints": await asyncio.to_thread(self._checkpoints, owner, run_id), "cursor": None}
 
     def _addressed(self, request: Request, owner: str) -> tuple[Path, dict[str, Any]]:
         """The caller's checkpoint its URL names (`.../checkpoints/KIND/NAME`), and its metadata."""
@@ -1025,7 +1029,7 @@ class TinkerFront:
         return Response(status_code=204)
 
     async def list_checkpoints(self, request: Request, owner: str, body: bytes) -> dict[str, Any]:
-        found = self._checkpoints(owner)
+        found = await asyncio.to_thread(self._checkpoints, owner)  # the disk's, off the event loop
         limit, offset = (_count(request.query_params.get(k, str(d)), k) for k, d in (("limit", 100), ("offset", 0)))
         page = found[offset : offset + limit]
         return {"checkpoints": page, "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}

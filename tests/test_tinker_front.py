@@ -909,3 +909,35 @@ def test_a_checkpoints_ttl_is_set_or_removed_by_its_owner_only(loop, front):
         assert out[k].status_code == 400 and "ttl_seconds" in out[k].text, (k, out[k].text)
     assert out["set"].status_code == 204 and out["removed"].status_code == 204, (out["set"].text, out["removed"].text)
     assert out["listed"] == ["weights/brief"], out["listed"]
+
+
+def test_saves_made_at_once_hold_the_quota_too(loop, front):
+    """One key's saves from several models at once (each checks the quota before it writes):
+    no more checkpoints are kept than max_checkpoints_per_key, the rest refused naming it."""
+    f, trainer, _ = serve(loop, front, max_checkpoints_per_key=1)
+
+    async def scenario():
+        async with client(f) as c:
+            sid = await session(c)
+            made = [(await create(c, f, sid, seq)).json() for seq in range(3)]
+            for m in made:
+                await wait(c, m["request_id"])
+            trainer.delay["save_tenant"] = 0.2  # all three check before any has written
+            return await asyncio.gather(*(saved(c, m["model_id"], 1, f"w{i}") for i, m in enumerate(made)))
+
+    results = loop.run_until_complete(scenario())
+    assert sum("path" in r for r in results) == 1, results
+    assert all("tinker.max_checkpoints_per_key" in r["error"] for r in results if "path" not in r), results
+
+
+def test_a_body_nested_past_the_parser_is_a_400(loop, front):
+    f, *_ = serve(loop, front)
+
+    async def go():
+        async with client(f) as c:
+            _, made = await new_model(c, f)
+            await saved(c, made["model_id"], 1, "w")
+            return await c.put(f"/training_runs/{made['model_id']}/checkpoints/weights/w/ttl", content=b"[" * 5000)
+
+    r = loop.run_until_complete(go())
+    assert r.status_code == 400, r.text
