@@ -99,18 +99,27 @@ def read(delta: bytes, key: str, base: str, target: str, size: int) -> tuple[np.
     tag, body = delta[len(MAGIC) : len(MAGIC) + _TAG], memoryview(delta)[len(MAGIC) + _TAG :]
     if not hmac.compare_digest(tag, _tag(key, body)):
         raise DeltaError("its tag is not the run's key's (corrupted, or not from the run's writer)")
-    (n,) = _LEN.unpack_from(body)
-    header = json.loads(bytes(body[_LEN.size : _LEN.size + n]))
-    want = {"base": base, "target": target, "size": size}
-    if {k: header[k] for k in want} != want:
-        raise DeltaError(f"it turns {header['base']} into {header['target']}; this reader needs {base} into {target}")
-    blocks, changed, at = -(-size // 2 // BLOCK), header["changed"], _LEN.size + n
-    counts = np.frombuffer(body, "<u4", blocks, at)
-    offsets = np.frombuffer(body, "<u2", changed, at + 4 * blocks)
-    values = np.frombuffer(body, "<u2", changed, at + 4 * blocks + 2 * changed)
+    try:  # a tag proves who made it, not that it is well made (a buggy writer): its shape is checked
+        (n,) = _LEN.unpack_from(body)
+        header = json.loads(bytes(body[_LEN.size : _LEN.size + n]))
+        want = {"base": base, "target": target, "size": size}
+        if {k: header.get(k) for k in want} != want:
+            raise DeltaError(
+                f"it turns {header.get('base')} into {header.get('target')}; this reader needs {base} into {target}"
+            )
+        blocks, changed, at = -(-size // 2 // BLOCK), header["changed"], _LEN.size + n
+        if type(changed) is not int or len(body) != at + 4 * blocks + 4 * changed:
+            raise DeltaError(f"its body is not {blocks} block counts and {changed!r} changed words")
+        counts = np.frombuffer(body, "<u4", blocks, at)
+        offsets = np.frombuffer(body, "<u2", changed, at + 4 * blocks)
+        values = np.frombuffer(body, "<u2", changed, at + 4 * blocks + 2 * changed)
+    except (KeyError, TypeError, ValueError, AttributeError, struct.error) as e:
+        raise e if isinstance(e, DeltaError) else DeltaError(f"malformed ({type(e).__name__}: {e})") from None
     if int(counts.sum()) != changed:
         raise DeltaError("its block counts do not add up to its changed words")
     index = np.repeat(np.arange(blocks, dtype=np.int64) << 16, counts) + offsets
+    if changed and (int(index[-1]) >= size // 2 or not bool((np.diff(index) > 0).all())):
+        raise DeltaError("its changed words are not in order within the file")
     return index, values
 
 

@@ -125,6 +125,45 @@ def test_a_corrupted_delta_is_refused(writer, tmp_path):
     assert os.path.getsize(tmp_path / "out") == 0  # nothing written
 
 
+def test_a_malformed_delta_with_the_key_is_refused_and_the_host_fetches_the_whole_file(writer, tmp_path):
+    """A delta tagged with the run's key (a buggy writer) but malformed: an offset past the
+    file's end, a header without a field or not an object, a count that is no integer. Each is
+    a DeltaError (not an IndexError the reader would not fall back from), and a host served
+    one fetches the whole file."""
+    import json
+
+    import numpy as np
+
+    server, digests = writer
+    size = os.path.getsize(server.directory / name(2))
+    blocks = -(-size // 2 // delta.BLOCK)
+
+    def tagged(header, counts, offsets, values) -> bytes:
+        h = json.dumps(header).encode()
+        arrays = [np.asarray(a, dtype) for a, dtype in ((counts, "<u4"), (offsets, "<u2"), (values, "<u2"))]
+        body = delta._LEN.pack(len(h)) + h + b"".join(a.tobytes() for a in arrays)
+        return delta.MAGIC + delta._tag(KEY, body) + body
+
+    header = {"base": name(1), "target": name(2), "size": size, "changed": 1}
+    past_the_end = size // 2 - ((blocks - 1) << 16) + 5
+    bad = {
+        "past the end": tagged(header, [0] * (blocks - 1) + [1], [past_the_end], [7]),
+        "no base": tagged({k: v for k, v in header.items() if k != "base"}, [0] * blocks, [], []),
+        "a list": tagged([1, 2], [], [], []),
+        "a string count": tagged({**header, "changed": "1"}, [0] * (blocks - 1) + [1], [0], [7]),
+    }
+    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
+    for what, made in bad.items():
+        with pytest.raises(delta.DeltaError):
+            delta.apply(made, KEY, server.directory / name(1), name(2), fd)
+            pytest.fail(f"{what}: applied")
+    os.close(fd)
+    shutil.copy(server.directory / name(1), host_cache_dir() / name(1))
+    server._deltas[name(1), name(2)] = bad["past the end"]
+    got, moved = host_copy(server.addr, name(2), KEY, lambda n: False, digest=digests[2], deltas=True)
+    assert got.read_bytes() == (server.directory / name(2)).read_bytes() and moved == os.path.getsize(got)
+
+
 def test_a_delta_from_a_peer_without_the_key_is_refused(writer, tmp_path):
     """A server at the writer's address that is not the writer (it learns whatever a reader
     sends) offers a well-formed delta to other weights: it cannot tag it with the run's key,
