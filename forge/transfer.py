@@ -243,6 +243,11 @@ def _ask(addr: tuple[str, int], request: str, key: str, timeout_s: float) -> tup
             f"weights server address {addr[0]!r} is not an IP address: readers go only where the writer pinned"
         ) from None
     where = _where(addr)
+    owner = _loopback_owner(addr)
+    if owner is not None and owner != os.geteuid():
+        raise ConnectionError(
+            f"{where} is another user's (uid {owner}) for {request}: the writer's server is gone and its port taken"
+        )
     try:
         s = socket.create_connection(tuple(addr), timeout=timeout_s)
     except OSError as e:
@@ -262,6 +267,22 @@ def _ask(addr: tuple[str, int], request: str, key: str, timeout_s: float) -> tup
         s.close()
         raise
     return s, offered
+
+
+def _loopback_owner(addr: tuple[str, int]) -> int | None:
+    """The uid of the socket listening on loopback `addr`'s port (Linux's /proc/net/tcp*), None
+    beyond loopback or where there is none to read. On loopback, versions carry no digest: the
+    port is the writer's, unless its server is gone and another local user took the port."""
+    if not ipaddress.ip_address(addr[0]).is_loopback:
+        return None
+    port = f":{addr[1]:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[1].endswith(port) and fields[3] == "0A":  # 0A: listening
+                    return int(fields[7])
+    return None
 
 
 def fetch_file(

@@ -555,3 +555,50 @@ def test_a_server_that_refuses_or_never_answers_is_named_in_the_readers_error(tm
         assert not list(tmp_path.iterdir())
     finally:
         listener.close()
+
+
+def test_another_user_on_the_writers_loopback_port_gets_no_reader(tmp_path):
+    """On loopback versions carry no digest: the pinned port is the writer's. Once the writer's
+    server is gone (its process died, a restore is under way), another local user may take that
+    port and serve a well-formed file of the right size: a reader refuses a port another user
+    listens on, before it sends anything."""
+    if os.geteuid() != 0:
+        pytest.skip("switching to another user needs root")
+    directory = tmp_path / "served"
+    directory.mkdir()
+    shm.write_safetensors({"w": torch.ones(1000)}, directory / "policy-v1.safetensors")
+    server = FileServer(directory, key="the-run-key")
+    addr = server.addr
+    server.close()
+    shm.write_safetensors({"w": torch.full((1000,), 666.0)}, tmp_path / "evil.safetensors")  # other weights
+    body = (tmp_path / "evil.safetensors").read_bytes()
+    ready_r, ready_w = os.pipe()
+
+    def squat() -> None:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(tuple(addr))
+        s.listen()
+        os.write(ready_w, b"x")
+        while True:
+            c, _ = s.accept()
+            c.recv(4096)
+            c.sendall(struct.pack("<q", len(body)) + body)
+            c.close()
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            squat()
+        finally:
+            os._exit(0)
+    try:
+        os.read(ready_r, 1)
+        with pytest.raises(ConnectionError, match="another user's \\(uid 65534\\)"):
+            fetch_file(addr, "policy-v1.safetensors", tmp_path / "got.safetensors", "the-run-key", size=len(body))
+        assert not (tmp_path / "got.safetensors").exists()
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
