@@ -327,8 +327,7 @@ def collate(
         gen_logprobs=torch.zeros(shape),
         doc_ids=torch.full(shape, -1, dtype=torch.long),
     )
-    tempered = any(e.temperatures is not None for e in episodes)
-    if tempered:
+    if any(e.temperatures is not None for e in episodes):
         b["temperatures"] = torch.ones(shape)
     # Padding continues the row's last positions and segment, so it starts no episode of its own.
     positions = torch.arange(width).repeat(len(rows), 1)
