@@ -114,6 +114,7 @@ class RowPrompts(IndexedPrompts):
             raise ConfigError(f"config key '{key}': its prompt has a field `{{}}` that names no column of {columns}")
         prompt = {cfg.messages_key} if cfg.messages_key else {re.split(r"[.\[]", name)[0] for name in fields}
         self.prompt_columns = sorted(prompt)
+        self.whole_fields = [] if cfg.messages_key else sorted(set(fields) & prompt)  # a column put in whole
         wanted = prompt | {cfg.answer_key} | ({cfg.tools_key} if cfg.tools_key else set())
         missing = wanted - set(columns)
         if missing or size == 0:
@@ -123,7 +124,7 @@ class RowPrompts(IndexedPrompts):
         if cfg.messages_key:
             self._messages(self.entry(0), 0)  # a column of plain strings fails here, not mid-run
         else:
-            self._check_fields(texts, self.entry(0), 0)  # a column of lists, likewise
+            self._check_fields(self.entry(0), 0)  # a column of lists, likewise
         if cfg.tools_key:
             self._tools(self.entry(0), 0)
 
@@ -154,26 +155,25 @@ class RowPrompts(IndexedPrompts):
         empty = [c for c in self.prompt_columns if row[c] is None]
         if empty:  # else its prompt would hold the text "None"
             raise ConfigError(f"config key '{self.key}': row {at} of {self.where} has no value in column(s) {empty}")
+        self._check_fields(row, at)
         if self.cfg.chat:
             return [{"role": m["role"], "content": self._format(m["content"], row, at)} for m in self.cfg.chat]
         return self._messages(row, at) if self.cfg.messages_key else self._format(self.cfg.template, row, at)
 
-    def _check_fields(self, texts: list[str], row: dict[str, Any], at: int) -> None:
+    def _check_fields(self, row: dict[str, Any], at: int) -> None:
         """A field that names a whole column of lists or objects would put its Python text in the
         prompt ("['What is 0 plus 0?', ...]": a .json file of columns read as one row): refused."""
-        for text in texts:
-            for _, name, _, _ in string.Formatter().parse(text):
-                if name and isinstance(row.get(name), (list, dict)):
-                    raise ConfigError(
-                        f"config key '{self.key}': row {at} of {self.where} holds a {type(row[name]).__name__} in "
-                        f"column '{name}', which the prompt puts whole: index it ({{{name}[0]}}), or write a row "
-                        "per prompt (a .json file is a list of rows, or JSON lines)"
-                    )
+        for name in self.whole_fields:
+            if isinstance(row[name], (list, dict)):
+                raise ConfigError(
+                    f"config key '{self.key}': row {at} of {self.where} holds a {type(row[name]).__name__} in "
+                    f"column '{name}', which the prompt puts whole: index it ({{{name}[0]}}), or write a row "
+                    "per prompt (a .json file is a list of rows, or JSON lines)"
+                )
 
     def _format(self, text: str, row: dict[str, Any], at: int) -> str:
         """`text` with row `at`'s columns in; a field the row's value does not fit (an index past
         its list, a format spec for another type) names the row."""
-        self._check_fields([text], row, at)
         try:
             return text.format(**row)
         except (IndexError, KeyError, AttributeError, TypeError, ValueError) as e:
@@ -206,8 +206,8 @@ class RowPrompts(IndexedPrompts):
 
 
 def answer_text(answer: Any) -> str:
-    """A row's answer as the text rewards compare: a whole number in a float column (the reader
-    makes 72 a float beside a 5.5) as written, 72; none as ""."""
+    """A row's answer as the text rewards compare: a whole number in a float column (a parquet
+    file's, where 72 is a float beside a 5.5) as written, 72; none as ""."""
     if isinstance(answer, float) and answer.is_integer() and abs(answer) < 2**53:
         return str(int(answer))
     return "" if answer is None else str(answer)

@@ -768,10 +768,9 @@ class TinkerFront:
 
         async def run() -> dict[str, Any]:
             self._checkpoint(model, "weights", req.path, req.overwrite)  # again: an earlier request may have made it
-            async with self.saving[owner]:
-                await asyncio.to_thread(self._check_room, owner, where)
-                await _save_into(where, lambda part: self.trainer.save_tenant.route(model.id, str(part)))
-                self._write_meta(where, model, owner, "weights", ttl)
+            await self._saved(
+                owner, model, where, "weights", ttl, lambda part: self.trainer.save_tenant.route(model.id, str(part))
+            )
             return {"path": path, "type": "save_weights"}
 
         return self._ordered(model, req.seq_id, run)
@@ -794,16 +793,25 @@ class TinkerFront:
         ttl = self._ttl(req.ttl_seconds)
 
         async def save() -> dict[str, Any]:
-            async with self.saving[owner]:
-                await asyncio.to_thread(self._check_room, owner, where)
-                tensors, lora = await self.trainer.tenant_adapter.route(model.id)
-                await _save_into(
-                    where, lambda part: asyncio.to_thread(write_adapter, part, tensors, lora, str(self.model_dir))
-                )
-                self._write_meta(where, model, owner, "sampler_weights", ttl)
+            tensors, lora = await self.trainer.tenant_adapter.route(model.id)
+
+            async def write(part: Path) -> None:
+                await asyncio.to_thread(write_adapter, part, tensors, lora, str(self.model_dir))
+
+            await self._saved(owner, model, where, "sampler_weights", ttl, write)
             return {"path": path, "type": "save_weights_for_sampler"}
 
         return self._ordered(model, req.seq_id, save)
+
+    async def _saved(
+        self, owner: str, model: Model, where: Path, kind: str, ttl: int | None, write: Callable[[Path], Awaitable[Any]]
+    ) -> None:
+        """A checkpoint of `owner`'s at `where`, written by `write(part)` within the key's quota
+        (one save of a key at a time: each checks the quota before it writes)."""
+        async with self.saving[owner]:
+            await asyncio.to_thread(self._check_room, owner, where)
+            await _save_into(where, write)
+            self._write_meta(where, model, owner, kind, ttl)
 
     def _resolve(self, path: str, owner: str, kind: str, to_load: bool = True) -> tuple[Path, dict[str, Any]]:
         """The directory of `owner`'s checkpoint `path` (a tinker:// path of `kind`) and its
