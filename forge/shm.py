@@ -176,7 +176,10 @@ def _claim_if_unowned(d: Path) -> int | None:
     try:
         fd = os.open(d / ".owner", os.O_RDONLY | _NOFOLLOW)
     except FileNotFoundError:
-        return -1 if time.time() - os.lstat(d).st_mtime > _GRACE_S else None
+        try:
+            return -1 if time.time() - os.lstat(d).st_mtime > _GRACE_S else None
+        except FileNotFoundError:  # another process's sweep removed it first (a mesh's procs start together)
+            return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -204,7 +207,10 @@ def _hold(d: Path) -> int | None:
     """A shared hold on `d`'s owner lock, made if need be; None if a sweeper removed it first."""
     with contextlib.suppress(FileExistsError):
         d.mkdir(mode=0o700)
-    fd = os.open(d / ".owner", os.O_RDONLY | os.O_CREAT | _NOFOLLOW, 0o600)
+    try:
+        fd = os.open(d / ".owner", os.O_RDONLY | os.O_CREAT | _NOFOLLOW, 0o600)
+    except FileNotFoundError:  # swept between the two calls
+        return None
     fcntl.flock(fd, fcntl.LOCK_SH)
     with contextlib.suppress(FileNotFoundError):
         if os.path.samestat(os.fstat(fd), os.lstat(d / ".owner")):

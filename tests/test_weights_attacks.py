@@ -602,3 +602,23 @@ def test_another_user_on_the_writers_loopback_port_gets_no_reader(tmp_path):
     finally:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
+
+
+def test_a_run_directory_another_sweep_removes_first_is_passed_over(tmp_path, monkeypatch):
+    """The procs of one mesh start together and each sweeps: a dead run's directory that
+    another sweep removes while this one looks at it is not an error (it stopped a trainer's
+    setup), and neither is this run's own directory swept before its lock file is made."""
+    gone = tmp_path / "run-4000000-5"
+    gone.mkdir()
+    real_open, swept = os.open, set()
+
+    def open_after_another_sweep(path, *args, **kwargs):
+        if Path(path).parent == gone and gone not in swept:
+            swept.add(gone)
+            shutil.rmtree(gone)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_after_another_sweep)
+    assert shm.sweep_dead_runs(tmp_path) == []
+    gone = tmp_path / f"run-{os.getpid()}-{shm._start_time(os.getpid())}"
+    assert shm.owned_dir(tmp_path) == gone and (gone / ".owner").is_file()
