@@ -86,7 +86,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, 
         optimizer.step()
         return ()
     own = b.loss_mask > 0
-    positions = b.positions if b.positions is not None else torch.arange(b.input_ids.shape[1]).expand_as(b.doc_ids)
+    positions = (
+        b.positions
+        if b.positions is not None
+        else torch.arange(b.input_ids.shape[1], device=b.input_ids.device).expand_as(b.doc_ids)
+    )
     order = torch.argsort(b.doc_ids[own] * 100_000 + positions[own])
     grads = {n: p.grad.float().cpu() for n, p in model.named_parameters()}
     return lp[own][order].detach().float().cpu(), grads
