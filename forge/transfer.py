@@ -15,15 +15,18 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import secrets
 import select
+import selectors
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from forge import delta
@@ -31,8 +34,10 @@ from forge.shm import FileDigest, digest_of, open_new, owned_dir, user_root
 
 _SIZE = struct.Struct("<q")  # the answer's header: the file's size, -1 when there is no such file
 _PIPE = 1 << 20  # bytes per splice: the largest pipe an unprivileged user may ask for
-_REQUEST_DEADLINE_S = 5.0  # for a whole request: a peer that trickles bytes frees its worker as soon
+_REQUEST_DEADLINE_S = 5.0  # for a whole request: a peer that trickles bytes is dropped then
 _MAX_NAME = 256
+# Connections whose keys are read at once, from one address and in all (see _Gate).
+_GATE_PER_PEER, _GATE_MAX = 16, 128
 _TIMEOUT_S = 60.0  # a reader's longest wait for a server's next bytes, by default
 # The slowest a transfer may average: `timeout_s` bounds each wait, this the whole, so a server
 # (or link) trickling a byte per wait cannot hold a reader, and through the host's writer lock its
@@ -70,8 +75,8 @@ class FileServer:
     or a wrong key). Binds `host` ("0.0.0.0": every interface), port chosen by the kernel;
     `addr` is the IP readers are to connect to, pinned here (for "0.0.0.0", the first
     non-loopback address this host's name resolves to here) so no reader resolves a name
-    later. At most `workers` connections are served at once; the others wait in the kernel's
-    backlog."""
+    later. Every connection is taken at once and its key read by the accept loop; only a
+    connection with the key goes to one of `workers` threads (the others queue for one)."""
 
     def __init__(self, directory: str | Path, host: str = "127.0.0.1", key: str = "", workers: int = 8):
         self.directory = Path(directory)
@@ -82,52 +87,84 @@ class FileServer:
             self.addr = (_host_ip(self.sock.family) if ipaddress.ip_address(ip).is_unspecified else ip, port)
         except OSError as e:
             raise ValueError(f"cannot serve weights on {host!r} (trainer.serve_weights_on): {e}") from None
+        self.sock.setblocking(False)
         self.requests, self.refused, self.closed = 0, 0, False
-        self.free = threading.BoundedSemaphore(workers)
+        self._opening = f"{wire_key(self.key)} ".encode()
         self._deltas: dict[tuple[str, str], bytes | None] = {}
         self._deltas_lock = threading.Lock()
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="forge-weights-send")
         threading.Thread(target=self._accept, daemon=True, name="forge-weights-server").start()
 
     def _accept(self) -> None:
-        while True:
-            self.free.acquire()  # a worker is free before a connection is taken
+        """Takes connections and reads their keys, without a worker: a peer without the key (one
+        that sends nothing, or trickles) holds a socket until its deadline, never a worker or
+        the kernel's backlog, so readers with the key get in however many such peers come."""
+        gate = _Gate()
+        selector = selectors.DefaultSelector()
+        selector.register(self.sock, selectors.EVENT_READ)
+        while not self.closed:
+            for conn in gate.expired():
+                _close(selector, conn)
             try:
-                conn, _ = self.sock.accept()
-            except OSError as e:
-                self.free.release()
-                if self.closed:
-                    return
-                # e.g. EMFILE: the connection waits in the backlog; weight sync must not stop
+                ready = selector.select(gate.wait())
+            except OSError:
+                return  # closed
+            for event, _ in ready:
+                if event.fileobj is self.sock:
+                    self._take(selector, gate)
+                else:
+                    self._read_key(selector, gate, event.fileobj)
+        for conn in list(gate.waiting):
+            _close(selector, gate.leave(conn))
+
+    def _take(self, selector: selectors.BaseSelector, gate: _Gate) -> None:
+        try:
+            conn, peer = self.sock.accept()
+        except BlockingIOError:
+            return
+        except OSError as e:
+            if not self.closed:  # e.g. EMFILE: the connection waits in the backlog; weight sync must not stop
                 log.warning("forge: weights server: accept failed (%s); retrying", e)
                 time.sleep(0.1)
-                continue
-            self.pool.submit(self._serve, conn)
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            with conn, contextlib.suppress(OSError):
-                self._send(conn)
-        finally:
-            self.free.release()
-
-    def _request(self, conn: socket.socket) -> str | None:
-        """The file name asked for, read once the key is right; None if not."""
-        deadline = time.monotonic() + _REQUEST_DEADLINE_S
-        wire = wire_key(self.key)
-        key = _recv_until(conn, len(wire) + 1, deadline)  # the key's length, never the name's
-        self.requests += 1
-        if not hmac.compare_digest(key, f"{wire} ".encode()):
-            self.refused += 1
-            conn.sendall(_SIZE.pack(-1))
-            _recv_until(conn, _MAX_NAME, deadline, end=b"\n")  # closing on unread bytes resets the answer
-            return None
-        return _recv_until(conn, _MAX_NAME, deadline, end=b"\n").decode(errors="replace").strip()
-
-    def _send(self, conn: socket.socket) -> None:
-        request = self._request(conn)
-        if request is None:
             return
+        conn.setblocking(False)
+        selector.register(conn, selectors.EVENT_READ)
+        for old in gate.admit(conn, peer[0]):
+            _close(selector, old)
+
+    def _read_key(self, selector: selectors.BaseSelector, gate: _Gate, conn: socket.socket) -> None:
+        """The connection's next bytes: once its key is whole, a worker serves it, or it is
+        refused (answered -1, then dropped at the end of its request)."""
+        try:
+            chunk = conn.recv(len(self._opening) + _MAX_NAME)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        request = gate.read(conn, chunk)
+        if request.refused or len(request.data) < len(self._opening):
+            if not chunk or len(request.data) > len(self._opening) + _MAX_NAME or (request.refused and b"\n" in chunk):
+                _close(selector, gate.leave(conn))  # closing before the newline would reset the -1
+            return
+        self.requests += 1
+        if hmac.compare_digest(bytes(request.data[: len(self._opening)]), self._opening):
+            selector.unregister(gate.leave(conn))
+            self.pool.submit(self._serve, conn, bytes(request.data[len(self._opening) :]), request.deadline)
+            return
+        self.refused += 1
+        request.refused = True
+        with contextlib.suppress(OSError):
+            conn.send(_SIZE.pack(-1))
+        if b"\n" in request.data:
+            _close(selector, gate.leave(conn))
+
+    def _serve(self, conn: socket.socket, head: bytes, deadline: float) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.setblocking(True)
+            name = _recv_until(conn, _MAX_NAME, deadline, end=b"\n", data=head)
+            self._send(conn, name.decode(errors="replace").strip())
+
+    def _send(self, conn: socket.socket, request: str) -> None:
         name, _, base = request.partition(" ")
         if not all(_servable(n) for n in (name, base or name)):
             conn.sendall(_SIZE.pack(-1))
@@ -170,6 +207,59 @@ class FileServer:
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone does not)
         self.sock.close()
         self.pool.shutdown(wait=False)
+
+
+@dataclass
+class _Request:
+    deadline: float
+    peer: str
+    data: bytearray = field(default_factory=bytearray)
+    refused: bool = False
+
+
+class _Gate:
+    """The connections whose keys are being read, oldest first. Each has the request deadline;
+    past _GATE_PER_PEER of one address, or _GATE_MAX in all, the oldest goes: peers without the
+    key hold sockets (fds of the trainer's process) only so far, and a reader, who sends its
+    key at once, gets in past one that keeps remaking idle connections."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[socket.socket, _Request] = {}
+
+    def admit(self, conn: socket.socket, peer: str) -> list[socket.socket]:
+        """`conn` let in; the connections it pushes out."""
+        out = []
+        mine = [c for c, r in self.waiting.items() if r.peer == peer]
+        if len(mine) >= _GATE_PER_PEER:
+            out.append(self.leave(mine[0]))
+        if len(self.waiting) >= _GATE_MAX:
+            out.append(self.leave(next(iter(self.waiting))))
+        self.waiting[conn] = _Request(time.monotonic() + _REQUEST_DEADLINE_S, peer)
+        return out
+
+    def read(self, conn: socket.socket, chunk: bytes) -> _Request:
+        request = self.waiting[conn]
+        request.data += chunk
+        return request
+
+    def leave(self, conn: socket.socket) -> socket.socket:
+        del self.waiting[conn]
+        return conn
+
+    def expired(self) -> list[socket.socket]:
+        now = time.monotonic()
+        return [self.leave(c) for c, r in list(self.waiting.items()) if r.deadline <= now]
+
+    def wait(self) -> float:
+        """Seconds until the next deadline (at most 1: the loop checks `closed` that often)."""
+        first = min((r.deadline for r in self.waiting.values()), default=math.inf)
+        return min(max(first - time.monotonic(), 0.0), 1.0)
+
+
+def _close(selector: selectors.BaseSelector, conn: socket.socket) -> None:
+    with contextlib.suppress(KeyError, ValueError):
+        selector.unregister(conn)
+    conn.close()
 
 
 def wire_key(key: str) -> str:
@@ -216,10 +306,9 @@ def _host_ip(family: int) -> str:
     return next((ip for ip in ips if not ipaddress.ip_address(ip).is_loopback), ips[0])
 
 
-def _recv_until(conn: socket.socket, most: int, deadline: float, end: bytes = b"") -> bytes:
-    """`most` bytes (fewer if `end` comes first) that arrive before `deadline`; TimeoutError
-    or ConnectionError if they do not."""
-    data = b""
+def _recv_until(conn: socket.socket, most: int, deadline: float, end: bytes = b"", data: bytes = b"") -> bytes:
+    """`most` bytes (fewer if `end` comes first), `data` first, then those that arrive before
+    `deadline`; TimeoutError or ConnectionError if they do not."""
     while len(data) < most and not (end and data.endswith(end)):
         left = deadline - time.monotonic()
         if left <= 0:

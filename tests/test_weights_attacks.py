@@ -4,6 +4,7 @@ and jobs in another pid namespace that share /dev/shm."""
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -622,3 +623,50 @@ def test_a_run_directory_another_sweep_removes_first_is_passed_over(tmp_path, mo
     assert shm.sweep_dead_runs(tmp_path) == []
     gone = tmp_path / f"run-{os.getpid()}-{shm._start_time(os.getpid())}"
     assert shm.owned_dir(tmp_path) == gone and (gone / ".owner").is_file()
+
+
+def test_idle_peers_without_the_key_cannot_keep_a_reader_out(served, tmp_path):
+    """200 connections that send nothing, each remade as soon as the server drops it: they
+    held the 8 workers and the kernel's backlog behind them, so a reader with the key waited
+    past its timeout and weight sync stopped. The server now reads each key without a worker,
+    a peer's connections beyond its share are dropped oldest first, and the reader gets in."""
+    stop = threading.Event()
+
+    def keep_idle(n: int) -> None:
+        conns: list[socket.socket] = []
+        while not stop.is_set():
+            for s in [s for s in conns if _dropped(s)]:
+                conns.remove(s)
+                s.close()
+            while len(conns) < n:
+                s = socket.socket()
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    s.connect(served.addr)
+                conns.append(s)
+            stop.wait(0.05)
+        for s in conns:
+            s.close()
+
+    attacker = threading.Thread(target=keep_idle, args=(200,), daemon=True)
+    attacker.start()
+    try:
+        time.sleep(1.0)
+        start = time.monotonic()
+        got = fetch_file(served.addr, "policy-abc-v1.safetensors", tmp_path / "got", "the-run-key", timeout_s=8)
+        assert got == os.path.getsize(served.directory / "policy-abc-v1.safetensors")
+        assert time.monotonic() - start < 5
+        assert _server_threads() <= 9  # the workers and the accept loop, however many peers
+    finally:
+        stop.set()
+        attacker.join()
+
+
+def _dropped(s: socket.socket) -> bool:
+    """Whether the server closed `s` (a connection still being made is not dropped)."""
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        return e.errno != errno.ENOTCONN
