@@ -466,12 +466,13 @@ class Generator(ForgeActor):
         routing = await self._routed_experts(
             request_id, len(prompt_ids), [(c.index, len(c.token_ids)) for c in final.outputs]
         )
+        opened = self._opened_block(prompt_ids)
         return [
             Completion(
                 prompt_ids=prompt_ids,
                 token_ids=list(c.token_ids),
                 logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
-                text=self._text(c, params),
+                text=opened + self._text(c, params),
                 finish_reason=c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop",
                 sampling={**sp, "n": n},
                 policy_version=admitted,
@@ -482,6 +483,14 @@ class Generator(ForgeActor):
             )
             for c, routed in zip(final.outputs, routing)
         ]
+
+    def _opened_block(self, prompt_ids: list[int]) -> str:
+        """ "<think>" when the prompt ends with it (a chat template that opens the reasoning for
+        the model, as DeepSeek-R1's and QwQ's do), else "": a sample's text starts with the
+        block its prompt opened, so a reward reads a sample cut at max_tokens while thinking as
+        one that gave no answer, as it does when the model wrote the tag itself."""
+        tail = self.engine.get_tokenizer().decode(prompt_ids[-8:], skip_special_tokens=False)
+        return "<think>" if tail.rstrip().endswith("<think>") else ""
 
     def _text(self, c: Any, params: Any) -> str:
         """A sample's text: vLLM's, and where a stop string ended inside a token, the rest of that

@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast
 
+from forge.types import RewardInput
 from services.generator import Generator
+from services.rewards import builtin, gym
 from services.schema import GeneratorConfig
 
 PROMPTS = ["rev abc=", "12+7=", "sort dbca=", "rev jihgf=", "3+45=", "sort gfe="]
@@ -380,3 +382,23 @@ def test_dead_engine_respawns_replica(loop, gen):
     engine, out, pids_after = loop.run_until_complete(main())
     assert len(out[0].token_ids) > 0 and engine not in pids_after
     assert sum(r.respawns for r in gen.replicas) == 1
+
+
+def test_a_prompt_that_opens_the_reasoning_makes_the_text_start_inside_it(loop, gen):
+    """A chat template that opens <think> for the model (DeepSeek-R1's, QwQ's; here a prompt ending
+    with the tag): a sample cut at max_tokens while thinking has no tag of its own, and math and
+    reasoning_gym scored a number or <answer> in its thoughts as its answer. Its text now starts
+    with the block the prompt opened, so rewards read it as cut while thinking."""
+    sampling = {"max_tokens": 6, "seed": 1, "ignore_eos": True, "bad_words": ["</think>"]}
+
+    async def main():
+        opened = await gen.generate.route("12+7=<think>\n", n=3, sampling=sampling)
+        others = [(await gen.generate.route(p, sampling=sampling))[0] for p in ("12+7=", "12+7=<think>x</think>")]
+        return opened, others
+
+    opened, others = loop.run_until_complete(main())
+    for c in opened:
+        assert c.text.startswith("<think>") and c.finish_reason == "length"
+        planted = RewardInput({"answer": "#### 19"}, c.text + " so #### 19", finish_reason="length")
+        assert builtin.math(planted)["reward"] == 0.0 and gym.model_answer(c.text + "<answer>19</answer>") == ""
+    assert not any(c.text.startswith("<think>") for c in others)
