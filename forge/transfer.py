@@ -89,7 +89,6 @@ class FileServer:
             raise ValueError(f"cannot serve weights on {host!r} (trainer.serve_weights_on): {e}") from None
         self.sock.setblocking(False)
         self.requests, self.refused, self.closed = 0, 0, False
-        self._opening = f"{wire_key(self.key)} ".encode()
         self._deltas: dict[tuple[str, str], bytes | None] = {}
         self._deltas_lock = threading.Lock()
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="forge-weights-send")
@@ -101,7 +100,10 @@ class FileServer:
         the kernel's backlog, so readers with the key get in however many such peers come."""
         gate = _Gate()
         selector = selectors.DefaultSelector()
-        selector.register(self.sock, selectors.EVENT_READ)
+        try:
+            selector.register(self.sock, selectors.EVENT_READ)
+        except (OSError, ValueError):  # closed before this thread ran
+            return
         while not self.closed:
             for conn in gate.expired():
                 _close(selector, conn)
@@ -109,13 +111,22 @@ class FileServer:
                 ready = selector.select(gate.wait())
             except OSError:
                 return  # closed
-            for event, _ in ready:
-                if event.fileobj is self.sock:
-                    self._take(selector, gate)
-                else:
-                    self._read_key(selector, gate, event.fileobj)
+            # Reads first: a connection taken in this batch may push out one whose read is in it.
+            for event, _ in sorted(ready, key=lambda e: e[0].fileobj is self.sock):
+                try:
+                    if event.fileobj is self.sock:
+                        self._take(selector, gate)
+                    elif event.fileobj in gate.waiting:
+                        self._read_key(selector, gate, event.fileobj)
+                except Exception:  # one connection's surprise must not end the server, and weight sync
+                    log.exception("forge: weights server: a connection failed")
         for conn in list(gate.waiting):
             _close(selector, gate.leave(conn))
+
+    @property
+    def _opening(self) -> bytes:
+        """What a request with the key starts with."""
+        return f"{wire_key(self.key)} ".encode()
 
     def _take(self, selector: selectors.BaseSelector, gate: _Gate) -> None:
         try:
