@@ -80,6 +80,16 @@ def _checked(d: Path, private: bool) -> Path:
     )
 
 
+def is_safe_dir(d: Path, private: bool = False) -> bool:
+    """Whether `d` still is a directory forge may keep this user's files in (`_checked`'s rule):
+    one that vanished (systemd-logind's RemoveIPC at a logout, a cleanup) may be another user's now."""
+    try:
+        _checked(d, private)
+    except (OSError, UnsafeDirectoryError):
+        return False
+    return True
+
+
 def private_root(root: Path) -> Path:
     """`root`, made (0700) or checked, in a parent nobody else can rename it out of."""
     _checked(root.parent, private=False)
@@ -95,7 +105,7 @@ def user_root() -> Path:
     """This user's private directory for shared-memory files: ROOT, or where another user took
     that name, ROOT-<a secret suffix kept in _NAME_FILE>. Earlier layouts' dead runs are swept."""
     global _USER_ROOT
-    if _USER_ROOT is None or not _USER_ROOT.is_dir():
+    if _USER_ROOT is None or not is_safe_dir(_USER_ROOT, private=True):
         try:
             _USER_ROOT = private_root(ROOT)
         except UnsafeDirectoryError as taken:
@@ -226,7 +236,7 @@ def run_dir() -> Path:
     """This process's directory for shared-memory files (created, and dead runs swept, on
     first use). Pass it to the processes that write for this run (a WeightStore carries it)."""
     global _RUN_DIR
-    if _RUN_DIR is None or not _RUN_DIR.is_dir():
+    if _RUN_DIR is None or not is_safe_dir(_RUN_DIR):
         _RUN_DIR = owned_dir(user_root())
     return _RUN_DIR
 
@@ -242,6 +252,8 @@ def owned_dir(root: Path, mode: int = 0o755, pid: int | None = None) -> Path:
     sweep_dead_runs(root)
     pid = os.getpid() if pid is None else pid
     d = root / f"run-{pid}-{_start_time(pid)}"
+    if d in _HELD and not is_safe_dir(d):  # gone, and perhaps remade by another user
+        os.close(_HELD.pop(d))
     while d not in _HELD:
         if (fd := _hold(d)) is not None:
             _HELD[d] = fd

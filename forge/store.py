@@ -32,6 +32,7 @@ from forge.schema import TRANSPORTS
 from forge.shm import (
     check_safetensors,
     forget_mapping,
+    is_safe_dir,
     read_safetensors,
     remove_run_dir,
     run_dir,
@@ -159,13 +160,16 @@ class WeightStore:
             "deltas": self.deltas,
         }
         if self.transport == "shm":
-            if self._dir_host != host_id():  # made elsewhere (the controller's host): use this host's own
+            # Made elsewhere (the controller's host), or gone since (and perhaps another user's now):
+            # this process's own run directory, checked.
+            if self._dir_host != host_id() or not is_safe_dir(Path(self.shm_dir)):
                 self.shm_dir, self._dir_host = str(run_dir()), host_id()
             if self._server is None or self._server.directory != Path(self.shm_dir):
+                if self._server is not None:
+                    self._server.close()  # it served the directory left behind
                 self._server = FileServer(self.shm_dir, self.serve_on, self._secret)
             record["addr"], record["key"] = list(self._server.addr), self._secret
             path = self._path(version)
-            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             spare = self._spare(safetensors_size(state_dict))
             if spare is not None:

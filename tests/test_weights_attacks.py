@@ -684,3 +684,42 @@ def test_a_server_closed_at_once_ends_its_accept_loop_quietly(tmp_path, monkeypa
         FileServer(tmp_path).close()
     time.sleep(1.5)
     assert errors == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+def test_a_run_directory_another_user_remade_mid_run_is_not_written_to(shared_base, tmp_path, monkeypatch):
+    """The user's /dev/shm directories vanish mid-run (systemd-logind's RemoveIPC at a logout, a
+    cleanup) and another local user remakes the run directory's path, its own: the writer went
+    on publishing there (mkdir, exist_ok), where that user could swap the file that same-host
+    readers map unchecked. A publish now takes a new directory of this user's."""
+    from forge import store
+
+    async def nowhere(*args, **kwargs) -> None:  # the records: torchstore's, not this test's
+        return None
+
+    monkeypatch.setattr(store.torchstore, "put", nowhere)
+    monkeypatch.setattr(shm, "_SHARED", shared_base / "forge")
+    monkeypatch.setattr(shm, "ROOT", shared_base / f"forge-{os.geteuid()}")
+    monkeypatch.setattr(shm, "_NAME_FILE", tmp_path / "home" / ".cache" / "forge" / "shm-name", raising=False)
+    monkeypatch.setattr(shm, "_USER_ROOT", None, raising=False)
+    monkeypatch.setattr(shm, "_RUN_DIR", None)
+    ws = store.WeightStore("p")
+    try:
+        asyncio.run(ws.publish(1, {"w": torch.ones(4)}))
+        first = Path(ws.shm_dir)
+        shutil.rmtree(shm.ROOT)
+
+        def remake() -> None:
+            os.umask(0)
+            first.mkdir(parents=True)
+
+        as_user(65534, remake)
+        asyncio.run(ws.publish(2, {"w": torch.full((4,), 2.0)}))
+        written = Path(ws.shm_dir)
+        assert written != first and (written / ws._path(2).name).is_file() and not list(first.iterdir())
+        for d in (written, written.parent):
+            st = os.lstat(d)
+            assert st.st_uid == os.geteuid() and not st.st_mode & 0o022, d
+    finally:
+        ws._server and ws._server.close()
+        shm.remove_run_dir()
