@@ -109,15 +109,41 @@ def user_root() -> Path:
         try:
             _USER_ROOT = private_root(ROOT)
         except UnsafeDirectoryError as taken:
-            try:
-                suffix = _secret_suffix()
-            except OSError as e:
-                raise UnsafeDirectoryError(
-                    f"{taken}; the name forge uses instead is kept in {_NAME_FILE}: {e}"
-                ) from None
-            _USER_ROOT = private_root(ROOT.with_name(f"{ROOT.name}-{suffix}"))
+            _USER_ROOT = _suffixed_root(taken)
         _sweep_earlier_layouts()
     return _USER_ROOT
+
+
+def _suffixed_root(taken: UnsafeDirectoryError) -> Path:
+    """ROOT-<this user's secret suffix>, with a new suffix where another user took that name
+    too: a suffix is no secret once its directory exists (every user lists /dev/shm), and after
+    /dev/shm is cleared (a reboot) that user could make it first."""
+    for _ in range(3):
+        try:
+            suffix = _secret_suffix()
+        except OSError as e:
+            raise UnsafeDirectoryError(f"{taken}; the name forge uses instead is kept in {_NAME_FILE}: {e}") from None
+        try:
+            return private_root(ROOT.with_name(f"{ROOT.name}-{suffix}"))
+        except UnsafeDirectoryError as e:
+            taken = e
+            _replace_suffix(suffix)
+    raise taken
+
+
+def _replace_suffix(old: str) -> None:
+    """A new secret suffix in place of `old`, unless another process of this user's made one first."""
+    lock = os.open(_NAME_FILE.with_name(f".{_NAME_FILE.name}.lock"), os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _NAME_FILE.read_text().strip() == old:
+            tmp = _NAME_FILE.with_name(f".{_NAME_FILE.name}.{os.getpid()}")
+            fd = open_new(tmp)
+            os.write(fd, secrets.token_hex(16).encode())
+            os.close(fd)
+            os.replace(tmp, _NAME_FILE)
+    finally:
+        os.close(lock)
 
 
 def _secret_suffix() -> str:

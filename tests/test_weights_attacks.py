@@ -723,3 +723,25 @@ def test_a_run_directory_another_user_remade_mid_run_is_not_written_to(shared_ba
     finally:
         ws._server and ws._server.close()
         shm.remove_run_dir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+def test_a_user_whose_suffixed_shm_root_was_taken_too_gets_a_new_one(shared_base, tmp_path, monkeypatch):
+    """The suffix of the name forge falls back to is no secret once that directory exists (every
+    user lists /dev/shm): after /dev/shm is cleared (a reboot), another user who took both names
+    locked this user out of forge for good. A taken suffixed name now gets a new suffix."""
+    uid = os.geteuid()
+    monkeypatch.setattr(shm, "_SHARED", shared_base / "forge")
+    monkeypatch.setattr(shm, "ROOT", shared_base / f"forge-{uid}")
+    monkeypatch.setattr(shm, "_NAME_FILE", tmp_path / "home" / ".cache" / "forge" / "shm-name", raising=False)
+    monkeypatch.setattr(shm, "_USER_ROOT", None, raising=False)
+    as_user(65534, lambda: shm.ROOT.mkdir(mode=0o755))
+    first = shm.user_root()
+    first.rmdir()  # /dev/shm cleared
+    as_user(65534, lambda: first.mkdir(mode=0o755))
+    monkeypatch.setattr(shm, "_USER_ROOT", None, raising=False)  # a later run
+    again = shm.user_root()
+    st = os.lstat(again)
+    assert again not in (first, shm.ROOT) and st.st_uid == uid and st.st_mode & 0o777 == 0o700
+    monkeypatch.setattr(shm, "_USER_ROOT", None, raising=False)  # and the run after it finds the same
+    assert shm.user_root() == again
