@@ -137,11 +137,7 @@ def _replace_suffix(old: str) -> None:
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _NAME_FILE.read_text().strip() == old:
-            tmp = _NAME_FILE.with_name(f".{_NAME_FILE.name}.{os.getpid()}")
-            fd = open_new(tmp)
-            os.write(fd, secrets.token_hex(16).encode())
-            os.close(fd)
-            os.replace(tmp, _NAME_FILE)
+            os.replace(_new_suffix_file(), _NAME_FILE)
     finally:
         os.close(lock)
 
@@ -151,14 +147,20 @@ def _secret_suffix() -> str:
     with contextlib.suppress(FileNotFoundError):
         return _NAME_FILE.read_text().strip()
     _NAME_FILE.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = _NAME_FILE.with_name(f".{_NAME_FILE.name}.{os.getpid()}")
-    fd = open_new(tmp)
-    os.write(fd, secrets.token_hex(16).encode())
-    os.close(fd)
+    tmp = _new_suffix_file()
     with contextlib.suppress(FileExistsError):
         os.link(tmp, _NAME_FILE)
     tmp.unlink()
     return _NAME_FILE.read_text().strip()
+
+
+def _new_suffix_file() -> Path:
+    """A new secret suffix, in a file of this process's beside _NAME_FILE."""
+    tmp = _NAME_FILE.with_name(f".{_NAME_FILE.name}.{os.getpid()}")
+    fd = open_new(tmp)
+    os.write(fd, secrets.token_hex(16).encode())
+    os.close(fd)
+    return tmp
 
 
 def _sweep_earlier_layouts() -> None:
