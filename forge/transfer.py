@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import math
 import os
+import resource
 import secrets
 import select
 import selectors
@@ -36,8 +37,10 @@ _SIZE = struct.Struct("<q")  # the answer's header: the file's size, -1 when the
 _PIPE = 1 << 20  # bytes per splice: the largest pipe an unprivileged user may ask for
 _REQUEST_DEADLINE_S = 5.0  # for a whole request: a peer that trickles bytes is dropped then
 _MAX_NAME = 256
-# Connections whose keys are read at once, from one address and in all (see _Gate).
-_GATE_PER_PEER, _GATE_MAX = 16, 128
+# Connections whose keys are read at once, at most (a quarter of the process's fds; a quarter of
+# that from one address: see _Gate), and the kernel's queue of connections not yet taken.
+_GATE_MAX = 1024
+_BACKLOG = 1024
 _TIMEOUT_S = 60.0  # a reader's longest wait for a server's next bytes, by default
 # The slowest a transfer may average: `timeout_s` bounds each wait, this the whole, so a server
 # (or link) trickling a byte per wait cannot hold a reader, and through the host's writer lock its
@@ -82,7 +85,7 @@ class FileServer:
         self.directory = Path(directory)
         self.key = key or secrets.token_hex(16)
         try:
-            self.sock = socket.create_server((host, 0))
+            self.sock = socket.create_server((host, 0), backlog=_BACKLOG)
             ip, port = self.sock.getsockname()[:2]
             self.addr = (_host_ip(self.sock.family) if ipaddress.ip_address(ip).is_unspecified else ip, port)
         except OSError as e:
@@ -98,12 +101,19 @@ class FileServer:
         """Takes connections and reads their keys, without a worker: a peer without the key (one
         that sends nothing, or trickles) holds a socket until its deadline, never a worker or
         the kernel's backlog, so readers with the key get in however many such peers come."""
-        gate = _Gate()
-        selector = selectors.DefaultSelector()
-        try:
-            selector.register(self.sock, selectors.EVENT_READ)
-        except (OSError, ValueError):  # closed before this thread ran
-            return
+        with selectors.DefaultSelector() as selector:
+            try:
+                selector.register(self.sock, selectors.EVENT_READ)
+            except (OSError, ValueError):  # closed before this thread ran
+                return
+            gate = _Gate()
+            try:
+                self._gate_loop(selector, gate)
+            finally:
+                for conn in list(gate.waiting):
+                    _close(selector, gate.leave(conn))
+
+    def _gate_loop(self, selector: selectors.BaseSelector, gate: _Gate) -> None:
         while not self.closed:
             for conn in gate.expired():
                 _close(selector, conn)
@@ -120,8 +130,6 @@ class FileServer:
                         self._read_key(selector, gate, event.fileobj)
                 except Exception:  # one connection's surprise must not end the server, and weight sync
                     log.exception("forge: weights server: a connection failed")
-        for conn in list(gate.waiting):
-            _close(selector, gate.leave(conn))
 
     @property
     def _opening(self) -> bytes:
@@ -140,8 +148,8 @@ class FileServer:
             return
         conn.setblocking(False)
         selector.register(conn, selectors.EVENT_READ)
-        for old in gate.admit(conn, peer[0]):
-            _close(selector, old)
+        for out in gate.admit(conn, peer[0]):
+            _close(selector, out)
 
     def _read_key(self, selector: selectors.BaseSelector, gate: _Gate, conn: socket.socket) -> None:
         """The connection's next bytes: once its key is whole, a worker serves it, or it is
@@ -160,7 +168,7 @@ class FileServer:
         self.requests += 1
         if hmac.compare_digest(bytes(request.data[: len(self._opening)]), self._opening):
             selector.unregister(gate.leave(conn))
-            self.pool.submit(self._serve, conn, bytes(request.data[len(self._opening) :]), request.deadline)
+            self.pool.submit(self._serve, conn, bytes(request.data[len(self._opening) :]))
             return
         self.refused += 1
         request.refused = True
@@ -169,10 +177,11 @@ class FileServer:
         if b"\n" in request.data:
             _close(selector, gate.leave(conn))
 
-    def _serve(self, conn: socket.socket, head: bytes, deadline: float) -> None:
+    def _serve(self, conn: socket.socket, head: bytes) -> None:
         with conn, contextlib.suppress(OSError):
             conn.setblocking(True)
-            name = _recv_until(conn, _MAX_NAME, deadline, end=b"\n", data=head)
+            # The rest of the request gets its own deadline: it may have queued for a worker.
+            name = _recv_until(conn, _MAX_NAME, time.monotonic() + _REQUEST_DEADLINE_S, end=b"\n", data=head)
             self._send(conn, name.decode(errors="replace").strip())
 
     def _send(self, conn: socket.socket, request: str) -> None:
@@ -230,20 +239,22 @@ class _Request:
 
 class _Gate:
     """The connections whose keys are being read, oldest first. Each has the request deadline;
-    past _GATE_PER_PEER of one address, or _GATE_MAX in all, the oldest goes: peers without the
-    key hold sockets (fds of the trainer's process) only so far, and a reader, who sends its
-    key at once, gets in past one that keeps remaking idle connections."""
+    past `most` in all, or a quarter of that from one address, the oldest goes: peers without
+    the key hold sockets (fds of the trainer's process) only so far, and a reader, who sends
+    its key at once, gets in unless that many connections come after it within its round trip."""
 
     def __init__(self) -> None:
         self.waiting: dict[socket.socket, _Request] = {}
+        self.most = min(_GATE_MAX, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
+        self.per_peer = max(self.most // 4, 1)
 
     def admit(self, conn: socket.socket, peer: str) -> list[socket.socket]:
         """`conn` let in; the connections it pushes out."""
         out = []
         mine = [c for c, r in self.waiting.items() if r.peer == peer]
-        if len(mine) >= _GATE_PER_PEER:
+        if len(mine) >= self.per_peer:
             out.append(self.leave(mine[0]))
-        if len(self.waiting) >= _GATE_MAX:
+        if len(self.waiting) >= self.most:
             out.append(self.leave(next(iter(self.waiting))))
         self.waiting[conn] = _Request(time.monotonic() + _REQUEST_DEADLINE_S, peer)
         return out

@@ -745,3 +745,81 @@ def test_a_user_whose_suffixed_shm_root_was_taken_too_gets_a_new_one(shared_base
     assert again not in (first, shm.ROOT) and st.st_uid == uid and st.st_mode & 0o777 == 0o700
     monkeypatch.setattr(shm, "_USER_ROOT", None, raising=False)  # and the run after it finds the same
     assert shm.user_root() == again
+
+
+CHURN_SCRIPT = """
+import errno, socket, sys
+addr, conns = (sys.argv[1], int(sys.argv[2])), []
+print("up", flush=True)
+while True:
+    for s in list(conns):
+        try:
+            if s.recv(1) == b"":
+                conns.remove(s)
+                s.close()
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            if e.errno != errno.ENOTCONN:
+                conns.remove(s)
+                s.close()
+    while len(conns) < 64:
+        s = socket.socket()
+        s.setblocking(False)
+        try:
+            s.connect(addr)
+        except BlockingIOError:
+            pass
+        conns.append(s)
+"""
+
+
+def test_a_reader_whose_request_comes_late_is_not_pushed_out_by_idle_churn(served):
+    """A peer without the key keeps 64 idle connections from the reader's address, remade as
+    fast as they are dropped; a reader's request that comes 50-200 ms after its connection (a
+    segment sent again) was pushed out, unanswered, when the server let one address wait on 16."""
+    size = os.path.getsize(served.directory / "policy-abc-v1.safetensors")
+    attacker = subprocess.Popen(
+        [sys.executable, "-c", CHURN_SCRIPT, *map(str, served.addr)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert attacker.stdout.readline() == "up\n"
+        time.sleep(1.0)
+        for delay in (0.05, 0.2, 0.2):
+            with socket.create_connection(served.addr, timeout=10) as s:
+                time.sleep(delay)
+                s.sendall(f"{wire_key('the-run-key')} policy-abc-v1.safetensors\n".encode())
+                head = s.recv(8, socket.MSG_WAITALL)
+            assert len(head) == 8 and struct.unpack("<q", head)[0] == size, delay
+    finally:
+        attacker.kill()
+        attacker.wait()
+
+
+def test_a_request_queued_for_a_busy_worker_keeps_its_time_to_arrive(tmp_path):
+    """A reader whose request comes in two segments waits over 5 s for the only worker: its
+    deadline ran from its connection, and it was dropped unanswered once a worker took it."""
+    shm.write_safetensors({"w": torch.zeros(16 << 20)}, tmp_path / "big.safetensors")  # 64 MB
+    shm.write_safetensors({"w": torch.arange(10.0)}, tmp_path / "small.safetensors")
+    server, key = FileServer(tmp_path, key="k", workers=1), wire_key("k")
+    hog = socket.create_connection(server.addr)  # takes the worker and reads nothing for 6 s
+    hog.sendall(f"{key} big.safetensors\n".encode())
+    time.sleep(0.3)
+    try:
+        with socket.create_connection(server.addr, timeout=30) as s:
+            s.sendall(f"{key} ".encode())
+            time.sleep(0.2)
+            s.sendall(b"small.safetensors\n")
+            time.sleep(6.0)
+            threading.Thread(target=_drain, args=(hog,), daemon=True).start()
+            head = s.recv(8, socket.MSG_WAITALL)
+        assert len(head) == 8 and struct.unpack("<q", head)[0] == os.path.getsize(tmp_path / "small.safetensors")
+    finally:
+        hog.close()
+        server.close()
+
+
+def _drain(s: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while s.recv(1 << 20):
+            pass
