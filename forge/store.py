@@ -124,6 +124,7 @@ class WeightStore:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown weights transport {self.transport!r}; known: {', '.join(TRANSPORTS)}")
         self._dir_host = host_id()
+        self._run_dir = self.shm_dir is None  # forge's own choice, which it may make again
         if self.shm_dir is None and self.transport == "shm":
             self.shm_dir = str(run_dir())
         self._token = uuid.uuid4().hex[:8]
@@ -160,9 +161,9 @@ class WeightStore:
             "deltas": self.deltas,
         }
         if self.transport == "shm":
-            # Made elsewhere (the controller's host), or gone since (and perhaps another user's now):
-            # this process's own run directory, checked.
-            if self._dir_host != host_id() or not is_safe_dir(Path(self.shm_dir)):
+            # Made elsewhere (the controller's host), or a run directory gone since (and perhaps
+            # another user's now): this process's own run directory, checked.
+            if self._dir_host != host_id() or (self._run_dir and not is_safe_dir(Path(self.shm_dir))):
                 self.shm_dir, self._dir_host = str(run_dir()), host_id()
             if self._server is None or self._server.directory != Path(self.shm_dir):
                 if self._server is not None:
@@ -170,6 +171,7 @@ class WeightStore:
                 self._server = FileServer(self.shm_dir, self.serve_on, self._secret)
             record["addr"], record["key"] = list(self._server.addr), self._secret
             path = self._path(version)
+            path.parent.mkdir(parents=True, exist_ok=True)  # a directory given (a run's is made)
             tmp = path.with_suffix(".tmp")
             spare = self._spare(safetensors_size(state_dict))
             if spare is not None:

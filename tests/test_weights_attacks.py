@@ -823,3 +823,24 @@ def _drain(s: socket.socket) -> None:
     with contextlib.suppress(OSError):
         while s.recv(1 << 20):
             pass
+
+
+def test_a_directory_given_to_the_store_is_the_one_it_writes(tmp_path, monkeypatch):
+    """Only forge's own run directory is taken again where it is no longer safe: a directory the
+    user gave (not made yet, or shared with the user's group) is written as given."""
+    from forge import store
+
+    async def nowhere(*args, **kwargs) -> None:
+        return None
+
+    monkeypatch.setattr(store.torchstore, "put", nowhere)
+    shared = tmp_path / "group"
+    shared.mkdir(mode=0o775)
+    shared.chmod(0o775)
+    for given in (tmp_path / "not-made-yet", shared):
+        ws = store.WeightStore("p", shm_dir=str(given))
+        try:
+            asyncio.run(ws.publish(1, {"w": torch.ones(4)}))
+            assert ws.shm_dir == str(given) and ws._path(1).parent == given and ws._path(1).is_file()
+        finally:
+            ws._server.close()
