@@ -83,7 +83,9 @@ async def generate_and_score(sample: Sample, gen: Any, rewards: Any, cfg: Any) -
     group = await gen.generate.route(sample.prompt, n=cfg.group_size, tools=sample.tools)
     if rewards is None:
         return group, [Score(0.0) for _ in group]
-    scores = await rewards.score.route([RewardInput(sample.row(), c.text, c.finish_reason) for c in group])
+    scores = await rewards.score.route(
+        [RewardInput(sample.row(), c.text, c.finish_reason, thinking=c.thinking) for c in group]
+    )
     return group, scores
 
 

@@ -34,6 +34,9 @@ class Completion:
     # MoE with routing replay: the experts each layer routed each token to, [prompt + completion
     # tokens, layers, top_k] int16, -1 where the generator computed none (the trainer routes those).
     routed_experts: torch.Tensor | None = None
+    # The prompt ends with a reasoning block's opening tag (<think>, a chat template's such as
+    # DeepSeek-R1's): the text starts inside that block, which its own tags do not show.
+    thinking: bool = False
     # Asked for (sampling `prompt_logprobs: k`): each prompt position's logprob of its token and of
     # the k likeliest, {token id: logprob}; None at position 0, which nothing predicts.
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -53,6 +56,7 @@ class RewardInput:
     completion: str  # the policy's text (in a multi-turn episode, its last message)
     finish_reason: str = "stop"
     messages: list[dict[str, Any]] | None = None  # a multi-turn episode's whole conversation
+    thinking: bool = False  # the completion starts inside a <think> block its prompt opened
 
     @property
     def prompt(self) -> str:

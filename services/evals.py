@@ -83,7 +83,9 @@ async def evaluate(cfg: EvalConfig, samples: list[Sample], gen: Any, rewards: An
     async def one(s: Sample) -> tuple[list[Completion], list[Score]]:
         async with slots:
             group = await gen.generate.route(s.prompt, n=cfg.n, sampling=sampling, tools=s.tools)
-            scores = await rewards.score.route([RewardInput(s.row(), c.text, c.finish_reason) for c in group])
+            scores = await rewards.score.route(
+                [RewardInput(s.row(), c.text, c.finish_reason, thinking=c.thinking) for c in group]
+            )
             return group, scores
 
     results = await asyncio.gather(*(one(s) for s in samples), return_exceptions=True)

@@ -466,31 +466,31 @@ class Generator(ForgeActor):
         routing = await self._routed_experts(
             request_id, len(prompt_ids), [(c.index, len(c.token_ids)) for c in final.outputs]
         )
-        opened = self._opened_block(prompt_ids)
+        thinking = self._opens_thinking(prompt_ids, params)
         return [
             Completion(
                 prompt_ids=prompt_ids,
                 token_ids=list(c.token_ids),
                 logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
-                text=opened + self._text(c, params),
+                text=self._text(c, params),
                 finish_reason=c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop",
                 sampling={**sp, "n": n},
                 policy_version=admitted,
                 max_policy_version=finished,
                 prompt=prompt if isinstance(prompt, str) else None,
                 routed_experts=routed,
+                thinking=thinking,
                 prompt_logprobs=prompt_logprobs,
             )
             for c, routed in zip(final.outputs, routing)
         ]
 
-    def _opened_block(self, prompt_ids: list[int]) -> str:
-        """ "<think>" when the prompt ends with it (a chat template that opens the reasoning for
-        the model, as DeepSeek-R1's and QwQ's do), else "": a sample's text starts with the
-        block its prompt opened, so a reward reads a sample cut at max_tokens while thinking as
-        one that gave no answer, as it does when the model wrote the tag itself."""
-        tail = self.engine.get_tokenizer().decode(prompt_ids[-8:], skip_special_tokens=False)
-        return "<think>" if tail.rstrip().endswith("<think>") else ""
+    def _opens_thinking(self, prompt_ids: list[int], params: Any) -> bool:
+        """Whether the prompt ends with <think> (a chat template that opens the reasoning for the
+        model, as DeepSeek-R1's and QwQ's do), decoded as the samples' text is: where the tags
+        are special tokens the text drops, its </think> is not there to be read either."""
+        tail = self.engine.get_tokenizer().decode(prompt_ids[-8:], skip_special_tokens=params.skip_special_tokens)
+        return tail.rstrip().endswith("<think>")
 
     def _text(self, c: Any, params: Any) -> str:
         """A sample's text: vLLM's, and where a stop string ended inside a token, the rest of that

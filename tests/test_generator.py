@@ -18,6 +18,7 @@ from forge.types import RewardInput
 from services.generator import Generator
 from services.rewards import builtin, gym
 from services.schema import GeneratorConfig
+from services.tiny_model import build_tokenizer
 
 PROMPTS = ["rev abc=", "12+7=", "sort dbca=", "rev jihgf=", "3+45=", "sort gfe="]
 
@@ -388,7 +389,7 @@ def test_a_prompt_that_opens_the_reasoning_makes_the_text_start_inside_it(loop, 
     """A chat template that opens <think> for the model (DeepSeek-R1's, QwQ's; here a prompt ending
     with the tag): a sample cut at max_tokens while thinking has no tag of its own, and math and
     reasoning_gym scored a number or <answer> in its thoughts as its answer. Its text now starts
-    with the block the prompt opened, so rewards read it as cut while thinking."""
+    with the block the prompt opened (`thinking`), so rewards read it as cut while thinking."""
     sampling = {"max_tokens": 6, "seed": 1, "ignore_eos": True, "bad_words": ["</think>"]}
 
     async def main():
@@ -398,7 +399,22 @@ def test_a_prompt_that_opens_the_reasoning_makes_the_text_start_inside_it(loop, 
 
     opened, others = loop.run_until_complete(main())
     for c in opened:
-        assert c.text.startswith("<think>") and c.finish_reason == "length"
-        planted = RewardInput({"answer": "#### 19"}, c.text + " so #### 19", finish_reason="length")
-        assert builtin.math(planted)["reward"] == 0.0 and gym.model_answer(c.text + "<answer>19</answer>") == ""
-    assert not any(c.text.startswith("<think>") for c in others)
+        assert c.thinking and c.finish_reason == "length" and not c.text.startswith("<think>")
+        planted = RewardInput({"answer": "#### 19"}, c.text + " so #### 19", "length", thinking=c.thinking)
+        assert builtin.math(planted)["reward"] == 0.0 and gym.model_answer(c.text + "<answer>19</answer>", True) == ""
+        closed = RewardInput({"answer": "#### 19"}, c.text + "</think> #### 19", "stop", thinking=c.thinking)
+        assert builtin.math(closed)["reward"] == 1.0
+    assert not any(c.thinking for c in others)
+
+
+def test_a_prompts_opened_reasoning_counts_only_where_the_text_keeps_the_tags():
+    """Where <think> and </think> are special tokens that the samples' text drops (vLLM's
+    `skip_special_tokens`, on by default), the model's </think> cannot be read either: the
+    sample is not taken to start inside a block (a correct answer after it scored 0)."""
+    tok = build_tokenizer()
+    tags = [tokenizers.AddedToken("<think>", special=True), tokenizers.AddedToken("</think>", special=True)]
+    tok.add_special_tokens({"additional_special_tokens": tags})
+    gen = SimpleNamespace(engine=SimpleNamespace(get_tokenizer=lambda: tok))
+    prompt_ids = tok("12+7=<think>\n")["input_ids"]
+    for skip, thinking in ((True, False), (False, True)):
+        assert Generator._opens_thinking(gen, prompt_ids, SimpleNamespace(skip_special_tokens=skip)) == thinking

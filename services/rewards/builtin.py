@@ -36,13 +36,14 @@ def format_(s: RewardInput) -> float:
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 # A reasoning model's thoughts: <think> blocks, an unclosed one (cut at max_tokens) to the end, and
-# text before a </think> whose <think> the chat template wrote.
+# text before a </think> whose <think> the chat template wrote (or, `thinking`, all of an unclosed one).
 THINKING = re.compile(r"<think>.*?(?:</think>|\Z)|\A.*?</think>", re.S)
 
 
-def after_thinking(text: str) -> str:
-    """`text` without its reasoning: the answer a reasoning model gave, if any."""
-    return THINKING.sub("", text)
+def after_thinking(text: str, thinking: bool = False) -> str:
+    """`text` without its reasoning: the answer a reasoning model gave, if any. `thinking`: the
+    text starts inside a <think> block its prompt opened (RewardInput.thinking)."""
+    return THINKING.sub("", "<think>" + text if thinking else text)
 
 
 def last_boxed(text: str) -> str | None:
@@ -62,10 +63,10 @@ def final_number(text: str) -> float | None:
     return float(numbers[-1].replace(",", "")) if numbers else None
 
 
-def same_number(answer: str, text: str) -> float:
+def same_number(answer: str, text: str, thinking: bool = False) -> float:
     """1 when the final number of `text`'s answer (after any reasoning) equals the reference
     `answer`'s (GSM8K: after '####'), to within float noise, not a tolerance that grows with it."""
-    want, got = final_number(answer), final_number(after_thinking(text))
+    want, got = final_number(answer), final_number(after_thinking(text, thinking))
     if want is None:
         raise ValueError(f"reference answer {answer[-40:]!r} has no number")
     return float(got is not None and abs(got - want) < 1e-6)
@@ -74,7 +75,7 @@ def same_number(answer: str, text: str) -> float:
 @inline
 def math(s: RewardInput) -> dict[str, float]:
     """The final number matches; also the sample's `correct`."""
-    right = same_number(s.answer, s.completion)
+    right = same_number(s.answer, s.completion, s.thinking)
     return {"reward": right, "correct": right}
 
 

@@ -22,11 +22,11 @@ def _generator(task: str, config: str) -> Any:
     return reasoning_gym.create_dataset(task, **json.loads(config))
 
 
-def model_answer(completion: str) -> str:
+def model_answer(completion: str, thinking: bool = False) -> str:
     """The answer in a completion: after its reasoning (none when it was cut while thinking), inside
     its last <answer>...</answer> when it has one (reasoning-gym's prompts ask for them), else all of
     it, stripped as the `exact` reward strips it."""
-    text = after_thinking(completion)
+    text = after_thinking(completion, thinking)
     tagged = last_answer_tag(text)
     return (tagged if tagged is not None else text).strip()
 
@@ -54,5 +54,5 @@ def score(s: RewardInput) -> dict[str, float]:
         )
     entry = {k: s.task.get(k) for k in GYM_COLUMNS}
     generator = _generator(spec["task"], json.dumps(spec["config"], sort_keys=True))
-    got = float(generator.score_answer(model_answer(s.completion), entry))
+    got = float(generator.score_answer(model_answer(s.completion, s.thinking), entry))
     return {"reward": got, "correct": float(got >= 1.0)}
