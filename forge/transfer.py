@@ -245,7 +245,7 @@ class _Gate:
 
     def __init__(self) -> None:
         self.waiting: dict[socket.socket, _Request] = {}
-        self.most = min(_GATE_MAX, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
+        self.most = max(min(_GATE_MAX, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4), 1)
         self.per_peer = max(self.most // 4, 1)
 
     def admit(self, conn: socket.socket, peer: str) -> list[socket.socket]:

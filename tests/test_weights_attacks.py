@@ -844,3 +844,15 @@ def test_a_directory_given_to_the_store_is_the_one_it_writes(tmp_path, monkeypat
             assert ws.shm_dir == str(given) and ws._path(1).parent == given and ws._path(1).is_file()
         finally:
             ws._server.close()
+
+
+def test_a_gate_made_while_the_process_has_almost_no_fds_still_lets_one_wait(monkeypatch):
+    """The accept loop's gate sized itself from the fd limit when it started: started while a
+    process was out of fds (the limit at 1, as the EMFILE test sets it), it let none wait and
+    every connection raised in the loop."""
+    monkeypatch.setattr(transfer.resource, "getrlimit", lambda what: (1, 1))
+    gate, conn = transfer._Gate(), socket.socket()
+    try:
+        assert gate.admit(conn, "127.0.0.1") == [] and list(gate.waiting) == [conn]
+    finally:
+        conn.close()
