@@ -35,7 +35,7 @@ from forge.shm import FileDigest, digest_of, open_new, owned_dir, user_root
 
 _SIZE = struct.Struct("<q")  # the answer's header: the file's size, -1 when there is no such file
 _PIPE = 1 << 20  # bytes per splice: the largest pipe an unprivileged user may ask for
-_REQUEST_DEADLINE_S = 5.0  # for a whole request: a peer that trickles bytes is dropped then
+_REQUEST_DEADLINE_S = 5.0  # for a request's key from its connection, then for the rest at its worker
 _MAX_NAME = 256
 # Connections whose keys are read at once, at most (a quarter of the process's fds; a quarter of
 # that from one address: see _Gate), and the kernel's queue of connections not yet taken.
@@ -73,8 +73,8 @@ def host_cache_dir() -> Path:
 
 class FileServer:
     """Serves the files of one directory to readers that know its key: a request is the key,
-    a space, a file name and a newline, all within 5 s (the key is read, and checked, before
-    anything else); the answer the file's size (8 bytes) and its bytes (size -1: no such file,
+    a space, a file name and a newline: the key within 5 s of the connection (read, and checked,
+    before anything else), the rest within 5 s of a worker taking it; the answer the file's size (8 bytes) and its bytes (size -1: no such file,
     or a wrong key). Binds `host` ("0.0.0.0": every interface), port chosen by the kernel;
     `addr` is the IP readers are to connect to, pinned here (for "0.0.0.0", the first
     non-loopback address this host's name resolves to here) so no reader resolves a name
@@ -95,18 +95,16 @@ class FileServer:
         self._deltas: dict[tuple[str, str], bytes | None] = {}
         self._deltas_lock = threading.Lock()
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="forge-weights-send")
-        threading.Thread(target=self._accept, daemon=True, name="forge-weights-server").start()
+        # Made here, not in the loop's thread: when that runs, the process may be out of fds.
+        selector, gate = selectors.DefaultSelector(), _Gate()
+        selector.register(self.sock, selectors.EVENT_READ)
+        threading.Thread(target=self._accept, args=(selector, gate), daemon=True, name="forge-weights-server").start()
 
-    def _accept(self) -> None:
+    def _accept(self, selector: selectors.BaseSelector, gate: _Gate) -> None:
         """Takes connections and reads their keys, without a worker: a peer without the key (one
         that sends nothing, or trickles) holds a socket until its deadline, never a worker or
         the kernel's backlog, so readers with the key get in however many such peers come."""
-        with selectors.DefaultSelector() as selector:
-            try:
-                selector.register(self.sock, selectors.EVENT_READ)
-            except (OSError, ValueError):  # closed before this thread ran
-                return
-            gate = _Gate()
+        with selector:
             try:
                 self._gate_loop(selector, gate)
             finally:
@@ -131,11 +129,6 @@ class FileServer:
                 except Exception:  # one connection's surprise must not end the server, and weight sync
                     log.exception("forge: weights server: a connection failed")
 
-    @property
-    def _opening(self) -> bytes:
-        """What a request with the key starts with."""
-        return f"{wire_key(self.key)} ".encode()
-
     def _take(self, selector: selectors.BaseSelector, gate: _Gate) -> None:
         try:
             conn, peer = self.sock.accept()
@@ -154,21 +147,22 @@ class FileServer:
     def _read_key(self, selector: selectors.BaseSelector, gate: _Gate, conn: socket.socket) -> None:
         """The connection's next bytes: once its key is whole, a worker serves it, or it is
         refused (answered -1, then dropped at the end of its request)."""
+        opening = f"{wire_key(self.key)} ".encode()  # what a request with the key starts with
         try:
-            chunk = conn.recv(len(self._opening) + _MAX_NAME)
+            chunk = conn.recv(len(opening) + _MAX_NAME)
         except BlockingIOError:
             return
         except OSError:
             chunk = b""
         request = gate.read(conn, chunk)
-        if request.refused or len(request.data) < len(self._opening):
-            if not chunk or len(request.data) > len(self._opening) + _MAX_NAME or (request.refused and b"\n" in chunk):
+        if request.refused or len(request.data) < len(opening):
+            if not chunk or len(request.data) > len(opening) + _MAX_NAME or (request.refused and b"\n" in chunk):
                 _close(selector, gate.leave(conn))  # closing before the newline would reset the -1
             return
         self.requests += 1
-        if hmac.compare_digest(bytes(request.data[: len(self._opening)]), self._opening):
+        if hmac.compare_digest(bytes(request.data[: len(opening)]), opening):
             selector.unregister(gate.leave(conn))
-            self.pool.submit(self._serve, conn, bytes(request.data[len(self._opening) :]))
+            self.pool.submit(self._serve, conn, bytes(request.data[len(opening) :]))
             return
         self.refused += 1
         request.refused = True
