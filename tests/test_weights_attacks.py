@@ -457,6 +457,30 @@ def shared_base():
     shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.fixture
+def fresh_shm(shared_base, tmp_path, monkeypatch):
+    """forge's /dev/shm names in `shared_base`, its secret suffix's file under tmp_path, and
+    nothing cached: what a new process of this user's finds."""
+    monkeypatch.setattr(shm, "_SHARED", shared_base / "forge")
+    monkeypatch.setattr(shm, "ROOT", shared_base / f"forge-{os.geteuid()}")
+    monkeypatch.setattr(shm, "_NAME_FILE", tmp_path / "home" / ".cache" / "forge" / "shm-name", raising=False)
+    monkeypatch.setattr(shm, "_USER_ROOT", None, raising=False)
+    monkeypatch.setattr(shm, "_RUN_DIR", None)
+    return shared_base
+
+
+@pytest.fixture
+def no_records(monkeypatch):
+    """WeightStore.publish without torchstore: its records go nowhere (its files are tested)."""
+    from forge import store
+
+    async def nowhere(*args, **kwargs) -> None:
+        return None
+
+    monkeypatch.setattr(store.torchstore, "put", nowhere)
+    return store
+
+
 def as_user(uid: int, fn) -> None:
     """Run `fn` in a child process of user `uid` (no privileges: needs root to switch)."""
     pid = os.fork()
@@ -473,7 +497,7 @@ def as_user(uid: int, fn) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
-def test_another_user_can_neither_block_nor_own_my_shm_root(shared_base, tmp_path, monkeypatch):
+def test_another_user_can_neither_block_nor_own_my_shm_root(shared_base, fresh_shm, monkeypatch):
     """Another local user (uid 65534) takes, before this user first runs forge, every name
     forge's /dev/shm directories had or have: the parent shared by users (the first user to
     run forge owned it) with this user's directory in it, and the per-user name. forge locked
@@ -487,11 +511,6 @@ def test_another_user_can_neither_block_nor_own_my_shm_root(shared_base, tmp_pat
             d.chmod(0o1777)
 
     as_user(65534, squat)
-    monkeypatch.setattr(shm, "_SHARED", shared_base / "forge")
-    monkeypatch.setattr(shm, "ROOT", shared_base / f"forge-{uid}")
-    monkeypatch.setattr(shm, "_NAME_FILE", tmp_path / "home" / ".cache" / "forge" / "shm-name", raising=False)
-    monkeypatch.setattr(shm, "_USER_ROOT", None, raising=False)
-    monkeypatch.setattr(shm, "_RUN_DIR", None)
     d = shm.run_dir()
     try:
         for p in (d, *d.parents[: len(d.parents) - len(shared_base.parents) - 1]):
@@ -687,23 +706,12 @@ def test_a_server_closed_at_once_ends_its_accept_loop_quietly(tmp_path, monkeypa
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
-def test_a_run_directory_another_user_remade_mid_run_is_not_written_to(shared_base, tmp_path, monkeypatch):
+def test_a_run_directory_another_user_remade_mid_run_is_not_written_to(fresh_shm, no_records):
     """The user's /dev/shm directories vanish mid-run (systemd-logind's RemoveIPC at a logout, a
     cleanup) and another local user remakes the run directory's path, its own: the writer went
     on publishing there (mkdir, exist_ok), where that user could swap the file that same-host
     readers map unchecked. A publish now takes a new directory of this user's."""
-    from forge import store
-
-    async def nowhere(*args, **kwargs) -> None:  # the records: torchstore's, not this test's
-        return None
-
-    monkeypatch.setattr(store.torchstore, "put", nowhere)
-    monkeypatch.setattr(shm, "_SHARED", shared_base / "forge")
-    monkeypatch.setattr(shm, "ROOT", shared_base / f"forge-{os.geteuid()}")
-    monkeypatch.setattr(shm, "_NAME_FILE", tmp_path / "home" / ".cache" / "forge" / "shm-name", raising=False)
-    monkeypatch.setattr(shm, "_USER_ROOT", None, raising=False)
-    monkeypatch.setattr(shm, "_RUN_DIR", None)
-    ws = store.WeightStore("p")
+    ws = no_records.WeightStore("p")
     try:
         asyncio.run(ws.publish(1, {"w": torch.ones(4)}))
         first = Path(ws.shm_dir)
@@ -726,15 +734,11 @@ def test_a_run_directory_another_user_remade_mid_run_is_not_written_to(shared_ba
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
-def test_a_user_whose_suffixed_shm_root_was_taken_too_gets_a_new_one(shared_base, tmp_path, monkeypatch):
+def test_a_user_whose_suffixed_shm_root_was_taken_too_gets_a_new_one(fresh_shm, monkeypatch):
     """The suffix of the name forge falls back to is no secret once that directory exists (every
     user lists /dev/shm): after /dev/shm is cleared (a reboot), another user who took both names
     locked this user out of forge for good. A taken suffixed name now gets a new suffix."""
     uid = os.geteuid()
-    monkeypatch.setattr(shm, "_SHARED", shared_base / "forge")
-    monkeypatch.setattr(shm, "ROOT", shared_base / f"forge-{uid}")
-    monkeypatch.setattr(shm, "_NAME_FILE", tmp_path / "home" / ".cache" / "forge" / "shm-name", raising=False)
-    monkeypatch.setattr(shm, "_USER_ROOT", None, raising=False)
     as_user(65534, lambda: shm.ROOT.mkdir(mode=0o755))
     first = shm.user_root()
     first.rmdir()  # /dev/shm cleared
@@ -825,20 +829,14 @@ def _drain(s: socket.socket) -> None:
             pass
 
 
-def test_a_directory_given_to_the_store_is_the_one_it_writes(tmp_path, monkeypatch):
+def test_a_directory_given_to_the_store_is_the_one_it_writes(tmp_path, no_records):
     """Only forge's own run directory is taken again where it is no longer safe: a directory the
     user gave (not made yet, or shared with the user's group) is written as given."""
-    from forge import store
-
-    async def nowhere(*args, **kwargs) -> None:
-        return None
-
-    monkeypatch.setattr(store.torchstore, "put", nowhere)
     shared = tmp_path / "group"
     shared.mkdir(mode=0o775)
     shared.chmod(0o775)
     for given in (tmp_path / "not-made-yet", shared):
-        ws = store.WeightStore("p", shm_dir=str(given))
+        ws = no_records.WeightStore("p", shm_dir=str(given))
         try:
             asyncio.run(ws.publish(1, {"w": torch.ones(4)}))
             assert ws.shm_dir == str(given) and ws._path(1).parent == given and ws._path(1).is_file()
