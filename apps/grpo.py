@@ -146,7 +146,7 @@ def rollouts(cfg: Config, s: Roles) -> Rollouts:
         return AgenticRollouts(
             cfg.agentic,
             s.gateway,
-            s.envs,
+            s.pool,
             cfg.group_size,
             cfg.trainer.loss.normalize_std,
             relative=cfg.algorithm == "grpo",

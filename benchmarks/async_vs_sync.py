@@ -243,7 +243,7 @@ async def alone(services: Roles, cfg: Config) -> dict[str, Any]:
     gen_s = {tokens: await median_s(generate(tokens)) for tokens in (*range(SHORT[0], SHORT[1] + 1), CAP)}
     inputs = [RewardInput(sample.row(), "x", "length")] * GROUP_SIZE
     score_s = await median_s(lambda: services.rewards.score.route(inputs))
-    episodes = AgenticRollouts(cfg.agentic, services.gateway, services.envs, 1, True)
+    episodes = AgenticRollouts(cfg.agentic, services.gateway, services.pool, 1, True)
     episode_s = await median_s(lambda: episodes.episode({**sample.row(), "tool_s": 0.0}))
     return {"generate_s": gen_s, "score_s": score_s, "episode_s": episode_s}
 

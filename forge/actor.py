@@ -77,6 +77,10 @@ class ForgeActor(Actor):
     # point it was given (`Service.set_restore_point`) and raises ReplicaRestored, or stops the
     # run with ServiceError when there is none. False: respawn and retry (frozen or stateless roles).
     stateful: bool = False
+    # False: a call that saw its replica die is not run again on another (its effects must not
+    # repeat: an agent's episode, whose first run already spoke to the gateway); it fails with
+    # ServiceError, and the replica is respawned for the calls after it.
+    retried: bool = True
 
     @classmethod
     def options(

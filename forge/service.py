@@ -209,6 +209,10 @@ class Service:
             if self.options.actor.stateful:
                 await self._restore(r, first)
             self._replica_died(r)  # the respawn runs on; this call does not wait for it
+            if not self.options.actor.retried:
+                raise ServiceError(
+                    f"{self.options.actor.__name__}.{name}: replica {r.index} died during the call ({first})"
+                ) from None
             retry = await self._ready(exclude=r, name=name)  # the only replica: its replacement
             if pin is not None:
                 pin.replica = retry  # the session's later calls go where this one went

@@ -4,7 +4,10 @@ An episode is written one of two ways, and both end as the same Episodes:
 - an **agent** (the environment calls the framework): `async def run(client, task) -> float | dict`,
   where `client` is an `openai.AsyncOpenAI` on the gateway with the episode's session as its
   key and `task` the dataset row. It does whatever it does; what it returns is the reward (a
-  float, or a dict like a reward function's: `reward`, `correct` and named components).
+  float, or a dict like a reward function's: `reward`, `correct` and named components). Agents
+  run in the agent pool (`AgentPool`), processes of their own: one that blocks its event loop
+  (`time.sleep`, a blocking library), spins or exits the process stalls or kills that pool
+  replica and the episodes on it, never the controller, its gateway or the other roles.
 - an **environment** (the framework drives it): a MessageEnv (forge/env.py) made per episode in
   the environment pool (services/envs/), run by `run_env_episode` through the same gateway.
 The gateway's recording of the session becomes the episode's training samples (its exact
@@ -18,20 +21,75 @@ gateway's session timeout (the gateway drops its turns) costs its episode only: 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from monarch.actor import concurrent_endpoint
+
+from forge.actor import ForgeActor
 from forge.config import import_object
 from forge.console import report
 from forge.env import EpisodeStats, run_env_episode
 from forge.metrics import Reduce, record_metric
-from forge.rollout import RolloutError, finite_advantages, ranked_rewards, within
+from forge.rollout import RolloutError, finite_advantages, guarded, ranked_rewards, within
 from forge.tasks import Sample
 from forge.types import Episode, Score
 from services.envs import RemoteEnv
+from services.gateway import gateway_client
 from services.schema import AgenticConfig
+
+
+class AgentPool(ForgeActor):
+    """Runs agent episodes (`agentic.agent`) on the gateway at `base_url`, each with a client of
+    its own under its session, many at once on this actor's event loop. Endpoints: run (one
+    episode, its Score), abandon (its caller gave up on it: the agent is cancelled). A replica that
+    dies fails the episodes it ran (none is run twice) and is respawned for the next."""
+
+    retried = False
+
+    def __init__(self, base_url: str):
+        self.base_url = base_url
+        self.ssl = ssl.create_default_context()  # one per process (see gateway_client)
+        self.episodes: dict[str, asyncio.Task] = {}
+
+    @concurrent_endpoint
+    async def run(self, agent: str, episode: str, session: str, task: dict[str, Any]) -> Score:
+        self.episodes[episode] = asyncio.current_task()
+        client = gateway_client(self.base_url, session, self.ssl)
+        try:
+            return await run_agent(agent, client, task)
+        finally:
+            self.episodes.pop(episode, None)
+            await client.close()
+
+    @concurrent_endpoint
+    async def abandon(self, episode: str) -> None:
+        task = self.episodes.pop(episode, None)
+        if task is not None:
+            task.cancel()
+
+
+async def run_agent(agent: str, client: Any, task: dict[str, Any]) -> Score:
+    """One episode of agent `agent` ("package.module:name") with `client`: its Score."""
+    # guarded: an agent's SystemExit is its episode's error, not the end of the process running it.
+    return agent_score(agent, await guarded(import_object("agentic.agent", agent)(client, task)))
+
+
+def agent_score(agent: str, out: Any) -> Score:
+    """What agent `agent` returned, as its episode's Score. Not a reward at all: a RolloutError
+    (the contract is broken: every episode would); a reward that is not finite: a ValueError
+    (this episode's failure)."""
+    try:
+        score = Score.coerce(out, f"agent {agent!r} returned {out!r}:", loose=True, check=False)
+    except TypeError as e:
+        raise RolloutError(f"{e} (an agent returns its reward: a float, or a dict of named components)") from None
+    try:
+        return score.checked()
+    except ValueError as e:
+        raise ValueError(f"agent {agent!r} returned {out!r}: {e}") from None
 
 
 @dataclass
@@ -42,18 +100,18 @@ class EpisodeResult:
 
 
 class AgenticRollouts:
-    """Runs GRPO groups of agent or environment episodes through `gateway` (and `envs`, the
-    environment pool service, for environments). With `relative` (GRPO), the advantages compare
-    a group's episodes, so a group needs two that succeeded; without (a critic's or teachers'
-    advantages, made at train time), one is enough."""
+    """Runs GRPO groups of agent or environment episodes through `gateway`, on `pool`: the
+    agent pool service (AgentPool) for an agent, the environment pool (EnvPool) for an
+    environment. With `relative` (GRPO), the advantages compare a group's episodes, so a group
+    needs two that succeeded; without (a critic's or teachers' advantages, made at train time),
+    one is enough."""
 
     def __init__(
-        self, cfg: AgenticConfig, gateway: Any, envs: Any, group_size: int, std_normalize: bool, relative: bool = True
+        self, cfg: AgenticConfig, gateway: Any, pool: Any, group_size: int, std_normalize: bool, relative: bool = True
     ):
-        self.cfg, self.gateway, self.envs = cfg, gateway, envs
+        self.cfg, self.gateway, self.pool = cfg, gateway, pool
         self.group_size, self.std_normalize = group_size, std_normalize
         self.fewest = 2 if relative else 1  # successful episodes a group trains on
-        self.agent = import_object("agentic.agent", cfg.agent) if cfg.agent else None
 
     async def group(self, sample: Sample) -> list[Episode]:
         """`group_size` episodes of `sample`, each on its own; their samples with group-relative
@@ -77,24 +135,23 @@ class AgenticRollouts:
         return out
 
     async def episode(self, task: dict[str, Any]) -> EpisodeResult:
-        kind = "agent" if self.agent else "env"
+        kind = "agent" if self.cfg.agent else "env"
         try:
             session = self.gateway.open_session()
         except RuntimeError as e:  # gateway.max_sessions are open: this episode only
             return EpisodeResult(None, [], _failed(kind, str(e), task))
-        client = self.gateway.client(session)
         start = time.monotonic()
         score, error, stats = None, None, EpisodeStats()
         late = f"no end within {self.cfg.episode_timeout_s} s (config key 'agentic.episode_timeout_s')"
         try:
             # Its own task, abandoned at the timeout even if it ignores its cancellation.
-            score, stats = await within(self._run(client, task), self.cfg.episode_timeout_s, late)
+            run = self._run_agent(session, task) if self.cfg.agent else self._run_env(session, task)
+            score, stats = await within(run, self.cfg.episode_timeout_s, late)
         except RolloutError:
             raise  # the agent broke its contract: every episode would
         except Exception as e:  # this episode only (a timeout, a BaseException of the agent's): the run goes on
             error = _failed(kind, f"{type(e).__name__}: {e}", task)
         finally:
-            await client.close()
             record = await self._finish(session)
         if record is None and score is not None:
             score = None
@@ -107,7 +164,7 @@ class AgenticRollouts:
         samples = record.samples()
         record_metric("episode/turns", len(record.turns))
         record_metric("episode/samples", len(samples))  # 1 when every turn extended the last
-        if self.envs is not None:
+        if self.cfg.env:
             record_metric("episode/tool_calls", stats.tool_calls)
             record_metric("episode/truncated", stats.truncated, Reduce.SUM)
             for seconds in stats.env_s:
@@ -125,30 +182,30 @@ class AgenticRollouts:
         except KeyError:
             return None
 
-    async def _run(self, client: Any, task: dict[str, Any]) -> tuple[Score, EpisodeStats]:
-        if self.agent is not None:
-            out = await self.agent(client, task)
-            try:
-                score = Score.coerce(out, f"agent {self.cfg.agent!r} returned {out!r}:", loose=True, check=False)
-            except TypeError as e:
-                raise RolloutError(
-                    f"{e} (an agent returns its reward: a float, or a dict of named components)"
-                ) from None
-            try:  # a NaN is this episode's failure, not a broken contract
-                return score.checked(), EpisodeStats()
-            except ValueError as e:
-                raise ValueError(f"agent {self.cfg.agent!r} returned {out!r}: {e}") from None
-        env = RemoteEnv(self.envs.pinned(), uuid.uuid4().hex)
-        step, stats = await run_env_episode(
-            env,
-            client,
-            task,
-            self.gateway.model_name,
-            self.cfg.max_turns,
-            self.cfg.step_timeout_s,
-            self.cfg.sampling,
-            self.cfg.max_episode_tokens,
-        )
+    async def _run_agent(self, session: str, task: dict[str, Any]) -> tuple[Score, EpisodeStats]:
+        pool, episode = self.pool.pinned(), uuid.uuid4().hex
+        try:
+            return await pool.run.route(self.cfg.agent, episode, session, task), EpisodeStats()
+        except asyncio.CancelledError:  # its timeout: the agent is stopped where it runs, unawaited
+            asyncio.ensure_future(pool.abandon.route(episode)).add_done_callback(_ignore)
+            raise
+
+    async def _run_env(self, session: str, task: dict[str, Any]) -> tuple[Score, EpisodeStats]:
+        env = RemoteEnv(self.pool.pinned(), uuid.uuid4().hex)
+        client = self.gateway.client(session)
+        try:
+            step, stats = await run_env_episode(
+                env,
+                client,
+                task,
+                self.gateway.model_name,
+                self.cfg.max_turns,
+                self.cfg.step_timeout_s,
+                self.cfg.sampling,
+                self.cfg.max_episode_tokens,
+            )
+        finally:
+            await client.close()
         out = {"reward": step.reward, "components": step.info, "correct": step.info.get("correct")}
         where = f"env {self.cfg.env!r} returned reward {step.reward!r}, info {step.info!r}:"
         try:
@@ -159,6 +216,11 @@ class AgenticRollouts:
             return score.checked(), stats
         except ValueError as e:
             raise ValueError(f"{where} {e}") from None
+
+
+def _ignore(done: asyncio.Future) -> None:
+    """A call nobody awaits: its failure (the replica gone, say) is read, so not logged."""
+    done.cancelled() or done.exception()
 
 
 _CLOSED = (

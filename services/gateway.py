@@ -400,6 +400,16 @@ async def _next(receiver: Any, call: asyncio.Future) -> Any:
     return await got  # the call returned: its last messages are on the way
 
 
+def gateway_client(base_url: str, api_key: str, ssl_context: ssl.SSLContext) -> openai.AsyncOpenAI:
+    """An `openai.AsyncOpenAI` on the gateway at `base_url` under `api_key`, without retries.
+    `ssl_context`: one per process (httpx would load the CA bundle for every client)."""
+    # aiohttp as the transport (the openai client's own option, `DefaultAioHttpClient`): its
+    # HTTP parsing is C, where httpx's is Python: up to 0.5 ms of CPU less a call (`forge bench
+    # gateway`, its gateway_inproc side against gateway_httpx).
+    http = openai.DefaultAioHttpClient(verify=ssl_context, trust_env=False)  # loopback: no proxy
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=http)
+
+
 async def _quietly(awaitable: Any) -> None:
     try:
         await awaitable
@@ -738,11 +748,7 @@ class Gateway:
     def client(self, api_key: str = "-") -> openai.AsyncOpenAI:
         """An `openai.AsyncOpenAI` on this gateway whose API key is `api_key` (a session, for an
         agent's episode); close it when done. No retries: a failed call is the episode's to handle."""
-        # aiohttp as the transport (the openai client's own option, `DefaultAioHttpClient`): its
-        # HTTP parsing is C, where httpx's is Python: up to 0.5 ms of the controller's CPU less a
-        # call (`forge bench gateway`, its gateway side against gateway_httpx).
-        http = openai.DefaultAioHttpClient(verify=self._ssl, trust_env=False)  # loopback: no proxy
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, http_client=http)
+        return gateway_client(self.base_url, api_key, self._ssl)
 
     @property
     def default_max_tokens(self) -> int:

@@ -1,6 +1,6 @@
 """The roles of a GRPO run: the weight store, trainer, generators and the WeightSync between
 them, rewards, the reference, the teachers (on-policy distillation), the critic (PPO), and for
-agentic runs the gateway and the environment pool.
+agentic runs the gateway and the agent or environment pool.
 
     roles = await Roles.start(cfg)    # cfg: apps/grpo.py's Config
     ...
@@ -24,6 +24,7 @@ from forge.config import ConfigError, require_file
 from forge.job import Job
 from forge.store import start_store, stop_store
 from forge.weight_sync import WeightSync
+from services.agentic import AgentPool
 from services.envs import EnvPool
 from services.gateway import Gateway
 from services.generator import Generator, RunGenerator
@@ -45,7 +46,7 @@ class Roles:
     rewards: Any | None  # None: no reward in the run (algorithm `distill`)
     ref: Any | None
     gateway: Gateway | None = None  # the OpenAI API over `gen`, for agents and environments
-    envs: Any | None = None  # the environment pool
+    pool: Any | None = None  # an agentic run's: the agent pool, or the environment pool
     eval_rewards: Any | None = None  # the eval's own rewards, when `eval.rewards` differs from the run's
     job: Job | None = None  # the Monarch job whose hosts run the roles
     shared: Shared | None = None  # the store and generator this run shares with others
@@ -118,11 +119,18 @@ class Roles:
             if cfg.agentic.enabled:
                 s.gateway = started(stack, await Gateway.start(gen, model, cfg.agentic.gateway, cfg.generator))
             if cfg.agentic.env:
-                s.envs = started(
+                s.pool = started(
                     stack,
                     await EnvPool.options(
                         replicas=cfg.agentic.env_replicas, hosts=hosts("envs"), spread=True
                     ).as_service(cfg.agentic.env, cfg.agentic.envs_per_replica),
+                )
+            if cfg.agentic.agent:
+                s.pool = started(
+                    stack,
+                    await AgentPool.options(
+                        replicas=cfg.agentic.agent_replicas, hosts=hosts("envs"), spread=True
+                    ).as_service(s.gateway.base_url),
                 )
             return s
         except BaseException:
@@ -138,7 +146,7 @@ class Roles:
         await self.weights.stop()
         if self.gateway is not None:
             await self.gateway.shutdown()
-        own = (self.envs, self.trainer, self.critic, self.rewards, self.ref, self.eval_rewards, *self.teachers)
+        own = (self.pool, self.trainer, self.critic, self.rewards, self.ref, self.eval_rewards, *self.teachers)
         roles = own if self.shared is not None else (*own, self.gen)
         await asyncio.gather(*(r.shutdown() for r in roles if r is not None), return_exceptions=True)
         if self.shared is None:

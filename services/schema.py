@@ -708,6 +708,7 @@ class AgenticConfig:
 
     agent: str | None = None  # "package.module:function": async def run(client, task) -> float | dict
     env: str | None = None  # "package.module:name": makes a MessageEnv (a class, or a function)
+    agent_replicas: int = 1  # agent pool actors (processes of their own), each running many episodes at once
     env_replicas: int = 1  # environment actors
     envs_per_replica: int = 64  # episodes one environment actor runs at once
     max_turns: int = 8  # policy calls per environment episode
@@ -728,7 +729,14 @@ class AgenticConfig:
         if self.agent and self.env:
             raise ConfigError("config keys 'agentic.agent' and 'agentic.env': set one, not both")
         check_choice("agentic.on_failure", self.on_failure, ON_FAILURE)
-        keys = ("env_replicas", "envs_per_replica", "max_turns", "step_timeout_s", "episode_timeout_s")
+        keys = (
+            "agent_replicas",
+            "env_replicas",
+            "envs_per_replica",
+            "max_turns",
+            "step_timeout_s",
+            "episode_timeout_s",
+        )
         check_ranges(self, "agentic.", "> 0", keys)
         if self.max_episode_tokens is not None:
             check_range("agentic.max_episode_tokens", self.max_episode_tokens, "> 0")

@@ -3,6 +3,7 @@ name in the environment and reward actors)."""
 
 import asyncio
 import itertools
+import os
 import time
 
 
@@ -114,6 +115,37 @@ async def ignoring_cancellation(seconds: float) -> None:
             await asyncio.sleep(0.05)
         except asyncio.CancelledError:
             pass
+
+
+async def one_call_agent(client, task):
+    await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    return 1.0
+
+
+async def idling_agent(client, task):
+    """One episode of four idles 1 s after its call (a long tool call)."""
+    idles = second_of_four()
+    await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    if idles:
+        await asyncio.sleep(1.0)
+    return 1.0
+
+
+async def blocking_agent(client, task):
+    """One episode of four blocks its event loop for 4 s (`time.sleep`, a blocking library)."""
+    if second_of_four():
+        time.sleep(4.0)
+    return 1.0
+
+
+async def dying_agent(client, task):
+    """One episode of four ends its process (a native library's abort, os._exit) after its call."""
+    dies = second_of_four()
+    await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    if dies:
+        await asyncio.sleep(1.0)  # the others have ended by then
+        os._exit(3)
+    return 1.0
 
 
 async def exiting_agent(client, task):

@@ -23,7 +23,7 @@ from forge.metrics import MetricWriter
 from forge.rollout import RolloutError
 from forge.tasks import Sample, get_task
 from forge.types import Episode
-from services.agentic import AgenticRollouts
+from services.agentic import AgenticRollouts, AgentPool, run_agent
 from services.envs import EnvPool
 from services.envs.guess import GuessWord, guess_agent
 from services.schema import AgenticConfig
@@ -49,9 +49,20 @@ def allowed(tiny_model_dir):
     return tok, [tok.convert_tokens_to_ids(c) for c in "abcdefghij"] + [tok.convert_tokens_to_ids("<|im_end|>")]
 
 
-def rollouts(served, envs=None, group_size=4, **cfg):
+@pytest.fixture(scope="module")
+def agents(loop, served):
+    """The agent pool on the gateway of `served`."""
     gw, *_ = served
-    return AgenticRollouts(AgenticConfig(**cfg), gw, envs, group_size, std_normalize=True)
+    pool = loop.run_until_complete(AgentPool.options().as_service(gw.base_url))
+    yield pool
+    loop.run_until_complete(pool.shutdown())
+
+
+def rollouts(served, pool, group_size=4, **cfg):
+    """Rollouts through the gateway of `served`, on `pool`: the agent pool for an agent, an
+    environment pool for an environment."""
+    gw, *_ = served
+    return AgenticRollouts(AgenticConfig(**cfg), gw, pool, group_size, std_normalize=True)
 
 
 def metrics(loop, tmp_path) -> dict:
@@ -107,14 +118,14 @@ def test_max_episode_tokens_ends_an_episode(loop, served, pools, tmp_path):
     assert len(episodes) == 4 and row["episode/turns"] == 1 and row["episode/truncated"] == 4
 
 
-def test_an_unmodified_agent_trains(loop, served):
-    r = rollouts(served, agent="agentic_actors:two_call_agent")
+def test_an_unmodified_agent_trains(loop, served, agents):
+    r = rollouts(served, agents, agent="agentic_actors:two_call_agent")
     episodes = loop.run_until_complete(r.group(TASK))
     assert len(episodes) >= 4 and all(e.score.correct == 0.0 and e.reward in (0.0, 1.0) for e in episodes)
     assert all(sum(e.loss_mask) >= 1 for e in episodes)
 
 
-def test_failures_cost_only_their_episode(loop, served, pools, tmp_path):
+def test_failures_cost_only_their_episode(loop, served, pools, agents, tmp_path):
     """A raising environment, a hanging one (step timeout) and a raising agent each end their
     episodes, counted with their message, within bounded time; a group keeps its other
     episodes (on_failure: mask) or is dropped (drop); the pool closes every environment."""
@@ -122,7 +133,7 @@ def test_failures_cost_only_their_episode(loop, served, pools, tmp_path):
     start = time.monotonic()
     raising = rollouts(served, pools["RaisingEnv"], env="agentic_actors:RaisingEnv")
     hanging = rollouts(served, pools["HangingEnv"], env="agentic_actors:HangingEnv", step_timeout_s=1.0)
-    agent = rollouts(served, agent="agentic_actors:raising_agent")
+    agent = rollouts(served, agents, agent="agentic_actors:raising_agent")
 
     async def all_three():
         return await asyncio.gather(raising.group(TASK), hanging.group(TASK), agent.group(TASK))
@@ -142,9 +153,63 @@ def test_failures_cost_only_their_episode(loop, served, pools, tmp_path):
     assert_group_relative(*zip(*per_episode.values()))
 
 
-def test_an_agent_returning_no_reward_stops_the_run(loop, served):
+def test_an_agent_returning_no_reward_stops_the_run(loop, served, agents):
     with pytest.raises(RolloutError, match="agent 'agentic_actors:wrong_return_agent' returned 'done'"):
-        loop.run_until_complete(rollouts(served, agent="agentic_actors:wrong_return_agent").group(TASK))
+        loop.run_until_complete(rollouts(served, agents, agent="agentic_actors:wrong_return_agent").group(TASK))
+
+
+def test_an_agent_blocking_its_event_loop_blocks_neither_the_run_nor_its_gateway(loop, served, tmp_path):
+    """An agent that blocks its event loop 4 s (`time.sleep`, a blocking library) runs in the
+    agent pool: the controller's loop (the gateway, the other episodes, the trainer's calls) goes
+    on, and the episode is abandoned at its timeout; in the controller, nothing could have timed
+    it out and the whole run would have stood still."""
+    gw, *_ = served
+    pool = loop.run_until_complete(AgentPool.options().as_service(gw.base_url))
+    r = rollouts(served, pool, agent="agentic_actors:blocking_agent", episode_timeout_s=1.5)
+    metrics(loop, tmp_path)
+
+    async def main():
+        gaps, last = [], time.monotonic()
+
+        async def tick():
+            nonlocal last
+            while True:
+                await asyncio.sleep(0.05)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        ticker = asyncio.ensure_future(tick())
+        start = time.monotonic()
+        try:
+            await r.group(TASK)
+        finally:
+            ticker.cancel()
+        return time.monotonic() - start, max(gaps)
+
+    try:
+        took, longest_stall = loop.run_until_complete(main())
+    finally:
+        loop.run_until_complete(pool.shutdown())
+    assert longest_stall < 1.0 and took < 3.5, (took, longest_stall)
+    assert metrics(loop, tmp_path)["agent_errors"] >= 1
+
+
+def test_an_agent_that_ends_its_process_costs_only_its_episode(loop, served, tmp_path):
+    """An agent that ends its process (os._exit, a native library's abort) takes its agent pool
+    replica with it, not the run: its episode fails, counted (never run again: its first run
+    already spoke to the gateway), the group trains on the others, and the respawned replica
+    runs the next group."""
+    gw, *_ = served
+    pool = loop.run_until_complete(AgentPool.options().as_service(gw.base_url))
+    r = rollouts(served, pool, agent="agentic_actors:dying_agent")
+    metrics(loop, tmp_path)
+    try:
+        first = loop.run_until_complete(r.group(TASK))
+        row = metrics(loop, tmp_path)
+        assert len({id(e.score) for e in first}) == 3 and row["agent_errors"] == 1
+        assert len(loop.run_until_complete(r.group(TASK))) == 3  # the respawned replica's process: again one dies
+    finally:
+        loop.run_until_complete(pool.shutdown())
 
 
 def test_an_openenv_environment_runs_through_the_adapter(loop, served):
@@ -391,8 +456,25 @@ class _FakePool:
         return self.session
 
 
-def offline(envs=None, **cfg):
-    return AgenticRollouts(AgenticConfig(**cfg), _FakeGateway(), envs, 4, std_normalize=True)
+class _FakeAgents:
+    """The agent pool's endpoints, in-process, with the fake gateway's clients."""
+
+    def __init__(self):
+        async def run(agent, episode, session, task):
+            return await run_agent(agent, _FakeGateway().client(session), task)
+
+        async def abandon(episode):  # the caller's cancellation reached the agent itself
+            pass
+
+        self.session = SimpleNamespace(run=SimpleNamespace(route=run), abandon=SimpleNamespace(route=abandon))
+
+    def pinned(self):
+        return self.session
+
+
+def offline(pool=None, **cfg):
+    pool = pool or (_FakeAgents() if cfg.get("agent") else None)
+    return AgenticRollouts(AgenticConfig(**cfg), _FakeGateway(), pool, 4, std_normalize=True)
 
 
 def test_a_non_finite_reward_costs_only_its_episode(loop, tmp_path):
@@ -414,7 +496,7 @@ def test_a_lone_episode_trains_when_the_advantages_are_not_the_groups():
 
     def group(group_size, relative, agent):
         cfg = AgenticConfig(agent=f"agentic_actors:{agent}")
-        r = AgenticRollouts(cfg, _FakeGateway(), None, group_size, std_normalize=True, relative=relative)
+        r = AgenticRollouts(cfg, _FakeGateway(), _FakeAgents(), group_size, std_normalize=True, relative=relative)
         return asyncio.run(r.group(TASK))
 
     [episode] = group(1, False, "sure_agent")
@@ -437,21 +519,12 @@ def test_an_agent_that_ignores_its_timeout_or_exits_costs_its_episode(agent):
     assert len(episodes) == 3 and took < 1.0  # the stubborn episode runs on 1.5 s
 
 
-def test_a_session_the_gateway_closed_for_idling_costs_only_its_episode(loop, served, tmp_path):
+def test_a_session_the_gateway_closed_for_idling_costs_only_its_episode(loop, served, agents, tmp_path):
     """An agent idle past gateway.session_timeout_s (a long tool call) finds its session closed
     and its turns dropped by the gateway: that episode fails, counted with a message naming the
     key, and its group trains on the others instead of the whole group raising."""
     gw, *_ = served
-    r = rollouts(served, agent="agentic_actors:sure_agent")
-    calls = itertools.count()
-
-    async def agent(client, task):
-        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-        if next(calls) == 1:
-            await asyncio.sleep(1.0)
-        return 1.0
-
-    r.agent = agent
+    r = rollouts(served, agents, agent="agentic_actors:idling_agent")
     metrics(loop, tmp_path)
     saved = gw.cfg.session_timeout_s
 
@@ -501,17 +574,11 @@ def test_an_environment_whose_info_is_not_numbers_stops_the_run_naming_it(loop):
         loop.run_until_complete(r.group(TASK))
 
 
-def test_an_episode_the_gateway_has_no_session_for_costs_only_that_episode(loop, served, tmp_path):
+def test_an_episode_the_gateway_has_no_session_for_costs_only_that_episode(loop, served, agents, tmp_path):
     """More episodes at once than gateway.max_sessions: the one refused a session fails alone,
     counted, with the gateway's message, and its group trains on the others."""
     gw, *_ = served
-    r = rollouts(served, agent="agentic_actors:sure_agent")
-
-    async def agent(client, task):
-        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-        return 1.0
-
-    r.agent = agent
+    r = rollouts(served, agents, agent="agentic_actors:one_call_agent")
     metrics(loop, tmp_path)
     saved = gw.cfg.max_sessions
 
