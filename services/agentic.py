@@ -187,8 +187,19 @@ class AgenticRollouts:
         try:
             return await pool.run.route(self.cfg.agent, episode, session, task), EpisodeStats()
         except asyncio.CancelledError:  # its timeout: the agent is stopped where it runs, unawaited
-            asyncio.ensure_future(pool.abandon.route(episode)).add_done_callback(_ignore)
+            asyncio.ensure_future(self._abandon(pool, episode)).add_done_callback(_ignore)
             raise
+
+    async def _abandon(self, pool: Any, episode: str) -> None:
+        """Cancel `episode` where it runs; a replica that does not answer within step_timeout_s
+        has an agent blocking its event loop for good (a loop without an await): it is replaced,
+        or every episode sent to it from now on would time out."""
+        try:
+            await asyncio.wait_for(pool.abandon.route(episode), self.cfg.step_timeout_s)
+        except TimeoutError:
+            self.pool.replace(
+                pool.replica, f"did not answer within {self.cfg.step_timeout_s} s (its event loop is blocked)"
+            )
 
     async def _run_env(self, session: str, task: dict[str, Any]) -> tuple[Score, EpisodeStats]:
         env = RemoteEnv(self.pool.pinned(), uuid.uuid4().hex)

@@ -713,7 +713,7 @@ class AgenticConfig:
     envs_per_replica: int = 64  # episodes one environment actor runs at once
     max_turns: int = 8  # policy calls per environment episode
     max_episode_tokens: int | None = None  # an environment episode ends once its conversation is this long
-    step_timeout_s: float = 60.0  # one environment step (reset, step, close)
+    step_timeout_s: float = 60.0  # an environment step (reset, step, close); an agent pool's answer to an abandon
     episode_timeout_s: float = 600.0  # one whole episode, agent or environment
     on_failure: str = "mask"  # a failed episode: its group trains on the rest (mask) or is dropped (drop)
     # Chat completion parameters of the environment loop's calls (an agent sets its own); the loop

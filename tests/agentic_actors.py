@@ -138,6 +138,14 @@ async def blocking_agent(client, task):
     return 1.0
 
 
+async def spinning_agent(client, task):
+    """One episode of four never gives its event loop back (a loop without an await)."""
+    if second_of_four():
+        while True:
+            pass
+    return 1.0
+
+
 async def dying_agent(client, task):
     """One episode of four ends its process (a native library's abort, os._exit) after its call."""
     dies = second_of_four()
