@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import ipaddress
 import operator
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -172,6 +173,7 @@ class GRPOConfig(RunConfig):
             raise ConfigError(
                 "config keys 'rollout' and 'agentic': an agent or environment makes the rollouts; set one of them"
             )
+        self._check_agents_reach_the_gateway()
         if not self.dataset.enabled:
             try:
                 tasks.get_task(self.task)
@@ -185,6 +187,23 @@ class GRPOConfig(RunConfig):
         self._validate_algorithm()
         self._check_sources()
         import_object("rollout", self.rollout)  # last: importing it loads torch (the default's module)
+
+    def _check_agents_reach_the_gateway(self) -> None:
+        """Agents placed on a cluster's hosts call the gateway at the address it listens on."""
+        host = self.agentic.gateway.host
+        if not self.agentic.agent or "envs" not in self.job.placement or self.job.kind not in ("slurm", "kubernetes"):
+            return
+        try:
+            address = ipaddress.ip_address(host)
+            local = address.is_loopback or address.is_unspecified
+        except ValueError:  # a name
+            local = host == "localhost"
+        if local:
+            raise ConfigError(
+                f"config keys 'job.placement.envs' and 'agentic.gateway.host': the agent pool runs on other "
+                f"hosts, which cannot reach the gateway at {host!r}; set agentic.gateway.host to an address "
+                "of this host they reach"
+            )
 
     def _sources(self) -> dict[str, DatasetConfig]:
         """The run's prompt sources by config key: a mixture's entries (dataset.mix[i]), else `dataset`."""

@@ -257,10 +257,11 @@ class Service:
             raise ServiceError(self._lost) from None
         raise ReplicaRestored(role, point, cause, time.monotonic() - start)
 
-    def replace(self, r: Replica, why: str) -> None:
-        """Respawn replica `r`, alive but of no more use (`why`: its event loop answers nothing);
-        its calls in flight fail as if it had died."""
-        if r.healthy and not self._closed:
+    def replace(self, r: Replica, why: str, respawns: int) -> None:
+        """Respawn replica `r`, alive but of no more use (`why`: its event loop answers nothing),
+        unless it has been respawned since it was seen with `respawns`; its calls in flight fail
+        as if it had died."""
+        if r.healthy and r.respawns == respawns and not self._closed:
             log.warning("forge: %s replica %d %s; replacing it", self.options.actor.__name__, r.index, why)
             self._replica_died(r)  # the respawn stops its procs first
 

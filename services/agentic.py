@@ -30,11 +30,11 @@ from typing import Any
 from monarch.actor import concurrent_endpoint
 
 from forge.actor import ForgeActor
-from forge.config import import_object
+from forge.config import ConfigError, import_object
 from forge.console import report
 from forge.env import EpisodeStats, run_env_episode
 from forge.metrics import Reduce, record_metric
-from forge.rollout import RolloutError, finite_advantages, guarded, ranked_rewards, within
+from forge.rollout import Raised, RolloutError, finite_advantages, guarded, ranked_rewards, within
 from forge.tasks import Sample
 from forge.types import Episode, Score
 from services.envs import RemoteEnv
@@ -61,6 +61,12 @@ class AgentPool(ForgeActor):
         client = gateway_client(self.base_url, session, self.ssl)
         try:
             return await run_agent(agent, client, task)
+        except ConfigError as e:  # this process cannot import it (another host, working directory): no episode can run
+            raise RolloutError(f"the agent pool: {e}") from None
+        except (RolloutError, Raised):
+            raise
+        except Exception as e:  # as text: many classes (openai's errors) cannot be rebuilt from their pickle
+            raise Raised(f"{type(e).__name__}: {e}") from None
         finally:
             self.episodes.pop(episode, None)
             await client.close()
@@ -149,6 +155,8 @@ class AgenticRollouts:
             score, stats = await within(run, self.cfg.episode_timeout_s, late)
         except RolloutError:
             raise  # the agent broke its contract: every episode would
+        except Raised as e:  # what the agent raised, named as it was
+            error = _failed(kind, str(e), task)
         except Exception as e:  # this episode only (a timeout, a BaseException of the agent's): the run goes on
             error = _failed(kind, f"{type(e).__name__}: {e}", task)
         finally:
@@ -184,22 +192,24 @@ class AgenticRollouts:
 
     async def _run_agent(self, session: str, task: dict[str, Any]) -> tuple[Score, EpisodeStats]:
         pool, episode = self.pool.pinned(), uuid.uuid4().hex
+        replica, respawns = pool.replica, pool.replica.respawns  # the one it runs on, as it was
         try:
             return await pool.run.route(self.cfg.agent, episode, session, task), EpisodeStats()
         except asyncio.CancelledError:  # its timeout: the agent is stopped where it runs, unawaited
-            asyncio.ensure_future(self._abandon(pool, episode)).add_done_callback(_ignore)
+            asyncio.ensure_future(self._abandon(pool, episode, replica, respawns)).add_done_callback(_ignore)
             raise
 
-    async def _abandon(self, pool: Any, episode: str) -> None:
+    async def _abandon(self, pool: Any, episode: str, replica: Any, respawns: int) -> None:
         """Cancel `episode` where it runs; a replica that does not answer within step_timeout_s
         has an agent blocking its event loop for good (a loop without an await): it is replaced,
         or every episode sent to it from now on would time out."""
+        if pool.replica is not replica or not replica.healthy:  # it died or moved: the episode went with it
+            return
         try:
             await asyncio.wait_for(pool.abandon.route(episode), self.cfg.step_timeout_s)
         except TimeoutError:
-            self.pool.replace(
-                pool.replica, f"did not answer within {self.cfg.step_timeout_s} s (its event loop is blocked)"
-            )
+            why = f"did not answer within {self.cfg.step_timeout_s} s (its event loop is blocked)"
+            self.pool.replace(replica, why, respawns)
 
     async def _run_env(self, session: str, task: dict[str, Any]) -> tuple[Score, EpisodeStats]:
         env = RemoteEnv(self.pool.pinned(), uuid.uuid4().hex)

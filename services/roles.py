@@ -144,9 +144,11 @@ class Roles:
     async def shutdown(self) -> None:
         """Stop this run's roles; what it shares with other runs stays (`Shared.shutdown`)."""
         await self.weights.stop()
+        if self.pool is not None:  # first: its agents still call the gateway
+            await self.pool.shutdown()
         if self.gateway is not None:
             await self.gateway.shutdown()
-        own = (self.pool, self.trainer, self.critic, self.rewards, self.ref, self.eval_rewards, *self.teachers)
+        own = (self.trainer, self.critic, self.rewards, self.ref, self.eval_rewards, *self.teachers)
         roles = own if self.shared is not None else (*own, self.gen)
         await asyncio.gather(*(r.shutdown() for r in roles if r is not None), return_exceptions=True)
         if self.shared is None:

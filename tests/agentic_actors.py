@@ -156,6 +156,12 @@ async def dying_agent(client, task):
     return 1.0
 
 
+async def over_limit_agent(client, task):
+    """Lets the gateway's 400 through (max_tokens past its limit): openai.BadRequestError, whose
+    class cannot be rebuilt from its pickle."""
+    await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=10**6)
+
+
 async def exiting_agent(client, task):
     """One episode of four raises SystemExit (a tool's library calling sys.exit)."""
     if second_of_four():

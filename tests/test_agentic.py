@@ -158,6 +158,25 @@ def test_an_agent_returning_no_reward_stops_the_run(loop, served, agents):
         loop.run_until_complete(rollouts(served, agents, agent="agentic_actors:wrong_return_agent").group(TASK))
 
 
+def test_what_an_agent_raises_is_its_episodes_error_by_name(loop, served, agents):
+    """An agent lets the gateway's 400 through (openai.BadRequestError: a class pickle cannot
+    rebuild): the episode fails naming that error and the gateway's message, not a TypeError of
+    the unpickling."""
+    result = loop.run_until_complete(rollouts(served, agents, agent="agentic_actors:over_limit_agent").episode({}))
+    assert result.score is None and result.error.startswith("BadRequestError: Error code: 400"), result.error
+    assert "max_tokens" in result.error
+
+
+def test_an_agent_the_pool_cannot_import_stops_the_run_naming_it(loop, served, agents):
+    """The pool's process cannot import the agent (another host, another working directory):
+    no episode could run, so the run stops naming it instead of failing every episode."""
+    r = rollouts(served, agents, agent="no_such_module:run")
+    with pytest.raises(
+        RolloutError, match="the agent pool: config key 'agentic.agent': cannot import 'no_such_module:run'"
+    ):
+        loop.run_until_complete(r.group(TASK))
+
+
 def test_an_agent_blocking_its_event_loop_blocks_neither_the_run_nor_its_gateway(loop, served, tmp_path):
     """An agent that blocks its event loop 4 s (`time.sleep`, a blocking library) runs in the
     agent pool: the controller's loop (the gateway, the other episodes, the trainer's calls) goes
@@ -483,7 +502,10 @@ class _FakeAgents:
         async def abandon(episode):  # the caller's cancellation reached the agent itself
             pass
 
-        self.session = SimpleNamespace(run=SimpleNamespace(route=run), abandon=SimpleNamespace(route=abandon))
+        replica = SimpleNamespace(respawns=0, healthy=True)
+        self.session = SimpleNamespace(
+            run=SimpleNamespace(route=run), abandon=SimpleNamespace(route=abandon), replica=replica
+        )
 
     def pinned(self):
         return self.session

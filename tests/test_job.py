@@ -72,6 +72,17 @@ def test_cluster_configs_are_valid(tmp_path, tiny_model_dir, config):
             },
             "config key 'job.mesh_args': KubernetesJob.add_mesh: got an unexpected keyword argument 'prt'",
         ),
+        (  # the agent pool on the cluster's hosts, the gateway on the controller's loopback
+            {
+                "job.kind": "slurm",
+                "job.meshes": "{pool: 2}",
+                "job.args": "{partition: cpu}",
+                "job.placement": "{envs: pool}",
+                "agentic.agent": "services.envs.calculator:calculator_agent",
+                "rollout": "forge.rollout:generate_and_score",
+            },
+            "config keys 'job.placement.envs' and 'agentic.gateway.host': the agent pool runs on other hosts",
+        ),
         (  # a pod mesh's name is a DNS label: KubernetesJob would refuse it once the run starts
             {
                 "job.kind": "kubernetes",
