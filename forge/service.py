@@ -12,9 +12,11 @@ out of rotation and respawned with the same constructor arguments, then told
 RESPAWN_ATTEMPTS times (then the replica is lost, and a call that finds no other names the
 respawn's error). For most roles the calls that were on it are retried once on a healthy replica
 (the only replica's calls wait for its replacement, up to `respawn_wait_s`; so do new calls
-meanwhile). A `stateful` role's calls are not retried: its new replica restores the
-state saved at the service's restore point (`svc.set_restore_point(p)`, e.g. after each
-checkpoint) and the callers, those that were on it and those made while it restores, get
+meanwhile); a role with `retried = False` (the agent pool: an episode must not run twice)
+raises ServiceError for them instead. `replace(replica, ...)` respawns a replica that lives
+but is of no more use (its event loop answers nothing). A `stateful` role's calls are not
+retried: its new replica restores the state saved at the service's restore point
+(`svc.set_restore_point(p)`, e.g. after each checkpoint) and the callers, those that were on it and those made while it restores, get
 `ReplicaRestored(p)` to rewind their own state to the same point; with no restore point, or
 after `max_restores`, they get a ServiceError that names the dead role and the point to resume from.
 """
