@@ -52,12 +52,19 @@ async def guarded(aw: Awaitable[Any]) -> Any:
         raise Raised(f"{type(e).__name__}: {e}") from e
 
 
+def unawaited(aw: Awaitable[Any]) -> asyncio.Future:
+    """`aw` as a task that no one may await: its outcome is read as it ends, so asyncio does
+    not log a failure as never retrieved."""
+    task = asyncio.ensure_future(aw)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
+
+
 async def within(aw: Awaitable[Any], timeout_s: float | None, late: str) -> Any:
     """`aw`'s result, run as its own task (`guarded`); after `timeout_s` (None: no limit) a
     TimeoutError(`late`), the task cancelled and abandoned, as it is when the caller is
     cancelled: asyncio.wait_for would wait for it to end, forever if it swallows its cancellation."""
-    task = asyncio.ensure_future(guarded(aw))
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # abandoned: nobody else reads it
+    task = unawaited(guarded(aw))  # abandoned at the timeout: nobody else reads it
     try:
         done, _ = await asyncio.wait([task], timeout=timeout_s)
     finally:

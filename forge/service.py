@@ -16,9 +16,10 @@ meanwhile); a role with `retried = False` (the agent pool: an episode must not r
 raises ServiceError for them instead. `replace(replica, ...)` respawns a replica that lives
 but is of no more use (its event loop answers nothing). A `stateful` role's calls are not
 retried: its new replica restores the state saved at the service's restore point
-(`svc.set_restore_point(p)`, e.g. after each checkpoint) and the callers, those that were on it and those made while it restores, get
-`ReplicaRestored(p)` to rewind their own state to the same point; with no restore point, or
-after `max_restores`, they get a ServiceError that names the dead role and the point to resume from.
+(`svc.set_restore_point(p)`, e.g. after each checkpoint) and the callers, those that were on
+it and those made while it restores, get `ReplicaRestored(p)` to rewind their own state to the
+same point; with no restore point, or after `max_restores`, they get a ServiceError that names
+the dead role and the point to resume from.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from forge.config import ConfigError, import_object
 from forge.console import report
 from forge.env import EpisodeStats, run_env_episode
 from forge.metrics import Reduce, record_metric
-from forge.rollout import Raised, RolloutError, finite_advantages, guarded, ranked_rewards, within
+from forge.rollout import Raised, RolloutError, finite_advantages, guarded, ranked_rewards, unawaited, within
 from forge.tasks import Sample
 from forge.types import Episode, Score
 from services.envs import RemoteEnv
@@ -196,7 +196,7 @@ class AgenticRollouts:
         try:
             return await pool.run.route(self.cfg.agent, episode, session, task), EpisodeStats()
         except asyncio.CancelledError:  # its timeout: the agent is stopped where it runs, unawaited
-            asyncio.ensure_future(self._abandon(pool, episode, replica, respawns)).add_done_callback(_ignore)
+            unawaited(self._abandon(pool, episode, replica, respawns))
             raise
 
     async def _abandon(self, pool: Any, episode: str, replica: Any, respawns: int) -> None:
@@ -237,11 +237,6 @@ class AgenticRollouts:
             return score.checked(), stats
         except ValueError as e:
             raise ValueError(f"{where} {e}") from None
-
-
-def _ignore(done: asyncio.Future) -> None:
-    """A call nobody awaits: its failure (the replica gone, say) is read, so not logged."""
-    done.cancelled() or done.exception()
 
 
 _CLOSED = (
