@@ -212,7 +212,7 @@ class _Sampled:
 
     def add(self, out: Any) -> None:
         for c in out.outputs:
-            lps = [lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids)]
+            lps = _sampled_logprobs(c.logprobs, c.token_ids)
             before = (self.tokens.get(c.index, []), self.logprobs.get(c.index, [])) if self.delta else ([], [])
             self.tokens[c.index] = before[0] + list(c.token_ids)
             self.logprobs[c.index] = before[1] + lps
@@ -229,6 +229,15 @@ class _Sampled:
             routed_experts=routing if any(r is not None for r in routing) else None,
             temperature=temperature,
         )
+
+
+def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
+    """Each sampled token's logprob, from vLLM's logprobs of a sample's tokens."""
+    from vllm.logprobs import FlatLogprobs
+
+    if isinstance(logprobs, FlatLogprobs):  # vLLM puts the sampled token first at each position
+        return [logprobs.logprobs[i] for i in logprobs.start_indices]
+    return [lp[t].logprob for lp, t in zip(logprobs or [], token_ids)]
 
 
 class _ServiceEngine:
@@ -260,6 +269,9 @@ class _ServiceEngine:
         params = sampling_params.clone()
         if params.logprobs is None:  # the sampled token's logprob, always recorded; asked ones as asked
             params.logprobs = 0
+        # A few lists for all positions in place of a dict and a Logprob per token: less to pickle
+        # on the generator's side and to unpickle on this one (py-spy on `forge bench gateway`).
+        params.flat_logprobs = True
         delta = params.output_kind == RequestOutputKind.DELTA
         # A request that is not streamed (FINAL_ONLY) is one call whose result carries its output;
         # a streamed one's outputs come through a port as vLLM yields them.
@@ -719,6 +731,8 @@ class Gateway:
         # built the stack from them: rebuild it.
         app.user_middleware = []
         app.middleware_stack = app.build_middleware_stack()
+        # Starlette tries each route in turn, 36 of vLLM's; `_Gate` passes only ROUTES on.
+        app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) in ROUTES]
         await init_app_state(self.engine_client, app.state, args, supported_tasks=("generate",))
         sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
