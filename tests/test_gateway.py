@@ -137,17 +137,32 @@ def test_episode_clients_share_one_ssl_context(loop, served, monkeypatch):
 
 
 def test_streaming_is_server_sent_events(loop, served):
+    """A streamed answer comes in chunks; the record holds each sampled token's logprob as the
+    chunks showed it (vLLM's outputs come in pieces, each with the logprobs of its own tokens)."""
     gw, *_ = served
 
     async def main():
         sid = gw.open_session()
-        stream = await streamed(gw, sid, "12+7=", max_tokens=8, temperature=1.0, stream_options={"include_usage": True})
+        stream = await streamed(
+            gw,
+            sid,
+            "12+7=",
+            max_tokens=8,
+            temperature=1.0,
+            logprobs=True,
+            top_logprobs=2,
+            stream_options={"include_usage": True},
+        )
         chunks = [ch async for ch in stream]
         return chunks, await gw.finish(sid)
 
     chunks, record = loop.run_until_complete(main())
     deltas = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
     assert len(deltas) >= 2 and chunks[-1].usage.completion_tokens == len(record.turns[0].token_ids[0])
+    shown = [
+        t.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content
+    ]
+    assert record.turns[0].logprobs[0] == pytest.approx(shown, abs=1e-6)
 
 
 def test_tool_call_round_trip(loop, served, tiny_model_dir):
