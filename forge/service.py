@@ -265,15 +265,14 @@ class Service:
         unless it has been respawned since it was seen with `respawns`; its calls in flight fail
         as if it had died."""
         if r.healthy and r.respawns == respawns and not self._closed:
-            log.warning("forge: %s replica %d %s; replacing it", self.options.actor.__name__, r.index, why)
-            self._replica_died(r)  # the respawn stops its procs first
+            self._replica_died(r, why)  # the respawn stops its procs first
 
-    def _replica_died(self, r: Replica) -> asyncio.Future | None:
+    def _replica_died(self, r: Replica, why: str = "died") -> asyncio.Future | None:
         if self._closed:
             return None
         if r.respawned is None:
             how = f"restoring it from {self.restore_point}" if self.options.actor.stateful else "respawning"
-            log.warning("forge: %s replica %d died; %s", self.options.actor.__name__, r.index, how)
+            log.warning("forge: %s replica %d %s; %s", self.options.actor.__name__, r.index, why, how)
             r.healthy = False
             r.respawned = asyncio.ensure_future(self._respawn(r))
         return r.respawned

@@ -213,16 +213,20 @@ def test_an_agent_blocking_its_event_loop_blocks_neither_the_run_nor_its_gateway
     assert metrics(loop, tmp_path)["agent_errors"] >= 1
 
 
-def test_an_agent_pool_replica_an_agent_blocks_for_good_is_replaced(loop, served, tmp_path):
+def test_an_agent_pool_replica_an_agent_blocks_for_good_is_replaced(loop, served, tmp_path, caplog):
     """An agent that never gives its event loop back wedges its agent pool replica: once the
     abandoned episode's cancellation goes unanswered for step_timeout_s, the replica is replaced,
-    and the next group runs on the new one (on the wedged one, every episode would time out)."""
+    and the next group runs on the new one (on the wedged one, every episode would time out). The
+    console says so once, with why (not a second line calling it dead)."""
     gw, *_ = served
     pool = loop.run_until_complete(AgentPool.options().as_service(gw.base_url))
     r = rollouts(served, pool, agent="agentic_actors:spinning_agent", episode_timeout_s=1.0, step_timeout_s=1.0)
     try:
-        loop.run_until_complete(r.group(TASK))
-        loop.run_until_complete(asyncio.sleep(1.5))  # the abandon's wait
+        with caplog.at_level("WARNING", logger="forge"):
+            loop.run_until_complete(r.group(TASK))
+            loop.run_until_complete(asyncio.sleep(1.5))  # the abandon's wait
+        said = [m.getMessage() for m in caplog.records if "AgentPool replica" in m.getMessage()]
+        assert len(said) == 1 and "did not answer within 1.0 s" in said[0] and "respawning" in said[0], said
         r.cfg.agent = "agentic_actors:sure_agent"
         call = r.pool.pinned().run.route(r.cfg.agent, "e", "s", {})
         assert loop.run_until_complete(asyncio.wait_for(call, 30)).reward == 1.0
