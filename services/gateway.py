@@ -731,7 +731,7 @@ class Gateway:
         # built the stack from them: rebuild it.
         app.user_middleware = []
         app.middleware_stack = app.build_middleware_stack()
-        # Starlette tries each route in turn, 36 of vLLM's; `_Gate` passes only ROUTES on.
+        # Starlette tries every route of the app in turn for each request; `_Gate` passes only ROUTES on.
         app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) in ROUTES]
         await init_app_state(self.engine_client, app.state, args, supported_tasks=("generate",))
         sock = socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET)
