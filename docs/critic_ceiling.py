@@ -6,6 +6,8 @@ critic can reach on its samples.
 The only completion rewarded 1 is the answer's tokens and EOS, so V(s_t) is 1[the sampled prefix
 is the answer's] x the policy's probability of the rest of the answer, one forward of the answer
 per prompt. Samples: 8 per prompt at temperature 1; returns: GAE with V, as PPO computes them.
+Beside it, how much a critic that only tells a right prefix from a wrong one explains: 0 after a
+wrong token, else the mean return of the right prefixes at that token's position.
 """
 
 import sys
@@ -47,6 +49,18 @@ def samples(model, tok, prompts: int, seed: int = 7) -> tuple[list[Episode], lis
     return episodes, rewards, values
 
 
+def detection_only(values: torch.Tensor, returns: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """0 where the prefix has gone wrong (V = 0), else the mean return of the right prefixes at
+    the same position of the answer."""
+    right = (values > 0) & own
+    position = (own.cumsum(1) - 1).clamp(min=0)
+    out = torch.zeros_like(values)
+    for t in position[own].unique():
+        at = right & (position == t)
+        out[at] = returns[at].mean()
+    return out
+
+
 def main(path: str, prompts: int) -> None:
     torch.manual_seed(0)
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
@@ -57,9 +71,10 @@ def main(path: str, prompts: int) -> None:
         values[(batch.loss_mask > 0) & (batch.doc_ids == i)] = torch.tensor(v)
     print(f"{path}: {len(episodes)} samples, reward mean {reward.mean():.3f}")
     for lam in (1.0, 0.95):
-        returns = gae(batch, values, reward, 1.0, lam)[1]
+        returns, own = gae(batch, values, reward, 1.0, lam)[1], batch.loss_mask > 0
         print(
-            f"  lam {lam}: the true value function's explained variance {explained_variance(values, returns, batch.loss_mask):.3f}"
+            f"  lam {lam}: the true value function's explained variance {explained_variance(values, returns, own):.3f}, "
+            f"right-or-wrong prefix alone {explained_variance(detection_only(values, returns, own), returns, own):.3f}"
         )
 
 
