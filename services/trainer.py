@@ -19,13 +19,21 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from monarch.actor import endpoint
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torchtitan.components.checkpointer import ModelWrapper
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
+from torchtitan.distributed import utils as dist_utils
 
 from forge.actor import ForgeActor
 from forge.config import ConfigError, require_file
@@ -51,7 +59,17 @@ from services import models
 from services.lora import AdapterState, PeftNames, adapters_off, merged
 from services.schema import DECAYS, TrainerConfig
 from services.tenants import Tenants
-from services.titan import SCORE_HEAD, reshard, target_logprobs
+from services.titan import (
+    SCORE_HEAD,
+    build_sharded_model,
+    default_device,
+    init_distributed,
+    reshard,
+    target_logprobs,
+    token_logprobs,
+    token_scores,
+    token_values,
+)
 
 log = logging.getLogger("forge")
 TENANT_META = "tenant.json"  # a tenant checkpoint's LoRA rank, alpha and modules
@@ -73,7 +91,6 @@ def weight_store(cfg: TrainerConfig) -> WeightStore:
 
 def build_optimizers(model: torch.nn.Module, c: TrainerConfig) -> tuple[Any, Any]:
     """torchtitan's AdamW and LR scheduler containers for `model`, from the config."""
-    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 
     optimizers = OptimizersContainer.Config(
         implementation="for-loop",
@@ -125,9 +142,6 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def setup(self) -> None:
-        import os
-
-        from services.titan import build_sharded_model, default_device, init_distributed
 
         self.device = default_device()
         self.rank, self.world = init_distributed(self.device)
@@ -166,7 +180,6 @@ class Trainer(ForgeActor):
     async def train_step(self, batch: Batch) -> tuple[int, dict[str, float]]:
         """One optimizer step on `batch`: returns the new policy version and metrics averaged
         over ranks."""
-        from services.titan import token_logprobs
 
         if self.cfg.head == "score":
             return self._score_step(batch)
@@ -230,7 +243,6 @@ class Trainer(ForgeActor):
     def _optimizer_step(self) -> torch.Tensor:
         """Clip the gradients, step the optimizer and the LR schedule: the next version. Returns
         the gradients' norm before clipping; a step whose norm is not finite changes no weight."""
-        from torchtitan.distributed import utils as dist_utils
 
         grad_norm = dist_utils.clip_grad_norm_(
             list(self.model.parameters()),
@@ -273,7 +285,6 @@ class Trainer(ForgeActor):
 
     def _head_outputs(self, b: Batch) -> torch.Tensor:
         """A score head's outputs: a critic's values (token-aligned), else a score at every token."""
-        from services.titan import token_scores, token_values
 
         read = token_values if self.cfg.loss.name == "value" else token_scores
         return read(self.model, b.input_ids, b.positions, b.segments)
@@ -281,7 +292,6 @@ class Trainer(ForgeActor):
     @endpoint
     async def scores(self, batch: Batch) -> torch.Tensor:
         """A score head's score of each of `batch`'s episodes, [episodes] (every rank: all rows)."""
-        from services.titan import token_scores
 
         with torch.no_grad():
             b = batch.to(self.device)
@@ -290,7 +300,6 @@ class Trainer(ForgeActor):
     @endpoint
     async def values(self, batch: Batch) -> torch.Tensor:
         """A critic's value of every token of `batch`, token-aligned [rows, seq] (every rank: all rows)."""
-        from services.titan import token_values
 
         with torch.no_grad():
             b = batch.to(self.device)
@@ -299,7 +308,6 @@ class Trainer(ForgeActor):
     def _reference_for_free(self, mb: Batch, loss: LossConfig) -> None:
         """With LoRA, the reference logprobs (of the KL term, of a preference loss) are this
         model's with its adapters off (no reference service, no second copy of the model)."""
-        from services.titan import token_logprobs
 
         wanted = loss.kl_coef or loss.name in PREFERENCE_LOSSES
         if self.peft is None or not wanted or mb.ref_logprobs is not None:
@@ -325,7 +333,6 @@ class Trainer(ForgeActor):
     @endpoint
     async def logprobs(self, batch: Batch) -> torch.Tensor:
         """Token-aligned logprobs of `batch` under the current policy (every rank: all rows)."""
-        from services.titan import token_logprobs
 
         with torch.no_grad():
             b = batch.to(self.device)
@@ -396,7 +403,6 @@ class Trainer(ForgeActor):
     async def optim_step(self, name: str, adam: dict[str, float]) -> dict[str, float]:
         """One AdamW step of tenant `name` on its gradients so far, with the request's `adam`
         (learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm: 0 for none)."""
-        from torchtitan.distributed import utils as dist_utils
 
         tenant = self._tenants().activate(name)
         for opt in tenant.optimizer.optimizers:
@@ -430,8 +436,6 @@ class Trainer(ForgeActor):
         """DCP's save or load of a tenant's `state`; its failure is that request's ValueError.
         DCP raises CheckpointException, a BaseException: out of an endpoint, Monarch takes that
         for a crash of the whole replica, every tenant's adapter with it."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
 
         try:
             dcp.save(state, checkpoint_id=path) if what == "save" else dcp.load(state, checkpoint_id=path)
@@ -471,7 +475,6 @@ class Trainer(ForgeActor):
 
     def _full_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model with HF names (LoRA adapters merged in), on rank 0 (every rank must call this)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
@@ -548,7 +551,6 @@ class Trainer(ForgeActor):
         weights (another checkpoint's shards and index, an adapter) is refused, not cleaned, since
         loaders would read those instead and forge did not write them. Its own earlier export
         (model.safetensors) is replaced."""
-        from safetensors.torch import save_file
 
         if self.peft is not None and not merged and self.cfg.head != "score":
             tensors = self.peft.tensors(self.model)  # as trained, whatever versions are published in
@@ -580,7 +582,6 @@ class Trainer(ForgeActor):
         return path
 
     def _state(self) -> dict[str, Any]:
-        from torchtitan.components.checkpointer import ModelWrapper
 
         return {
             "model": AdapterState(self.model) if self.peft is not None else ModelWrapper(self.model),
@@ -592,7 +593,6 @@ class Trainer(ForgeActor):
     @endpoint
     async def save(self, path: str) -> None:
         """DCP checkpoint: model (with LoRA: the adapters alone), optimizer, LR scheduler, step, policy version."""
-        import torch.distributed.checkpoint as dcp
 
         dcp.save(self._state(), checkpoint_id=path)
 
@@ -602,8 +602,6 @@ class Trainer(ForgeActor):
         return self._load(path)
 
     def _load(self, path: str) -> int:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
 
         if not Path(path).is_dir():
             raise FileNotFoundError(f"no trainer checkpoint at {path}")
@@ -674,6 +672,7 @@ def _score_pad(model: Path) -> int:
     token than forge trained, or fail on a batch. The tokenizer's own pad if it is neither the
     EOS nor the end of a turn, else another of its special tokens the chat template never writes
     (one named pad first)."""
+    # Here, not at the top: transformers adds 2 s to the start of every process that spawns a trainer.
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
