@@ -91,7 +91,6 @@ def weight_store(cfg: TrainerConfig) -> WeightStore:
 
 def build_optimizers(model: torch.nn.Module, c: TrainerConfig) -> tuple[Any, Any]:
     """torchtitan's AdamW and LR scheduler containers for `model`, from the config."""
-
     optimizers = OptimizersContainer.Config(
         implementation="for-loop",
         param_groups=[
@@ -142,7 +141,6 @@ class Trainer(ForgeActor):
 
     @endpoint
     async def setup(self) -> None:
-
         self.device = default_device()
         self.rank, self.world = init_distributed(self.device)
         if self.device.type == "cpu":
@@ -180,7 +178,6 @@ class Trainer(ForgeActor):
     async def train_step(self, batch: Batch) -> tuple[int, dict[str, float]]:
         """One optimizer step on `batch`: returns the new policy version and metrics averaged
         over ranks."""
-
         if self.cfg.head == "score":
             return self._score_step(batch)
         mine = self._shard(batch).to(self.device)
@@ -243,7 +240,6 @@ class Trainer(ForgeActor):
     def _optimizer_step(self) -> torch.Tensor:
         """Clip the gradients, step the optimizer and the LR schedule: the next version. Returns
         the gradients' norm before clipping; a step whose norm is not finite changes no weight."""
-
         grad_norm = dist_utils.clip_grad_norm_(
             list(self.model.parameters()),
             max_norm=self.cfg.max_norm,
@@ -285,14 +281,12 @@ class Trainer(ForgeActor):
 
     def _head_outputs(self, b: Batch) -> torch.Tensor:
         """A score head's outputs: a critic's values (token-aligned), else a score at every token."""
-
         read = token_values if self.cfg.loss.name == "value" else token_scores
         return read(self.model, b.input_ids, b.positions, b.segments)
 
     @endpoint
     async def scores(self, batch: Batch) -> torch.Tensor:
         """A score head's score of each of `batch`'s episodes, [episodes] (every rank: all rows)."""
-
         with torch.no_grad():
             b = batch.to(self.device)
             return sequence_scores(token_scores(self.model, b.input_ids, b.positions, b.segments), b).cpu()
@@ -300,7 +294,6 @@ class Trainer(ForgeActor):
     @endpoint
     async def values(self, batch: Batch) -> torch.Tensor:
         """A critic's value of every token of `batch`, token-aligned [rows, seq] (every rank: all rows)."""
-
         with torch.no_grad():
             b = batch.to(self.device)
             return token_values(self.model, b.input_ids, b.positions, b.segments).cpu()
@@ -308,7 +301,6 @@ class Trainer(ForgeActor):
     def _reference_for_free(self, mb: Batch, loss: LossConfig) -> None:
         """With LoRA, the reference logprobs (of the KL term, of a preference loss) are this
         model's with its adapters off (no reference service, no second copy of the model)."""
-
         wanted = loss.kl_coef or loss.name in PREFERENCE_LOSSES
         if self.peft is None or not wanted or mb.ref_logprobs is not None:
             return
@@ -333,7 +325,6 @@ class Trainer(ForgeActor):
     @endpoint
     async def logprobs(self, batch: Batch) -> torch.Tensor:
         """Token-aligned logprobs of `batch` under the current policy (every rank: all rows)."""
-
         with torch.no_grad():
             b = batch.to(self.device)
             return token_logprobs(
@@ -403,7 +394,6 @@ class Trainer(ForgeActor):
     async def optim_step(self, name: str, adam: dict[str, float]) -> dict[str, float]:
         """One AdamW step of tenant `name` on its gradients so far, with the request's `adam`
         (learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm: 0 for none)."""
-
         tenant = self._tenants().activate(name)
         for opt in tenant.optimizer.optimizers:
             for group in opt.param_groups:
@@ -436,7 +426,6 @@ class Trainer(ForgeActor):
         """DCP's save or load of a tenant's `state`; its failure is that request's ValueError.
         DCP raises CheckpointException, a BaseException: out of an endpoint, Monarch takes that
         for a crash of the whole replica, every tenant's adapter with it."""
-
         try:
             dcp.save(state, checkpoint_id=path) if what == "save" else dcp.load(state, checkpoint_id=path)
         except CheckpointException as e:
@@ -475,7 +464,6 @@ class Trainer(ForgeActor):
 
     def _full_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model with HF names (LoRA adapters merged in), on rank 0 (every rank must call this)."""
-
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
@@ -551,7 +539,6 @@ class Trainer(ForgeActor):
         weights (another checkpoint's shards and index, an adapter) is refused, not cleaned, since
         loaders would read those instead and forge did not write them. Its own earlier export
         (model.safetensors) is replaced."""
-
         if self.peft is not None and not merged and self.cfg.head != "score":
             tensors = self.peft.tensors(self.model)  # as trained, whatever versions are published in
             if self.rank == 0:
@@ -582,7 +569,6 @@ class Trainer(ForgeActor):
         return path
 
     def _state(self) -> dict[str, Any]:
-
         return {
             "model": AdapterState(self.model) if self.peft is not None else ModelWrapper(self.model),
             "optimizer": self.optimizers,
@@ -593,7 +579,6 @@ class Trainer(ForgeActor):
     @endpoint
     async def save(self, path: str) -> None:
         """DCP checkpoint: model (with LoRA: the adapters alone), optimizer, LR scheduler, step, policy version."""
-
         dcp.save(self._state(), checkpoint_id=path)
 
     @endpoint
@@ -602,7 +587,6 @@ class Trainer(ForgeActor):
         return self._load(path)
 
     def _load(self, path: str) -> int:
-
         if not Path(path).is_dir():
             raise FileNotFoundError(f"no trainer checkpoint at {path}")
         reshard(self.model)
