@@ -66,12 +66,12 @@ def main(path: str, prompts: int) -> None:
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
     episodes, rewards, per_episode = samples(model, tok, prompts)
     batch, reward = collate(episodes, pad_id=0), torch.tensor(rewards)
-    values = torch.zeros_like(batch.gen_logprobs)
+    own, values = batch.loss_mask > 0, torch.zeros_like(batch.gen_logprobs)
     for i, v in enumerate(per_episode):
-        values[(batch.loss_mask > 0) & (batch.doc_ids == i)] = torch.tensor(v)
+        values[own & (batch.doc_ids == i)] = torch.tensor(v)
     print(f"{path}: {len(episodes)} samples, reward mean {reward.mean():.3f}")
     for lam in (1.0, 0.95):
-        returns, own = gae(batch, values, reward, 1.0, lam)[1], batch.loss_mask > 0
+        returns = gae(batch, values, reward, 1.0, lam)[1]
         print(
             f"  lam {lam}: the true value function's explained variance {explained_variance(values, returns, own):.3f}, "
             f"right-or-wrong prefix alone {explained_variance(detection_only(values, returns, own), returns, own):.3f}"
